@@ -1,0 +1,397 @@
+"""Typed experiment configuration: dataclasses, YAML files with `include:`, dotted overrides.
+
+An experiment is one YAML file whose top-level sections match `Config`'s fields. A file may
+start with `include: [other.yaml, ...]` (paths relative to the file); included files are merged
+first, in order, and the including file's keys win. Command-line overrides (`model.position=alibi`)
+are applied last. Every value is type-checked and every cross-field constraint is checked before
+any work starts; a violation raises `ConfigError` whose one-line message names the key, the value,
+where it was set and what is allowed.
+
+    megamlm config --config configs/model/base.yaml --config configs/variants/alibi.yaml \
+        model.num_layers=6
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, reported as one line that names the key."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Encoder architecture. fairseq `roberta` knob names are given where they differ."""
+
+    num_layers: int = 12
+    """Transformer layers (fairseq `encoder_layers`)."""
+    hidden_size: int = 768
+    """Model width h (fairseq `encoder_embed_dim`)."""
+    num_attention_heads: int = 12
+    """Attention heads; must divide hidden_size and be divisible by parallel.tensor_parallel."""
+    ffn_hidden_size: int = 3072
+    """Feed-forward inner width (fairseq `encoder_ffn_embed_dim`)."""
+    vocab_size: int = 50265
+    """Real vocabulary size = len(fairseq dictionary): 50265 for GPT-2 BPE with `<mask>`,
+    50262 for zero-clap (no `<mask>` row, the two last madeupwords removed)."""
+    pad_token_id: int = 1
+    """Padding id (fairseq `<pad>` = 1). Padded keys are never attended to."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this × tensor_parallel rows; padded rows get
+    logit -inf, so they never win a softmax or take probability mass."""
+    max_positions: int = 512
+    """Longest sequence the learned position table holds (it has max_positions + 2 rows, fairseq
+    layout). Other position kinds accept any length."""
+    position: Literal["learned", "sinusoidal", "none", "alibi"] = "learned"
+    """Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, or ALiBi."""
+    alibi_mode: Optional[Literal["symmetric", "offset", "learned"]] = None
+    """ALiBi variant (only with position=alibi; default offset, the blog's choice): symmetric
+    `-m|i-j|`; offset: keys after the query get `-m(|i-j|-0.5)`; learned: separate learnable
+    slopes for keys before/after the query, initialized from Press et al."""
+    layernorm: Literal["post", "pre"] = "post"
+    """post: LayerNorm after each residual add, no final LayerNorm (RoBERTa); pre: before each
+    sublayer plus a final LayerNorm."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon (fairseq 1e-5)."""
+    embedding_layernorm: bool = True
+    """LayerNorm on the summed input embeddings (fairseq `layernorm_embedding`)."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(hidden_size) (fairseq `no_scale_embedding: false`)."""
+    normalize_embeddings: bool = False
+    """L2-normalize input token embeddings (CLAP variants, fairseq `l2norm_embedding`)."""
+    zero_mask: bool = False
+    """zero-clap: token id == vocab_size is the mask token and is embedded as the zero vector."""
+    head: Literal["roberta", "clap"] = "roberta"
+    """roberta: dense -> GELU -> LayerNorm -> tied weight + bias; clap: beta * <h, normalize(E)>."""
+    tie_embeddings: bool = True
+    """Share the output projection with the input embedding (always true in the reference)."""
+    clap_initial_beta: float = 1.0
+    """Initial inverse temperature of the CLAP head (fairseq `initial_beta`)."""
+    hidden_dropout: float = 0.1
+    """Dropout on embeddings and sublayer outputs (fairseq `dropout`)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (fairseq `attention_dropout`)."""
+    attention_backend: Literal["sdpa", "flex"] = "sdpa"
+    """sdpa: PyTorch scaled_dot_product_attention with a cached additive bias (CPU and GPU);
+    flex: FlexAttention with the ALiBi score_mod, no materialized bias (CUDA only)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialization (BERT's init)."""
+
+    def __post_init__(self):
+        check_fields(self, "model")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; "
+                f"allowed head counts: {_divisors(self.hidden_size, upto=64)}"
+            )
+        if self.alibi_mode is not None and self.position != "alibi":
+            raise ConfigError(
+                f"model.alibi_mode={self.alibi_mode} needs model.position=alibi, got "
+                f"position={self.position} (ALiBi replaces positional embeddings, as in fairseq)"
+            )
+        if self.position == "alibi" and self.alibi_mode is None:
+            self.alibi_mode = "offset"
+        if self.head == "clap" and not self.tie_embeddings:
+            raise ConfigError(
+                "model.tie_embeddings=false is impossible with model.head=clap: the CLAP head "
+                "projects onto the normalized input embedding; allowed: tie_embeddings=true"
+            )
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ConfigError(
+                f"model.pad_token_id={self.pad_token_id} must be in [0, model.vocab_size="
+                f"{self.vocab_size})"
+            )
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                    "vocab_size", "max_positions", "make_vocab_size_divisible_by"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """Embedding rows: vocab_size rounded up to a multiple of divisible_by × tensor_parallel."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split. World size = tensor_parallel × data parallel (derived)."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel degree: attention heads, FFN columns and the vocabulary are split."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto = nccl when CUDA is available, else gloo."""
+
+    def __post_init__(self):
+        check_fields(self, "parallel")
+        if self.tensor_parallel < 1:
+            raise ConfigError(f"parallel.tensor_parallel={self.tensor_parallel} must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    """Input data (the data-pipeline issue adds the shard and masking knobs)."""
+
+    seq_length: int = 512
+    """Tokens per sample including `<s>` (the reference's tokens_per_sample)."""
+    mask_prob: float = 0.15
+    """Fraction of tokens selected for prediction."""
+
+    def __post_init__(self):
+        check_fields(self, "data")
+        if self.seq_length < 2:
+            raise ConfigError(f"data.seq_length={self.seq_length} must be >= 2")
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"data.mask_prob={self.mask_prob} must be in (0, 1)")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with the reference's settings (the training issue adds the schedule knobs)."""
+
+    lr: float = 6e-4
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """Adam betas."""
+    eps: float = 1e-6
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+
+    def __post_init__(self):
+        check_fields(self, "optim")
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr={self.lr} must be positive")
+
+
+@dataclass
+class TrainConfig:
+    """The run (the training issue adds engine, checkpoint and logging knobs)."""
+
+    seed: int = 1
+    """Seed for initialization, dropout and data order; results do not depend on TP."""
+    micro_batch_size: int = 8
+    """Sequences per forward pass on one data-parallel rank."""
+    steps: int = 20
+    """Optimizer updates."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision."""
+
+    def __post_init__(self):
+        check_fields(self, "train")
+        for key in ("micro_batch_size", "steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
+
+
+@dataclass
+class Config:
+    """A whole experiment."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        model, tp = self.model, self.parallel.tensor_parallel
+        if model.num_attention_heads % tp:
+            raise ConfigError(
+                f"parallel.tensor_parallel={tp} does not divide model.num_attention_heads="
+                f"{model.num_attention_heads}; allowed: {_divisors(model.num_attention_heads)}"
+            )
+        if model.ffn_hidden_size % tp:
+            raise ConfigError(
+                f"parallel.tensor_parallel={tp} does not divide model.ffn_hidden_size="
+                f"{model.ffn_hidden_size}; allowed: {_divisors(model.ffn_hidden_size, upto=64)}"
+            )
+        if model.position == "learned" and self.data.seq_length > model.max_positions:
+            raise ConfigError(
+                f"data.seq_length={self.data.seq_length} exceeds model.max_positions="
+                f"{model.max_positions} of the learned position table; raise max_positions "
+                f"or use position=alibi|sinusoidal|none"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------
+# Field checking shared by every section
+# ------------------------------------------------------------------------------------------------
+
+
+def _divisors(n: int, upto: int | None = None) -> str:
+    found = [d for d in range(1, n + 1) if n % d == 0 and (upto is None or d <= upto)]
+    return ", ".join(map(str, found))
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin is typing.Union:
+        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
+    if origin is tuple:
+        return "[" + ", ".join(_describe(a) for a in args) + "]"
+    return tp.__name__
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, value converted to tp). Ints and numeric strings are accepted for floats; bools never
+    count as numbers."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return True, None
+        for arg in args:
+            if arg is not type(None):
+                ok, converted = _coerce(value, arg)
+                if ok:
+                    return True, converted
+        return False, value
+    if origin is Literal:
+        return value in args, value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            return False, value
+        items = [_coerce(v, a) for v, a in zip(value, args)]
+        return all(ok for ok, _ in items), tuple(v for _, v in items)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `6e-4` (no dot) as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
+        return False, value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    return isinstance(value, tp), value
+
+
+def check_fields(section_obj: Any, section: str) -> None:
+    """Type-check (and normalize, e.g. int -> float) every field of a config dataclass."""
+    hints = typing.get_type_hints(type(section_obj))
+    for f in dataclasses.fields(section_obj):
+        value = getattr(section_obj, f.name)
+        ok, converted = _coerce(value, hints[f.name])
+        if not ok:
+            raise ConfigError(
+                f"{section}.{f.name}={value!r} is invalid; allowed: {_describe(hints[f.name])}"
+            )
+        object.__setattr__(section_obj, f.name, converted)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_TYPES = typing.get_type_hints(Config)
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]:
+    """Flatten a YAML file (and its includes) to {"section.key": (value, origin)}."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    flat: dict[str, tuple[Any, str]] = {}
+    includes = doc.pop("include", [])
+    for inc in [includes] if isinstance(includes, str) else includes:
+        flat.update(_read_yaml(path.parent / inc, seen + (path,)))
+    for section, body in doc.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{path}: unknown section '{section}'; allowed: include, {', '.join(_SECTIONS)}"
+            )
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: section '{section}' must be a mapping")
+        for key, value in body.items():
+            flat[f"{section}.{key}"] = (value, str(path))
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`model.position=alibi` -> ("model.position", "alibi"); values are parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        return key.strip(), raw
+
+
+def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
+    """Build and validate a Config from flattened, origin-tagged values."""
+    per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for dotted, (value, origin) in flat.items():
+        section, _, key = dotted.partition(".")
+        if section not in _SECTIONS:
+            raise ConfigError(f"{origin}: unknown section '{section}'; allowed: {', '.join(_SECTIONS)}")
+        allowed = [f.name for f in dataclasses.fields(_SECTION_TYPES[section])]
+        if key not in allowed:
+            raise ConfigError(f"{origin}: unknown key '{dotted}'; allowed: {', '.join(allowed)}")
+        per_section[section][key] = value
+    sections = {}
+    for name, values in per_section.items():
+        try:
+            sections[name] = _SECTION_TYPES[name](**values)
+        except ConfigError as err:
+            raise ConfigError(_with_origin(err, flat)) from None
+    try:
+        return Config(**sections)
+    except ConfigError as err:
+        raise ConfigError(_with_origin(err, flat)) from None
+
+
+def _with_origin(err: ConfigError, flat: dict[str, tuple[Any, str]]) -> str:
+    """Prefix the message with where its first-named key was set."""
+    message = str(err)
+    key = message.split("=", 1)[0].strip()
+    if key in flat:
+        return f"{flat[key][1]}: {message}"
+    return message
+
+
+def load_config(paths: str | Path | list = (), overrides: list[str] = ()) -> Config:
+    """Merge YAML files in order (later files win; none = the defaults), then dotted overrides."""
+    flat: dict[str, tuple[Any, str]] = {}
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        flat.update(_read_yaml(Path(path), ()))
+    for text in overrides:
+        key, value = parse_override(text)
+        flat[key] = (value, "command line")
+    return build_config(flat)

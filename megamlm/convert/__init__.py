@@ -1,0 +1,1 @@
+"""Checkpoint conversion: Hugging Face and fairseq key tables, TP resharding."""

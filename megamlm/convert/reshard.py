@@ -1,0 +1,69 @@
+"""Move parameters between this rank's shards and their full (TP=1) form.
+
+A parameter's sharding is described by megatron's attributes: `tensor_model_parallel` and
+`partition_dim`; vocab-parallel tables also carry `vocab_parallel` and are padded with zero rows to
+a TP-dependent size, so their full form holds exactly `vocab_size` rows. Because megatron's fused
+QKV rows are grouped per head ([q_h; k_h; v_h] for h = 0..H-1), a contiguous split along rows is a
+split by heads and the TP=1 layout is the concatenation of the shards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _is_sharded(param: nn.Parameter) -> bool:
+    return getattr(param, "tensor_model_parallel", False)
+
+
+def to_full(model: nn.Module, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """This rank's `local` tensor shaped like `param` -> the full tensor (collective over TP)."""
+    ctx = model.ctx
+    full = local
+    if _is_sharded(param) and ctx.tp_size > 1:
+        parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
+        full = torch.cat(parts, dim=param.partition_dim)
+    if getattr(param, "vocab_parallel", False):
+        full = full[: model.config.vocab_size]
+    return full
+
+
+def from_full(model: nn.Module, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """A full tensor -> this rank's slice shaped like `param` (vocab rows padded with zeros)."""
+    ctx = model.ctx
+    if getattr(param, "vocab_parallel", False):
+        padded = param.shape[0] * ctx.tp_size
+        full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
+    if _is_sharded(param):
+        full = full.chunk(ctx.tp_size, dim=param.partition_dim)[ctx.tp_rank]
+    return full
+
+
+def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) in full TP=1 form, on every rank."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = param.grad if grads else param.detach()
+        if local is None:
+            local = torch.zeros_like(param)
+        out[name] = to_full(model, param, local)
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Load full (TP=1) tensors into this rank's shards; every parameter must be present."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(full))
+    unexpected = sorted(set(full) - set(params))
+    if missing or unexpected:
+        raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    for name, param in params.items():
+        local = from_full(model, param, full[name].to(param.dtype))
+        if local.shape != param.shape:
+            raise ValueError(f"{name}: expected shard {tuple(param.shape)}, got {tuple(local.shape)}"
+                             f" from full tensor {tuple(full[name].shape)}")
+        param.copy_(local)

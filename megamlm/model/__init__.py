@@ -1,0 +1,6 @@
+"""The encoder, its positional encodings, attention and heads."""
+
+from megamlm.model.encoder import MaskedLM
+from megamlm.model.positions import alibi_bias, alibi_slopes
+
+__all__ = ["MaskedLM", "alibi_bias", "alibi_slopes"]

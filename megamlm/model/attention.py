@@ -1,0 +1,81 @@
+"""Bidirectional core attention plugged into megatron-core's SelfAttention through the layer spec.
+
+megatron-core's DotProductAttention needs CUDA (global memory buffer) and has no path for an
+additive bias, so this module replaces it. It receives this rank's heads only:
+query/key/value [s, b, np, hn] and returns [s, b, np * hn].
+
+Backends
+  sdpa  `attention_bias` is an additive float tensor broadcastable to [b, np, s, s]: the
+        shard's ALiBi bias plus -inf on padded keys, built once per forward by the encoder and
+        shared by every layer.
+  flex  FlexAttention: ALiBi and key padding are a `score_mod`, no bias is materialized.
+        `attention_bias` is then the [2, np] slopes (before, after) and `attention_mask` the
+        [b, s] key-padding mask. CUDA only: torch 2.13 has no FlexAttention backward on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from megamlm.parallel import tensor_parallel_rng
+
+
+class BidirectionalAttention(MegatronModule):
+    """softmax(q·kᵀ/√hn + bias) v over this rank's heads, no causal mask."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
+                 softmax_scale=None, pg_collection=None, *, backend: str = "sdpa",
+                 alibi_offset: float = 0.0):
+        super().__init__(config=config)
+        self.backend = backend
+        self.alibi_offset = alibi_offset
+        self.dropout_p = config.attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        s, b, np_local, hn = query.shape
+        # [s, b, np, hn] -> [b, np, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.backend == "flex":
+            out = self._flex(q, k, v, attention_mask, attention_bias)
+        else:
+            dropout_p = self.dropout_p if self.training else 0.0
+            if dropout_p > 0:
+                # heads are sharded: each TP rank needs its own dropout stream
+                with tensor_parallel_rng.fork(q.device):
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias,
+                                                         dropout_p=dropout_p,
+                                                         scale=self.softmax_scale)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias,
+                                                     scale=self.softmax_scale)
+        # [b, np, s, hn] -> [s, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
+
+    def _flex(self, q, k, v, key_padding, slopes):
+        if self.training and self.dropout_p > 0:
+            raise ValueError("model.attention_backend=flex has no attention dropout; "
+                             "set model.attention_dropout=0 or use attention_backend=sdpa")
+        offset = self.alibi_offset
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if slopes is not None:
+                distance = kv_idx - q_idx
+                before = slopes[0, h] * torch.clamp(distance, max=0)
+                after = slopes[1, h] * (distance - offset)
+                score = score + torch.where(distance > 0, -after, before).to(score.dtype)
+            return torch.where(key_padding[b, kv_idx], -float("inf"), score)
+
+        return _compiled_flex()(q, k, v, score_mod=score_mod, scale=self.softmax_scale)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)

@@ -1,0 +1,61 @@
+"""Input embeddings over a vocab-parallel token table (fairseq RobertaEncoder.forward_embedding).
+
+Order of operations, as in the reference:
+    e = E[tokens]                                (VocabParallelEmbedding: each rank owns a row range)
+    e = normalize(e)                             if normalize_embeddings (CLAP)
+    e = 0 where token == vocab_size              if zero_mask (zero-clap: the mask is the zero vector)
+    x = e * sqrt(h) (or * 1) + positions(tokens)
+    x = dropout(LayerNorm(x)) ; x = 0 at padding
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+from torch import nn
+
+from megamlm.config import ModelConfig
+from megamlm.model.positions import LearnedPositions, SinusoidalPositions
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, model: ModelConfig, transformer_config, tp_group, padded_vocab_size: int):
+        super().__init__()
+        self.model = model
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab_size, model.hidden_size, init_method=nn.init.zeros_,
+            config=transformer_config, tp_group=tp_group)
+        if model.position == "learned":
+            self.positions = LearnedPositions(model.max_positions, model.hidden_size,
+                                              model.pad_token_id)
+        elif model.position == "sinusoidal":
+            self.positions = SinusoidalPositions(model.hidden_size, model.pad_token_id)
+        else:
+            self.positions = None
+        self.layernorm = (nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
+                          if model.embedding_layernorm else None)
+        self.scale = math.sqrt(model.hidden_size) if model.scale_embeddings else 1.0
+        self.dropout = nn.Dropout(model.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        """tokens, padding [b, s] -> embeddings [s, b, h] (zero at padded positions)."""
+        model = self.model
+        if model.zero_mask:
+            is_mask = tokens >= model.vocab_size
+            tokens = tokens.clamp(max=model.vocab_size - 1)
+        e = self.word_embeddings(tokens)  # [b, s, h], already reduced over the TP group
+        if model.normalize_embeddings:
+            e = F.normalize(e, dim=-1)
+        if model.zero_mask:
+            e = e * ~is_mask[..., None]
+        x = e * self.scale
+        if self.positions is not None:
+            x = x + self.positions(tokens)
+        if self.layernorm is not None:
+            x = self.layernorm(x)
+        x = self.dropout(x) * ~padding[..., None]
+        # [b, s, h] -> [s, b, h]
+        return x.transpose(0, 1).contiguous()

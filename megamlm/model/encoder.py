@@ -1,0 +1,168 @@
+"""MaskedLM: token embedding -> megatron-core TransformerBlock -> prediction head.
+
+Shapes: b batch, s sequence, h hidden, np heads on this rank, V_local vocab rows on this rank,
+n selected (masked) positions. Token ids are fairseq dictionary ids, padding = pad_token_id.
+
+    logits_local = model(tokens [b, s], masked_positions [b, s] bool)   # [n, V_local]
+    loss = model.loss(logits_local, tokens_target[masked_positions])     # mean CE in nats
+    logits = model.gather_logits(logits_local)                            # [n, vocab_size]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import nn
+
+from megamlm.config import ModelConfig
+from megamlm.model.embedding import TokenEmbedding
+from megamlm.model.heads import ClapHead, RobertaLMHead, mark_vocab_parallel
+from megamlm.model.init import init_parameters
+from megamlm.model.layer import encoder_layer_spec
+from megamlm.model.positions import Alibi
+from megamlm.parallel import ParallelContext
+
+
+def transformer_config(model: ModelConfig, tp_size: int,
+                       params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    """megatron-core's config for our encoder. Fusions that need apex/CUDA kernels stay off;
+    initialization is ours (TP-invariant, see init.py), so megatron's is skipped."""
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        kv_channels=model.head_dim,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        layernorm_epsilon=model.layernorm_epsilon,
+        add_bias_linear=True,
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        normalization="LayerNorm",
+        tensor_model_parallel_size=tp_size,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
+
+
+def _mark_megatron_weights(module: nn.Module) -> None:
+    """megatron sets TP attributes on weights only inside its own init, which we skip."""
+    for sub in module.modules():
+        if isinstance(sub, ColumnParallelLinear):
+            set_tensor_model_parallel_attributes(sub.weight, True, 0, 1)
+        elif isinstance(sub, RowParallelLinear):
+            set_tensor_model_parallel_attributes(sub.weight, True, 1, 1)
+        elif isinstance(sub, VocabParallelEmbedding):
+            mark_vocab_parallel(sub.weight)
+
+
+class MaskedLM(nn.Module):
+    """A RoBERTa-style encoder with an MLM head, tensor-parallel over `ctx.tp_group`."""
+
+    def __init__(self, model: ModelConfig, ctx: ParallelContext, seed: int = 1,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if model.attention_backend == "flex" and not torch.cuda.is_available():
+            raise ValueError("model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no "
+                             "FlexAttention backward on CPU); use model.attention_backend=sdpa")
+        self.config = model
+        self.ctx = ctx
+        tcfg = transformer_config(model, ctx.tp_size, params_dtype)
+        self.padded_vocab_size = model.padded_vocab_size(ctx.tp_size)
+        self.embedding = TokenEmbedding(model, tcfg, ctx.tp_group, self.padded_vocab_size)
+        self.alibi = (Alibi(model.num_attention_heads, model.alibi_mode, ctx.tp_rank, ctx.tp_size)
+                      if model.position == "alibi" else None)
+        self.encoder = TransformerBlock(tcfg, encoder_layer_spec(model),
+                                        post_layer_norm=model.layernorm == "pre",
+                                        pg_collection=ctx.pg_collection)
+        vocab_local = self.padded_vocab_size // ctx.tp_size
+        self.lm_head = (ClapHead(model, ctx.tp_group) if model.head == "clap"
+                        else RobertaLMHead(model, vocab_local, ctx.tp_group))
+        # columns of this rank that are vocabulary padding: they must never take probability mass
+        first = self.embedding.word_embeddings.vocab_start_index
+        columns = torch.arange(first, first + vocab_local)
+        self.register_buffer("padded_columns", columns >= model.vocab_size, persistent=False)
+        _mark_megatron_weights(self)
+        init_parameters(self, model, seed, ctx.tp_rank, ctx.tp_size)
+        self.to(device=ctx.device, dtype=params_dtype)
+
+    def parameter_count(self) -> int:
+        """Parameters of the whole model (all TP ranks together), vocabulary padding excluded."""
+        total = 0
+        for param in self.parameters():
+            shape = list(param.shape)
+            if getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= self.ctx.tp_size
+            if getattr(param, "vocab_parallel", False):
+                shape[0] = self.config.vocab_size
+            total += math.prod(shape)
+        return total
+
+    def _attention_inputs(self, padding: torch.Tensor, dtype: torch.dtype):
+        """(attention_mask, attention_bias) for the core attention; see attention.py."""
+        b, s = padding.shape
+        if self.config.attention_backend == "flex":
+            slopes = None if self.alibi is None else torch.stack(self.alibi.slopes_before_after())
+            return padding, slopes
+        # [b, s] -> [b, 1, 1, s]: -inf on padded keys
+        bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
+        bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))
+        if self.alibi is not None:
+            # [b, 1, 1, s] + [1, np, s, s] -> [b, np, s, s], shared by all layers
+            bias = bias + self.alibi(s, dtype)[None]
+        return None, bias
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> last-layer features [s, b, h] (also used by fine-tuning heads)."""
+        padding = tokens.eq(self.config.pad_token_id)
+        x = self.embedding(tokens, padding)
+        mask, bias = self._attention_inputs(padding, x.dtype)
+        return self.encoder(hidden_states=x, attention_mask=mask, attention_bias=bias)
+
+    def forward(self, tokens: torch.Tensor,
+                masked_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of this rank's vocabulary shard at the selected positions.
+
+        masked_positions [b, s] bool selects positions in row-major (b, s) order; None selects all.
+        Returns [n, V_local]; padded vocabulary columns are -inf.
+        """
+        hidden = self.hidden_states(tokens).transpose(0, 1)  # [s, b, h] -> [b, s, h]
+        if masked_positions is None:
+            features = hidden.reshape(-1, hidden.size(-1))  # [b, s, h] -> [b*s, h]
+        else:
+            features = hidden[masked_positions]  # [n, h]
+        logits = self.lm_head(features, self.embedding.word_embeddings.weight)
+        return logits.masked_fill(self.padded_columns, float("-inf"))
+
+    def loss(self, logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats) over the selected positions; targets [n] are real ids."""
+        # copy: megatron's kernel subtracts the max in place
+        logits = logits_local.to(torch.float32, copy=True)
+        return vocab_parallel_cross_entropy(logits, targets).mean()
+
+    def gather_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
+        """[n, V_local] shards -> [n, vocab_size] on every rank (padding columns dropped)."""
+        full = gather_from_tensor_model_parallel_region(logits_local, group=self.ctx.tp_group)
+        return full[..., : self.config.vocab_size]

@@ -1,0 +1,59 @@
+"""Prediction heads over the vocab-parallel embedding, applied to the selected positions only.
+
+Both heads get features [n, h] (n = number of masked positions) that are identical on every
+tensor-parallel rank, and return this rank's logit columns [n, V_local]. Before the vocabulary
+projection the features pass `copy_to_tensor_model_parallel_region` (identity forward, all-reduce
+backward) so that the replicated parameters below receive the gradient of the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from torch import nn
+
+from megamlm.config import ModelConfig
+
+
+def mark_vocab_parallel(param: nn.Parameter) -> nn.Parameter:
+    """Rows are split over TP ranks like the embedding (init and checkpoint tools rely on it)."""
+    set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+    param.vocab_parallel = True
+    return param
+
+
+class RobertaLMHead(nn.Module):
+    """fairseq RobertaLMHead: LayerNorm(gelu(dense(h))) @ Eᵀ + bias (exact erf GELU)."""
+
+    def __init__(self, model: ModelConfig, vocab_local: int, tp_group):
+        super().__init__()
+        self.tp_group = tp_group
+        self.dense = nn.Linear(model.hidden_size, model.hidden_size)
+        self.layernorm = nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
+        self.bias = mark_vocab_parallel(nn.Parameter(torch.zeros(vocab_local)))
+        self.weight = (None if model.tie_embeddings else
+                       mark_vocab_parallel(nn.Parameter(torch.empty(vocab_local, model.hidden_size))))
+
+    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+        x = self.layernorm(F.gelu(self.dense(features)))
+        x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        weight = embedding_weight if self.weight is None else self.weight
+        return F.linear(x, weight, self.bias)
+
+
+class ClapHead(nn.Module):
+    """CLAP head: beta * <h, normalize(E_v)>; h is not normalized, beta is a learnable scalar.
+
+    Row norms need no communication: each rank normalizes the rows it owns.
+    """
+
+    def __init__(self, model: ModelConfig, tp_group):
+        super().__init__()
+        self.tp_group = tp_group
+        self.beta = nn.Parameter(torch.tensor(float(model.clap_initial_beta)))
+
+    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_model_parallel_region(features, group=self.tp_group)
+        return self.beta * F.linear(x, F.normalize(embedding_weight, dim=-1))

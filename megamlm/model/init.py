@@ -1,0 +1,65 @@
+"""Parameter initialization that does not depend on the tensor-parallel degree.
+
+fairseq's init_bert_params: weights and embeddings ~ N(0, 0.02), biases 0, LayerNorm 1/0, the
+position pad row 0 (and the token pad row 0 unless CLAP / zero-clap build the table without
+padding_idx).
+
+Each parameter is drawn whole, at its TP=1 shape, from a generator seeded by (seed, parameter
+name), and this rank keeps its slice along the parameter's `partition_dim`. Vocab-parallel tables
+draw their `vocab_size` real rows and pad with zero rows, because the padded size depends on TP.
+So the same seed gives the same model at any TP degree and in any construction order.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from megamlm.config import ModelConfig
+
+_NOT_RANDOM = ("beta", "log_slopes")  # set by their modules from the config / Press et al.
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def _full_shape(param: nn.Parameter, tp_size: int) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return shape
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: int,
+                    tp_size: int) -> None:
+    zero_token_pad_row = model.head != "clap" and not model.zero_mask
+    norms = tuple(m for m in module.modules() if isinstance(m, nn.LayerNorm))
+    norm_params = {id(p) for m in norms for p in m.parameters()}
+    for name, param in module.named_parameters():
+        if name.rsplit(".", 1)[-1] in _NOT_RANDOM:
+            continue
+        if id(param) in norm_params:
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+            continue
+        if name.endswith("bias"):
+            param.zero_()
+            continue
+        shape = _full_shape(param, tp_size)
+        vocab_parallel = getattr(param, "vocab_parallel", False)
+        if vocab_parallel:
+            shape[0] = model.vocab_size
+        full = torch.empty(shape).normal_(0.0, model.init_std, generator=_generator(seed, name))
+        if vocab_parallel:
+            if zero_token_pad_row:
+                full[model.pad_token_id] = 0
+            padded = _full_shape(param, tp_size)[0]
+            full = torch.cat([full, full.new_zeros(padded - model.vocab_size, *shape[1:])])
+        if name.endswith("positions.weight"):
+            full[model.pad_token_id] = 0
+        if getattr(param, "tensor_model_parallel", False):
+            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        param.copy_(full)

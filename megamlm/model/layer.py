@@ -1,0 +1,108 @@
+"""The encoder layer as a megatron-core ModuleSpec: bidirectional attention, post- or pre-LN.
+
+megatron-core ships pre-LN layers only. RoBERTa is post-LN:
+    x = LN(x + dropout(attention(x)));  x = LN(x + dropout(mlp(x)))
+`PostLNTransformerLayer` reuses megatron's TransformerLayer unchanged for attention, MLP and
+bias-dropout-add, with empty (identity) pre-norm slots, and only appends the two LayerNorms after
+the residual adds. No megatron code is copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+from megamlm.config import ModelConfig
+from megamlm.model.attention import BidirectionalAttention
+
+
+@dataclasses.dataclass
+class PostLNTransformerLayerSubmodules(TransformerLayerSubmodules):
+    """TransformerLayer's slots plus the LayerNorms that follow each residual add."""
+
+    post_attention_layernorm: ModuleSpec | type = IdentityOp
+    post_mlp_layernorm: ModuleSpec | type = IdentityOp
+
+
+class PostLNTransformerLayer(TransformerLayer):
+    """megatron-core TransformerLayer with LayerNorm after the residual adds (fairseq/BERT)."""
+
+    def __init__(self, config, submodules: PostLNTransformerLayerSubmodules, **kwargs):
+        super().__init__(config=config, submodules=submodules, **kwargs)
+        norm_args = dict(config=self.config, hidden_size=self.config.hidden_size,
+                         eps=self.config.layernorm_epsilon)
+        self.post_attention_layernorm = build_module(submodules.post_attention_layernorm, **norm_args)
+        self.post_mlp_layernorm = build_module(submodules.post_mlp_layernorm, **norm_args)
+
+    def _forward_attention(self, *args, **kwargs):
+        hidden_states, context = super()._forward_attention(*args, **kwargs)
+        return self.post_attention_layernorm(hidden_states), context
+
+    def _forward_post_mlp(self, mlp_output_with_bias, residual):
+        return self.post_mlp_layernorm(super()._forward_post_mlp(mlp_output_with_bias, residual))
+
+
+def layer_norm_impl() -> type:
+    """apex's fused LayerNorm when apex and a GPU are present, else torch's LayerNorm."""
+    return LocalSpecProvider().layer_norm() if torch.cuda.is_available() else WrappedTorchNorm
+
+
+def encoder_layer_spec(model: ModelConfig) -> ModuleSpec:
+    """The layer spec for `model`: our core attention, megatron's TP linears, LN placement."""
+    norm = layer_norm_impl()
+    core_attention = functools.partial(
+        BidirectionalAttention,
+        backend=model.attention_backend,
+        alibi_offset=0.5 if model.alibi_mode == "offset" else 0.0,
+    )
+    self_attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.no_mask},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=core_attention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                          linear_fc2=RowParallelLinear))
+    if model.layernorm == "post":
+        return ModuleSpec(
+            module=PostLNTransformerLayer,
+            submodules=PostLNTransformerLayerSubmodules(
+                self_attention=self_attention,
+                self_attn_bda=get_bias_dropout_add,
+                post_attention_layernorm=norm,
+                mlp=mlp,
+                mlp_bda=get_bias_dropout_add,
+                post_mlp_layernorm=norm,
+            ),
+        )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=self_attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )

@@ -1,0 +1,157 @@
+"""Positional encodings: fairseq learned and sinusoidal tables, and bidirectional ALiBi.
+
+fairseq numbers positions from `pad_token_id + 1` (= 2): position ids are
+`cumsum(not_pad) * not_pad + pad_token_id`, so padding gets the (zero) pad row and the first real
+token gets row 2. Both tables below follow that layout so fairseq checkpoints map one to one.
+
+ALiBi (Press et al.) adds `-m_h * distance` to the attention scores of head h. For an encoder the
+distance must be defined on both sides of the query:
+  symmetric  bias[h, i, j] = -m_h |i - j|
+  offset     keys after the query (j > i) get -m_h (j - i - 0.5)   ("nonsymmetric with offset")
+  learned    separate learnable slopes for keys before / after the query ("option 3")
+Every tensor-parallel rank builds the bias only for the heads it owns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from torch import nn
+
+
+def fairseq_position_ids(tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """[b, s] token ids -> [b, s] position ids; pads get pad_token_id, real tokens pad_id+1, +2, ..."""
+    not_pad = tokens.ne(pad_token_id).int()
+    return (torch.cumsum(not_pad, dim=1) * not_pad).long() + pad_token_id
+
+
+class LearnedPositions(nn.Module):
+    """fairseq LearnedPositionalEmbedding: max_positions + pad_id + 1 rows, the pad row is zero."""
+
+    def __init__(self, max_positions: int, hidden_size: int, pad_token_id: int):
+        super().__init__()
+        self.pad_token_id = pad_token_id
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.empty(max_positions + pad_token_id + 1, hidden_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.size(1) > self.max_positions:
+            raise ValueError(
+                f"sequence length {tokens.size(1)} exceeds the learned position table "
+                f"(max_positions={self.max_positions}); learned positions cannot extrapolate"
+            )
+        # [b, s] -> [b, s, h]
+        return nn.functional.embedding(fairseq_position_ids(tokens, self.pad_token_id), self.weight,
+                                       padding_idx=self.pad_token_id)
+
+
+def sinusoidal_table(num_positions: int, dim: int, pad_token_id: int) -> torch.Tensor:
+    """fairseq SinusoidalPositionalEmbedding.get_embedding: [sin | cos] halves, pad row zero."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000) / (half - 1)))
+    angles = torch.arange(num_positions, dtype=torch.float)[:, None] * freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(num_positions, 1)], dim=1)
+    table[pad_token_id] = 0
+    return table
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal positions in fairseq's layout; any length (the table grows on demand)."""
+
+    def __init__(self, hidden_size: int, pad_token_id: int):
+        super().__init__()
+        self.hidden_size, self.pad_token_id = hidden_size, pad_token_id
+        self.register_buffer("table", torch.empty(0, hidden_size), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        needed = tokens.size(1) + self.pad_token_id + 1
+        if self.table.size(0) < needed:
+            self.table = sinusoidal_table(needed, self.hidden_size, self.pad_token_id).to(
+                self.table.device)
+        # [b, s] -> [b, s, h]
+        return self.table[fairseq_position_ids(tokens, self.pad_token_id)]
+
+
+# ------------------------------------------------------------------------------------------------
+# ALiBi
+# ------------------------------------------------------------------------------------------------
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """Press et al.'s slopes, head order included (fairseq utils.alibi, unchanged).
+
+    Power of 2: 2^(-8(i+1)/n). Otherwise the c = 2^floor(log2 n) power-of-2 slopes followed by the
+    odd-exponent slopes of 2c heads: 12 heads -> 2^-1..2^-8, 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5.
+    """
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_2(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]
+
+
+def alibi_bias(slopes_before: torch.Tensor, slopes_after: torch.Tensor, q_len: int, k_len: int,
+               offset: float) -> torch.Tensor:
+    """[np] slopes -> additive bias [np, q_len, k_len].
+
+    Keys at or before the query (j <= i) get -m_before (i - j); keys after it get
+    -m_after (j - i - offset).
+    """
+    device = slopes_before.device
+    # [sq, 1] - [1, sk] -> [sq, sk]
+    distance = torch.arange(k_len, device=device)[None, :] - torch.arange(q_len, device=device)[:, None]
+    after = distance > 0
+    before_term = distance.clamp(max=0).to(slopes_before.dtype)  # -(i - j) where j <= i, else 0
+    after_term = (distance.to(slopes_after.dtype) - offset) * after
+    # [np, 1, 1] * [sq, sk] -> [np, sq, sk]
+    return slopes_before[:, None, None] * before_term - slopes_after[:, None, None] * after_term
+
+
+class Alibi(nn.Module):
+    """ALiBi slopes of this tensor-parallel rank's heads and the bias they induce.
+
+    Fixed modes keep one bias for the longest length seen per (dtype, device) and slice it: the bias
+    depends only on i - j, so the top-left block of a larger matrix is exact. The learned mode keeps
+    log-slopes (slopes stay positive) of shape [2, np] (before, after) and rebuilds the bias each
+    forward; the model builds it once per forward and every layer shares it.
+    """
+
+    def __init__(self, num_heads: int, mode: str, tp_rank: int, tp_size: int):
+        super().__init__()
+        heads_local = num_heads // tp_size
+        first = tp_rank * heads_local
+        slopes = torch.tensor(alibi_slopes(num_heads)[first:first + heads_local], dtype=torch.float)
+        self.mode = mode
+        self.offset = 0.5 if mode == "offset" else 0.0
+        if mode == "learned":
+            # [2, np]: row 0 keys before (and at) the query, row 1 keys after it
+            self.log_slopes = nn.Parameter(slopes.log().repeat(2, 1))
+            set_tensor_model_parallel_attributes(self.log_slopes, is_parallel=True, dim=1, stride=1)
+        else:
+            self.register_buffer("slopes", slopes, persistent=False)
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def slopes_before_after(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == "learned":
+            slopes = self.log_slopes.exp()
+            return slopes[0], slopes[1]
+        return self.slopes, self.slopes
+
+    def forward(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bias [np, length, length] in `dtype`, ready to add to q·k/√d."""
+        if self.mode == "learned":
+            return alibi_bias(*self.slopes_before_after(), length, length, self.offset).to(dtype)
+        key = (dtype, self.slopes.device)
+        cached = self._cache.get(key)
+        if cached is None or cached.size(-1) < length:
+            cached = alibi_bias(self.slopes, self.slopes, length, length, self.offset).to(dtype)
+            self._cache[key] = cached
+        return cached[:, :length, :length]

@@ -1,0 +1,161 @@
+"""Distributed plumbing: process groups, megatron parallel_state, seeding, the tensor-parallel RNG.
+
+This is the only module that touches `megatron.core.parallel_state`; everything else receives a
+`ParallelContext` (process groups and ranks) explicitly.
+
+Launch: torchrun (or SLURM's srun, which sets SLURM_PROCID/SLURM_NTASKS) provides RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. A plain `python` run without them becomes a
+world of one, so every tool works unchanged on a laptop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megamlm.config import ConfigError, ParallelConfig
+
+
+@dataclass
+class ParallelContext:
+    """Process groups and ranks of this process. World = TP × DP (pipeline parallel = 1)."""
+
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+    @property
+    def pg_collection(self) -> ProcessGroupCollection:
+        """The groups in the form megatron-core modules take them."""
+        pgs = ProcessGroupCollection()
+        pgs.tp = self.tp_group
+        pgs.dp = self.dp_group
+        pgs.cp = parallel_state.get_context_parallel_group()
+        pgs.pp = parallel_state.get_pipeline_model_parallel_group()
+        return pgs
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    return default
+
+
+def init_distributed(cfg: ParallelConfig) -> ParallelContext:
+    """Initialize torch.distributed (if needed) and megatron's TP × DP groups."""
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("parallel.backend=nccl needs CUDA GPUs; allowed here: gloo, auto")
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=30)
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    world = dist.get_world_size()
+    if world % cfg.tensor_parallel:
+        raise ConfigError(
+            f"parallel.tensor_parallel={cfg.tensor_parallel} does not divide the world size "
+            f"{world}; launch a multiple of {cfg.tensor_parallel} processes"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel)
+    return ParallelContext(
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# Seeding
+# ------------------------------------------------------------------------------------------------
+
+
+class TensorParallelRNG:
+    """A second RNG stream for randomness inside tensor-parallel regions (attention dropout).
+
+    Activations that are replicated across TP ranks (embeddings, residual stream) must draw the
+    same dropout masks on every TP peer, so they use the default generator, seeded identically.
+    Attention probabilities are sharded by head: each TP rank must draw *different* masks, so they
+    use this stream, seeded per TP rank. megatron's own tracker of this kind is CUDA-only; this one
+    swaps the default CPU or CUDA generator state in and out and works on both.
+    """
+
+    def __init__(self):
+        self._states: dict[str, torch.Tensor] = {}
+
+    def seed(self, seed: int) -> None:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()]
+                                   if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)
+            self._states = {"cpu": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                self._states["cuda"] = torch.cuda.get_rng_state()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self._states)
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = dict(states)
+
+    @contextlib.contextmanager
+    def fork(self, device: torch.device):
+        """Run the block with this stream as the default generator of `device`."""
+        if not self._states:
+            raise RuntimeError("TensorParallelRNG used before seed_everything()")
+        cuda = device.type == "cuda"
+        key = "cuda" if cuda else "cpu"
+        get_state = torch.cuda.get_rng_state if cuda else torch.get_rng_state
+        set_state = torch.cuda.set_rng_state if cuda else torch.set_rng_state
+        outer = get_state()
+        set_state(self._states[key])
+        try:
+            yield
+        finally:
+            self._states[key] = get_state()
+            set_state(outer)
+
+
+tensor_parallel_rng = TensorParallelRNG()
+
+
+def seed_everything(seed: int, ctx: ParallelContext) -> None:
+    """Same default stream on TP peers (any TP degree gives the same replicated randomness);
+    a distinct tensor-parallel stream per TP rank, as megatron's model_parallel_cuda_manual_seed."""
+    torch.manual_seed(seed)
+    tensor_parallel_rng.seed(seed + 2718 + ctx.tp_rank)

@@ -1,0 +1,98 @@
+"""Configuration: files, includes, overrides, and a one-line error for every kind of mistake."""
+
+from pathlib import Path
+
+import pytest
+
+from megamlm.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+VARIANTS = sorted((CONFIGS / "variants").glob("*.yaml"))
+SIZES = sorted((CONFIGS / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda p: p.stem)
+def test_every_size_variant_combination_loads(size, variant):
+    cfg = load_config([size, variant])
+    assert cfg.model.num_layers in (4, 12, 24)
+
+
+def test_variants_carry_the_reference_knobs():
+    zero = load_config([CONFIGS / "variants/zero-clap.yaml"]).model
+    assert (zero.position, zero.alibi_mode, zero.head, zero.zero_mask) == ("alibi", "offset", "clap", True)
+    assert (zero.vocab_size, zero.scale_embeddings, zero.embedding_layernorm) == (50262, True, False)
+    assert (zero.hidden_dropout, zero.attention_dropout) == (0.0, 0.1)
+    clap = load_config([CONFIGS / "variants/learned-clap.yaml"]).model
+    assert (clap.position, clap.head, clap.normalize_embeddings, clap.scale_embeddings) == (
+        "learned", "clap", True, False)
+    base = load_config([CONFIGS / "variants/baseline.yaml"]).model
+    assert (base.head, base.embedding_layernorm, base.vocab_size) == ("roberta", True, 50265)
+
+
+def test_overrides_are_typed_and_win_over_files():
+    cfg = load_config([CONFIGS / "demo.yaml"], ["model.position=alibi", "optim.lr=1e-4",
+                                                "optim.betas=[0.9, 0.95]", "model.init_std=1"])
+    assert cfg.model.position == "alibi" and cfg.model.alibi_mode == "offset"
+    assert cfg.optim.lr == 1e-4 and cfg.optim.betas == (0.9, 0.95)
+    assert isinstance(cfg.model.init_std, float)
+    assert cfg.model.num_layers == 4  # from the included tiny.yaml
+
+
+BAD = [
+    (["model.positon=alibi"], "unknown key 'model.positon'; allowed: num_layers"),
+    (["modle.position=alibi"], "unknown section 'modle'"),
+    (["model.position=rope"], "model.position='rope' is invalid; allowed: learned | sinusoidal | none | alibi"),
+    (["model.num_layers=two"], "model.num_layers='two' is invalid; allowed: int"),
+    (["model.zero_mask=1"], "model.zero_mask=1 is invalid; allowed: bool"),
+    (["model.num_attention_heads=12", "parallel.tensor_parallel=5"],
+     "parallel.tensor_parallel=5 does not divide model.num_attention_heads=12; allowed: 1, 2, 3, 4, 6, 12"),
+    (["model.hidden_size=100", "model.num_attention_heads=12"],
+     "model.hidden_size=100 is not divisible by model.num_attention_heads=12"),
+    (["model.position=learned", "model.alibi_mode=offset"],
+     "model.alibi_mode=offset needs model.position=alibi"),
+    (["model.head=clap", "model.tie_embeddings=false"],
+     "model.tie_embeddings=false is impossible with model.head=clap"),
+    (["model.max_positions=128", "data.seq_length=512"],
+     "data.seq_length=512 exceeds model.max_positions=128"),
+    (["model.hidden_dropout=1.5"], "model.hidden_dropout=1.5 must be in [0, 1)"),
+    (["optim.betas=[0.9]"], "optim.betas=[0.9] is invalid; allowed: [float, float]"),
+    (["model.alibi_mode=sideways", "model.position=alibi"],
+     "model.alibi_mode='sideways' is invalid; allowed: symmetric | offset | learned or null"),
+    (["position=alibi"], "override 'position=alibi' must look like section.key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_configuration_gives_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config([], overrides)
+    text = str(err.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_errors_name_the_file_that_set_the_value(tmp_path):
+    bad = tmp_path / "exp.yaml"
+    bad.write_text(f"include: {CONFIGS / 'model/base.yaml'}\nparallel:\n  tensor_parallel: 5\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}: parallel.tensor_parallel=5 does not divide"):
+        load_config([bad])
+    with pytest.raises(ConfigError, match=r"^command line: model.num_layers=0 must be positive"):
+        load_config([], ["model.num_layers=0"])
+
+
+def test_file_problems_are_reported_with_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config([tmp_path / "missing.yaml"])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  num_layers: [1\n")
+    with pytest.raises(ConfigError, match=rf"{broken}:\d+: not valid YAML"):
+        load_config([broken])
+    cyclic = tmp_path / "a.yaml"
+    cyclic.write_text("include: a.yaml\n")
+    with pytest.raises(ConfigError, match="include cycle"):
+        load_config([cyclic])
+    unknown = tmp_path / "u.yaml"
+    unknown.write_text("trainer:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match=rf"{unknown}: unknown section 'trainer'"):
+        load_config([unknown])

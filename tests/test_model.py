@@ -1,0 +1,155 @@
+"""The encoder on one process: an independent oracle (Hugging Face), invariances, heads, sizes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megamlm.config import load_config
+from megamlm.convert.hf import hf_roberta_to_megamlm
+from megamlm.convert.reshard import load_full_state_dict
+from megamlm.model import MaskedLM
+from tests.variants import CONFIGS, VARIANTS, variant_config
+
+PAD = 1
+
+
+def batch(vocab: int, lengths=(16, 11, 7), seed: int = 0):
+    """Right-padded token ids [b, s] starting with <s> and masked positions [b, s]."""
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    tokens = torch.full((len(lengths), s), PAD)
+    for row, n in enumerate(lengths):
+        tokens[row, :n] = torch.randint(4, vocab, (n,), generator=g)
+        tokens[row, 0] = 0
+    masked = (torch.rand(tokens.shape, generator=g) < 0.3) & tokens.ne(PAD)
+    masked[:, 1] = True
+    return tokens, masked
+
+
+def test_baseline_matches_huggingface_roberta(world):
+    transformers = pytest.importorskip("transformers")
+    cfg = variant_config("baseline")
+    m = cfg.model
+    hf_cfg = transformers.RobertaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_hidden_size,
+        max_position_embeddings=m.max_positions + 2, type_vocab_size=1, layer_norm_eps=1e-5,
+        hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        pad_token_id=PAD, bos_token_id=0, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.RobertaForMaskedLM(hf_cfg).eval()
+    with torch.no_grad():  # move every parameter off its trivial init (LN 1/0, zero biases)
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ours = MaskedLM(m, world, seed=123).eval()
+    load_full_state_dict(ours, hf_roberta_to_megamlm(hf.state_dict(), m))
+
+    tokens, masked = batch(m.vocab_size)
+    with torch.no_grad():
+        want = hf(input_ids=tokens, attention_mask=tokens.ne(PAD)).logits[masked]
+        got = ours.gather_logits(ours(tokens, masked))
+    assert got.shape == want.shape == (int(masked.sum()), m.vocab_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # the loss is the standard cross-entropy over the real vocabulary
+    with torch.no_grad():
+        loss = ours.loss(ours(tokens, masked), tokens[masked])
+    torch.testing.assert_close(loss, F.cross_entropy(want, tokens[masked]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_padding_does_not_change_real_positions(world, variant):
+    cfg = variant_config(variant)
+    model = MaskedLM(cfg.model, world, seed=7).eval()
+    tokens, _ = batch(cfg.model.vocab_size, lengths=(16, 10))
+    alone = tokens[1:, :10]
+    with torch.no_grad():
+        padded_logits = model.gather_logits(model(tokens)).view(2, 16, -1)[1, :10]
+        alone_logits = model.gather_logits(model(alone)).view(10, -1)
+    torch.testing.assert_close(padded_logits, alone_logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["baseline", "zero-clap"])
+def test_masked_only_projection_equals_full_projection(world, variant):
+    cfg = variant_config(variant)
+    model = MaskedLM(cfg.model, world, seed=3).eval()
+    tokens, masked = batch(cfg.model.vocab_size)
+    with torch.no_grad():
+        full = model(tokens)  # every position, [b*s, V_local]
+        only = model(tokens, masked)
+    assert only.shape[0] == int(masked.sum()) < full.shape[0]
+    torch.testing.assert_close(only, full[masked.flatten()], rtol=0, atol=1e-6)
+
+
+def test_padded_vocabulary_columns_take_no_probability(world):
+    cfg = variant_config("baseline")
+    model = MaskedLM(cfg.model, world).eval()
+    tokens, masked = batch(cfg.model.vocab_size)
+    logits = model(tokens, masked)
+    assert model.padded_vocab_size == 1152 and logits.shape[-1] == 1152
+    probs = torch.softmax(logits, dim=-1)
+    assert probs[:, cfg.model.vocab_size:].sum() == 0
+    loss = model.loss(logits, tokens[masked])
+    loss.backward()
+    assert torch.isfinite(loss)
+    grad = model.embedding.word_embeddings.weight.grad
+    assert grad[cfg.model.vocab_size:].abs().sum() == 0
+
+
+def test_clap_head_is_beta_times_normalized_embedding_product(world):
+    cfg = variant_config("learned-clap")
+    model = MaskedLM(cfg.model, world).eval()
+    with torch.no_grad():
+        model.lm_head.beta.fill_(1.7)
+    tokens, masked = batch(cfg.model.vocab_size)
+    with torch.no_grad():
+        h = model.hidden_states(tokens).transpose(0, 1)[masked]  # [n, h], not normalized
+        table = model.embedding.word_embeddings.weight[: cfg.model.vocab_size]
+        want = 1.7 * h @ F.normalize(table, dim=-1).T
+        got = model.gather_logits(model(tokens, masked))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_zero_clap_embeds_the_mask_as_zero_vector(world):
+    cfg = variant_config("zero-clap")
+    vocab = cfg.model.vocab_size
+    model = MaskedLM(cfg.model, world).eval()
+    tokens, _ = batch(vocab)
+    tokens[:, 3] = vocab  # the mask id is the dictionary size
+    padding = tokens.eq(PAD)
+    with torch.no_grad():
+        x = model.embedding(tokens, padding)  # [s, b, h]
+        assert x[3].abs().sum() == 0
+        assert x[4].abs().sum() > 0
+        torch.testing.assert_close(x[2].norm(dim=-1), torch.full((3,), cfg.model.hidden_size ** 0.5))
+        before = model.gather_logits(model(tokens))
+        model.embedding.word_embeddings.weight[vocab - 1] += 1.0  # the row the mask id clamps to
+        after = model.gather_logits(model(tokens))
+    # only the logit columns of the edited row change; the mask position's input does not
+    torch.testing.assert_close(before[:, : vocab - 1], after[:, : vocab - 1])
+
+
+def test_flex_backend_refuses_cpu_with_a_clear_message(world):
+    cfg = variant_config("alibi", ["model.attention_backend=flex"])
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="attention_backend=flex needs a CUDA GPU"):
+        MaskedLM(cfg.model, world)
+
+
+@pytest.mark.parametrize("size,expected_millions", [("base", 125), ("large", 355)])
+def test_parameter_counts_of_presets(world, size, expected_millions):
+    transformers = pytest.importorskip("transformers")
+    cfg = load_config([CONFIGS / "model" / f"{size}.yaml", CONFIGS / "variants/baseline.yaml"])
+    m = cfg.model
+    model = MaskedLM(m, world)
+    count = model.parameter_count()
+    print(f"\nroberta.{size}: {count:,} parameters ({count / 1e6:.1f}M)")
+    with torch.device("meta"):
+        hf = transformers.RobertaForMaskedLM(transformers.RobertaConfig(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_hidden_size,
+            max_position_embeddings=m.max_positions + 2, type_vocab_size=1))
+    hf_count = sum(p.numel() for p in hf.parameters())
+    # identical architecture; HF also has a one-row token-type table that RoBERTa never varies
+    assert count == hf_count - m.hidden_size
+    assert round(count / 1e6) == expected_millions

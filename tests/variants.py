@@ -1,0 +1,30 @@
+"""The model variants every behavioural test runs on, as config files + overrides (tiny sizes)."""
+
+from pathlib import Path
+
+from megamlm.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+# tiny and deterministic; vocab 1100 is padded to 1152 at TP=1 and 1280 at TP=2
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.ffn_hidden_size=128", "model.vocab_size=1100", "model.max_positions=64",
+        "data.seq_length=64", "model.hidden_dropout=0", "model.attention_dropout=0"]
+
+VARIANTS = {
+    "baseline": ("baseline", []),
+    "learned-clap": ("learned-clap", []),
+    "alibi": ("alibi", []),
+    "alibi-symmetric": ("alibi", ["model.alibi_mode=symmetric"]),
+    "alibi-learned": ("alibi", ["model.alibi_mode=learned"]),
+    "zero-clap": ("zero-clap", []),
+    "sinusoidal": ("sinusoidal", []),
+    "pre-ln": ("baseline", ["model.layernorm=pre"]),
+    "untied": ("baseline", ["model.tie_embeddings=false"]),
+    "no-positions": ("baseline", ["model.position=none"]),
+}
+
+
+def variant_config(name: str, extra: list[str] = ()):
+    file, overrides = VARIANTS[name]
+    return load_config([CONFIGS / "variants" / f"{file}.yaml"], TINY + overrides + list(extra))
