@@ -5,7 +5,7 @@ import warnings
 # megatron-core announces at import that it falls back to torch when apex / Transformer Engine are
 # absent; that is the supported CPU configuration here, not something a user must act on.
 for _message in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                 "full scope is deprecated"):
+                 "full scope is deprecated", "When using async grad allreduce"):
     warnings.filterwarnings("ignore", message=_message)
 
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
@@ -21,7 +22,6 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
     set_tensor_model_parallel_attributes,
 )
-from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
@@ -162,7 +162,10 @@ class MaskedLM(nn.Module):
         logits = logits_local.to(torch.float32, copy=True)
         return vocab_parallel_cross_entropy(logits, targets).mean()
 
+    @torch.no_grad()
     def gather_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
-        """[n, V_local] shards -> [n, vocab_size] on every rank (padding columns dropped)."""
-        full = gather_from_tensor_model_parallel_region(logits_local, group=self.ctx.tp_group)
-        return full[..., : self.config.vocab_size]
+        """[n, V_local] shards -> [n, vocab_size] on every rank (padding columns dropped); for
+        evaluation and inference (megatron's gather allocates on CUDA, this one on any device)."""
+        shards = [torch.empty_like(logits_local) for _ in range(self.ctx.tp_size)]
+        dist.all_gather(shards, logits_local.contiguous(), group=self.ctx.tp_group)
+        return torch.cat(shards, dim=-1)[..., : self.config.vocab_size]

@@ -46,7 +46,9 @@ class RobertaLMHead(nn.Module):
 class ClapHead(nn.Module):
     """CLAP head: beta * <h, normalize(E_v)>; h is not normalized, beta is a learnable scalar.
 
-    Row norms need no communication: each rank normalizes the rows it owns.
+    Row norms need no communication: each rank normalizes the rows it owns. beta is replicated
+    but each rank's logits cover only its vocabulary shard, so beta's gradient is summed over the
+    TP group (copy_to_... is identity forward, all-reduce backward).
     """
 
     def __init__(self, model: ModelConfig, tp_group):
@@ -56,4 +58,5 @@ class ClapHead(nn.Module):
 
     def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
         x = copy_to_tensor_model_parallel_region(features, group=self.tp_group)
-        return self.beta * F.linear(x, F.normalize(embedding_weight, dim=-1))
+        beta = copy_to_tensor_model_parallel_region(self.beta, group=self.tp_group)
+        return beta * F.linear(x, F.normalize(embedding_weight, dim=-1))

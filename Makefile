@@ -1,0 +1,32 @@
+# Two commands for a fresh machine (each creates .venv and installs what it needs first):
+#   make demo   - the main job on the tiny model
+#   make test   - the test suite
+# torch: the CPU wheel torch==2.13.0. Where pip would pick a CUDA build for that version, point it
+# at PyTorch's CPU index:  make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+BIN := $(VENV)/bin
+
+.PHONY: demo test install clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/activate setup.py
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/megamlm smoke --config configs/demo.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from megamlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megamlm",
+    version="0.1.0",
+    description="Masked language model pretraining (RoBERTa, ALiBi, CLAP) on megatron-core and DeepSpeed",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megamlm", "megamlm.*"]),
+    install_requires=[
+        # any CUDA or CPU build in this range; `make` installs the CPU wheel 2.13.0 explicitly
+        "torch>=2.5,<2.15",
+        # the layer-spec and process-group APIs we build on changed across minor releases
+        "megatron-core>=0.16,<0.17",
+        "deepspeed>=0.16",
+        "webdataset>=0.2.90",
+        "tokenizers>=0.19",
+        "tensorboard>=2.14",
+        "pyyaml>=6",
+        "numpy>=1.24",
+    ],
+    # NVIDIA apex (fused LayerNorm) is used when installed from NVIDIA's repository; the PyPI
+    # project named "apex" is unrelated and must not be installed.
+    extras_require={
+        "hf": ["transformers>=4.40"],
+        "dev": ["pytest>=7", "transformers>=4.40"],
+    },
+    entry_points={"console_scripts": ["megamlm=megamlm.cli:main"]},
+)
