@@ -71,11 +71,13 @@ class BidirectionalAttention(MegatronModule):
                 score = score + torch.where(distance > 0, -after, before).to(score.dtype)
             return torch.where(key_padding[b, kv_idx], -float("inf"), score)
 
-        return _compiled_flex()(q, k, v, score_mod=score_mod, scale=self.softmax_scale)
+        return _flex_attention(q.device.type)(q, k, v, score_mod=score_mod, scale=self.softmax_scale)
 
 
 @functools.cache
-def _compiled_flex():
+def _flex_attention(device_type: str):
+    """Compiled FlexAttention on GPU; on CPU the eager reference (forward only), used by tests to
+    check the score_mod against the materialized bias."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention

@@ -1,0 +1,63 @@
+"""Core attention: the FlexAttention score_mod equals SDPA with the materialized ALiBi bias;
+the tensor-parallel dropout stream is separate and reproducible."""
+
+import warnings
+
+import pytest
+import torch
+
+from megamlm.model.attention import BidirectionalAttention
+from megamlm.model.encoder import transformer_config
+from megamlm.model.positions import alibi_bias
+from megamlm.parallel import TensorParallelRNG
+from tests.variants import variant_config
+
+
+def _attention(backend, offset):
+    tcfg = transformer_config(variant_config("alibi").model, tp_size=1)
+    return BidirectionalAttention(tcfg, 1, None, "self", backend=backend, alibi_offset=offset).eval()
+
+
+@pytest.mark.parametrize("mode", ["symmetric", "offset", "learned"])
+def test_flex_score_mod_equals_sdpa_with_materialized_bias(mode):
+    s, b, np_, hn = 12, 2, 4, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, b, np_, hn, generator=g) for _ in range(3))
+    padding = torch.zeros(b, s, dtype=torch.bool)
+    padding[1, 7:] = True
+    before = torch.rand(np_, generator=g) + 0.1
+    after = before if mode != "learned" else torch.rand(np_, generator=g) + 0.1
+    offset = 0.5 if mode == "offset" else 0.0
+    # sdpa: [b, 1, 1, s] key padding + [np, s, s] bias
+    bias = torch.zeros(b, 1, 1, s).masked_fill(padding[:, None, None, :], float("-inf"))
+    bias = bias + alibi_bias(before, after, s, s, offset)[None]
+    want = _attention("sdpa", offset)(q, k, v, None, attention_bias=bias)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
+        got = _attention("flex", offset)(q, k, v, padding, attention_bias=torch.stack([before, after]))
+    assert got.shape == (s, b, np_ * hn)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_tensor_parallel_rng_is_a_separate_reproducible_stream():
+    rng = TensorParallelRNG()
+    rng.seed(1234)
+    torch.manual_seed(0)
+    default_first = torch.rand(3)
+    torch.manual_seed(0)
+    with rng.fork(torch.device("cpu")):
+        forked_a = torch.rand(3)
+    assert torch.equal(torch.rand(3), default_first)  # the default stream did not advance
+    with rng.fork(torch.device("cpu")):
+        forked_b = torch.rand(3)
+    assert not torch.equal(forked_a, forked_b)  # the forked stream advanced
+    other = TensorParallelRNG()
+    other.seed(1234)
+    with other.fork(torch.device("cpu")):
+        assert torch.equal(torch.rand(3), forked_a)
+    state = rng.state_dict()
+    with rng.fork(torch.device("cpu")):
+        next_value = torch.rand(3)
+    rng.load_state_dict(state)
+    with rng.fork(torch.device("cpu")):
+        assert torch.equal(torch.rand(3), next_value)
