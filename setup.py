@@ -17,6 +17,8 @@ setup(
         "deepspeed>=0.16",
         "webdataset>=0.2.90",
         "tokenizers>=0.19",
+        "zstandard>=0.22",
+        "tqdm>=4.60",
         "tensorboard>=2.14",
         "pyyaml>=6",
         "numpy>=1.24",

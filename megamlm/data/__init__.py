@@ -1,0 +1,1 @@
+"""Data: tokenizer, webdataset shards, per-rank streaming, dynamic masking."""

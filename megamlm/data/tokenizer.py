@@ -1,0 +1,183 @@
+"""GPT-2 byte-level BPE (Hugging Face `tokenizers`) mapped to fairseq dictionary ids.
+
+fairseq's RoBERTa never sees GPT-2 ids: GPT-2 id strings are looked up in `dict.txt`
+(ordered by corpus frequency), so
+
+    fairseq id = 4 + (line of str(gpt2_id) in dict.txt);  <s>=0 <pad>=1 </s>=2 <unk>=3
+    <mask> = last id (50264 with the GPT-2 dict.txt: 4 + 50260 lines; 50265 symbols)
+
+The zero-clap dictionary drops the last two madeupwords and has no `<mask>` row: 50262 symbols,
+mask id = 50262 (the model embeds it as the zero vector).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
+BOS, PAD, EOS, UNK = range(4)
+MASK_SYMBOL = "<mask>"
+
+GPT2_SHA256 = {
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "dict.txt": "2c31c5b236661067fe8626775eb995ef5fe808ac87d2ad4a6ddbef68550f5cc6",
+}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer or dictionary file is missing, corrupt or inconsistent."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def bundled_gpt2_dir() -> Path:
+    return Path(str(resources.files("megamlm.data") / "assets" / "gpt2"))
+
+
+@dataclass(frozen=True)
+class Dictionary:
+    """fairseq Dictionary: 4 specials, the dict.txt symbols, optionally `<mask>` last."""
+
+    symbols: tuple[str, ...]
+    has_mask_row: bool
+
+    @classmethod
+    def load(cls, path: str | Path, add_mask: bool = True, drop_last: int = 0) -> "Dictionary":
+        """Read dict.txt ("<symbol> <count>" per line). `drop_last` removes trailing lines (the
+        zero-clap checkpoints were trained without the last two madeupwords)."""
+        path = Path(path)
+        symbols = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            parts = line.rstrip().split(" ")
+            if parts[-1] == "#fairseq:overwrite":
+                parts = parts[:-1]
+            if len(parts) < 2 or not parts[-1].isdigit():
+                raise TokenizerError(f"{path}:{number}: expected '<symbol> <count>', got {line!r}")
+            symbols.append(" ".join(parts[:-1]))
+        if drop_last:
+            symbols = symbols[:-drop_last]
+        return cls(SPECIALS + tuple(symbols) + ((MASK_SYMBOL,) if add_mask else ()), add_mask)
+
+    def __len__(self) -> int:
+        return len(self.symbols)
+
+    @property
+    def mask_id(self) -> int:
+        """`<mask>`'s row, or len(dictionary) when there is none (zero-clap)."""
+        return len(self) - 1 if self.has_mask_row else len(self)
+
+    @property
+    def sha256(self) -> str:
+        """Identity of the id space: shards built with another dictionary are refused."""
+        return hashlib.sha256("\n".join(self.symbols).encode()).hexdigest()
+
+    def ordinary_ids(self) -> np.ndarray:
+        """Ids that random replacement may draw: not special, not madeupword, not `<mask>`."""
+        return np.array([i for i, s in enumerate(self.symbols)
+                         if i >= len(SPECIALS) and s != MASK_SYMBOL and not s.startswith("madeupword")],
+                        dtype=np.int64)
+
+
+class Tokenizer:
+    """Text <-> fairseq ids through GPT-2 byte-level BPE. Encoding is lossless: decode(encode(t)) == t."""
+
+    def __init__(self, encoder_json: str | Path, vocab_bpe: str | Path, dictionary: Dictionary):
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        self.encoder_json, self.vocab_bpe = Path(encoder_json), Path(vocab_bpe)
+        for path in (self.encoder_json, self.vocab_bpe):
+            if not path.is_file():
+                raise TokenizerError(f"tokenizer file not found: {path}")
+        try:
+            bpe = models.BPE.from_file(str(self.encoder_json), str(self.vocab_bpe))
+        except Exception as err:  # tokenizers raises a bare Exception on malformed files
+            raise TokenizerError(f"cannot read BPE from {self.encoder_json}, {self.vocab_bpe}: {err}")
+        self._bpe = HFTokenizer(bpe)
+        self._bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._bpe.decoder = decoders.ByteLevel()
+        self.dictionary = dictionary
+        vocab = json.loads(self.encoder_json.read_text(encoding="utf-8"))
+        index = {s: i for i, s in enumerate(dictionary.symbols)}
+        # BPE id -> fairseq id (unknown to dict.txt -> <unk>), and back (-1: not a BPE token)
+        self._to_fairseq = np.full(len(vocab), UNK, dtype=np.int64)
+        self._to_bpe = np.full(len(dictionary), -1, dtype=np.int64)
+        for bpe_id in vocab.values():
+            fairseq_id = index.get(str(bpe_id))
+            if fairseq_id is not None:
+                self._to_fairseq[bpe_id] = fairseq_id
+                self._to_bpe[fairseq_id] = bpe_id
+        self.sha256 = hashlib.sha256(
+            self.encoder_json.read_bytes() + self.vocab_bpe.read_bytes()).hexdigest()
+
+    @classmethod
+    def gpt2(cls, zero_clap: bool = False) -> "Tokenizer":
+        """The bundled GPT-2 files (hashes verified). zero_clap: 50262 symbols, no <mask> row."""
+        folder = bundled_gpt2_dir()
+        for name, digest in GPT2_SHA256.items():
+            if _sha256(folder / name) != digest:
+                raise TokenizerError(f"{folder / name} is corrupt: sha256 differs from {digest}; "
+                                     f"reinstall megamlm")
+        dictionary = Dictionary.load(folder / "dict.txt", add_mask=not zero_clap,
+                                     drop_last=2 if zero_clap else 0)
+        return cls(folder / "encoder.json", folder / "vocab.bpe", dictionary)
+
+    @classmethod
+    def from_dir(cls, folder: str | Path, zero_clap: bool = False) -> "Tokenizer":
+        """encoder.json + vocab.bpe + dict.txt from a folder (e.g. written by `train`)."""
+        folder = Path(folder)
+        if not (folder / "dict.txt").is_file():
+            raise TokenizerError(f"dictionary not found: {folder / 'dict.txt'}")
+        dictionary = Dictionary.load(folder / "dict.txt", add_mask=not zero_clap)
+        return cls(folder / "encoder.json", folder / "vocab.bpe", dictionary)
+
+    @staticmethod
+    def train(files: list[str | Path], out_dir: str | Path, vocab_size: int = 32000,
+              min_frequency: int = 2) -> Path:
+        """Train a byte-level BPE on text files; write encoder.json, vocab.bpe and a dict.txt
+        (BPE ids ordered by corpus frequency, as fairseq-preprocess would) to out_dir."""
+        from tokenizers import ByteLevelBPETokenizer
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        trainer = ByteLevelBPETokenizer(add_prefix_space=False)
+        trainer.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=min_frequency,
+                      special_tokens=[], show_progress=False)
+        vocab_path, merges_path = trainer.save_model(str(out))
+        Path(vocab_path).replace(out / "encoder.json")
+        Path(merges_path).replace(out / "vocab.bpe")
+        counts = np.zeros(trainer.get_vocab_size(), dtype=np.int64)
+        for f in files:
+            for line in Path(f).read_text(encoding="utf-8").splitlines(keepends=True):
+                np.add.at(counts, trainer.encode(line).ids, 1)
+        order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
+        (out / "dict.txt").write_text("".join(f"{i} {counts[i]}\n" for i in order))
+        return out
+
+    def encode(self, text: str) -> np.ndarray:
+        """Text -> fairseq ids (no <s>/</s>)."""
+        return self._to_fairseq[np.asarray(self._bpe.encode(text).ids, dtype=np.int64)]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self._to_fairseq[np.asarray(e.ids, dtype=np.int64)]
+                for e in self._bpe.encode_batch(texts)]
+
+    def decode(self, ids) -> str:
+        """fairseq ids -> text; specials, madeupwords and the mask are skipped."""
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[(ids >= 0) & (ids < len(self._to_bpe))]
+        bpe_ids = self._to_bpe[ids]
+        return self._bpe.decode(bpe_ids[bpe_ids >= 0].tolist())
+
+    def bpe_ids(self, text: str) -> list[int]:
+        """The raw BPE (GPT-2) ids, before the dictionary mapping."""
+        return self._bpe.encode(text).ids

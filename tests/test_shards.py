@@ -1,0 +1,152 @@
+"""Shard builder: round trip (our reader and the webdataset library), counts, long-document
+policies at the reference's boundary, determinism, and bad input that is counted, not lost."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from megamlm.cli import main as cli
+from megamlm.data.shards import BuildOptions, ShardError, build_shards
+from megamlm.data.stream import ShardSet
+from megamlm.data.tokenizer import EOS, Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return Tokenizer.gpt2()
+
+
+def a_tokens(n):
+    """A text of exactly n GPT-2 tokens ('a' then ' a' n-1 times)."""
+    return "a" + " a" * (n - 1)
+
+
+def write_jsonl(path, records, raw_lines=()):
+    lines = [json.dumps(r) for r in records] + list(raw_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def stored_documents(folder, split="train"):
+    shards = ShardSet(folder, split)
+    docs = []
+    for i in range(len(shards.shards)):
+        starts = shards.doc_starts(i)
+        docs += [shards.read_tokens(i, int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+    return docs
+
+
+def test_round_trip_and_manifest_counts(tmp_path, gpt2):
+    text = (ROOT / "data/wikitext-103/valid.txt").read_text()
+    out = tmp_path / "shards"
+    manifest = build_shards(BuildOptions([str(ROOT / "data/wikitext-103/valid.txt")], str(out),
+                                         seq_length=256, long_docs="split", shard_tokens=50_000),
+                            gpt2, progress=False)
+    docs = stored_documents(out)
+    # brute-force recount: paragraphs of the file, each tokenized + </s>, split at 255 tokens
+    paragraphs = [re.sub(r"^(?:[ \t]*\n)+", "", p).rstrip("\n")
+                  for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
+    expected = []
+    for p in paragraphs:
+        ids = np.append(gpt2.encode(p), EOS)
+        expected += [ids[i:i + 255] for i in range(0, len(ids), 255)]
+    assert len(docs) == len(expected) == manifest["splits"]["train"]["documents"]
+    assert all(np.array_equal(a, b) for a, b in zip(docs, expected))
+    assert sum(map(len, docs)) == manifest["splits"]["train"]["tokens"] == manifest["per_subset"]["text"]["tokens"]
+    assert len(manifest["splits"]["train"]["shards"]) > 3
+    assert manifest["dictionary_sha256"] == gpt2.dictionary.sha256
+    # the same shards read by the webdataset library
+    urls = [str(out / s["name"]) for s in manifest["splits"]["train"]["shards"]]
+    samples = list(wds.WebDataset(urls, shardshuffle=False).decode())
+    assert len(samples) == len(docs)
+    assert all(np.array_equal(s["ids.npy"], d) for s, d in zip(samples, docs))
+    assert samples[0]["json"]["source"].endswith("valid.txt") and samples[0]["ids.npy"].dtype == np.uint16
+
+
+@pytest.mark.parametrize("policy,kept,stored_lengths", [
+    ("drop", {"kept": 1, "dropped": 1}, [2047]),
+    ("truncate", {"kept": 1, "truncated": 1}, [2047, 2047]),
+    ("split", {"kept": 1, "split": 1}, [2047, 2047, 1]),
+])
+def test_long_documents_at_the_reference_boundary(tmp_path, gpt2, policy, kept, stored_lengths):
+    # at length 2048 a document of 2046 BPE tokens (+ </s> = 2047) fits, one of 2047 does not
+    src = write_jsonl(tmp_path / "docs.jsonl", [
+        {"text": a_tokens(2046), "meta": {"pile_set_name": "Pile-CC"}},
+        {"text": a_tokens(2047), "meta": {"pile_set_name": "Github"}},
+    ])
+    out = tmp_path / policy
+    manifest = build_shards(BuildOptions([str(src)], str(out), seq_length=2048, long_docs=policy),
+                            gpt2, progress=False)
+    assert [len(d) for d in stored_documents(out)] == stored_lengths
+    subsets = manifest["per_subset"]
+    assert subsets["Pile-CC"]["kept"] == 1
+    counted = {k: sum(s.get(k, 0) for s in subsets.values()) for k in kept}
+    assert counted == kept
+    if policy == "truncate":
+        assert stored_documents(out)[1][-1] == EOS
+
+
+def test_output_is_deterministic_for_any_worker_count(tmp_path, gpt2):
+    inputs = [str(ROOT / "data/wikitext-103/test.txt")]
+    folders = []
+    for workers in (1, 2, 1):
+        out = tmp_path / f"w{workers}-{len(folders)}"
+        build_shards(BuildOptions(inputs, str(out), seq_length=128, long_docs="split",
+                                  valid_fraction=0.1, shard_tokens=100_000, workers=workers),
+                     gpt2, progress=False)
+        folders.append(out)
+    names = sorted(p.name for p in folders[0].iterdir())
+    assert any(n.startswith("valid-") for n in names)
+    for other in folders[1:]:
+        assert sorted(p.name for p in other.iterdir()) == names
+        for name in names:
+            assert (other / name).read_bytes() == (folders[0] / name).read_bytes(), name
+
+
+def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2):
+    src = tmp_path / "bad.jsonl"
+    good = json.dumps({"text": "fine document", "meta": {"pile_set_name": "Wikipedia (en)"}})
+    with open(src, "wb") as f:
+        f.write(good.encode() + b"\n")
+        f.write(b'{"text": "unterminated\n')
+        f.write(json.dumps({"meta": {}}).encode() + b"\n")
+        f.write(json.dumps({"text": "   "}).encode() + b"\n")
+        f.write(b'{"text": "bad \xff byte"}\n')
+        f.write(good.encode() + b"\n")
+    manifest = build_shards(BuildOptions([str(src)], str(tmp_path / "out")), gpt2, progress=False)
+    assert manifest["skipped"] == {"malformed_json": 1, "missing_text": 1, "empty": 1, "invalid_utf8": 1}
+    assert manifest["splits"]["train"]["documents"] == 2
+    with pytest.raises(ShardError, match=rf"{src}:2: malformed JSON"):
+        build_shards(BuildOptions([str(src)], str(tmp_path / "strict"), strict=True), gpt2, progress=False)
+
+
+def test_zstd_jsonl_and_line_mode_text(tmp_path, gpt2):
+    import zstandard
+
+    records = [{"text": f"document number {i}", "meta": {"pile_set_name": "ArXiv"}} for i in range(5)]
+    plain = write_jsonl(tmp_path / "a.jsonl", records)
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    manifest = build_shards(BuildOptions([str(tmp_path / "a.jsonl.zst")], str(tmp_path / "z")),
+                            gpt2, progress=False)
+    assert manifest["per_subset"]["ArXiv"]["documents"] == 5
+    assert gpt2.decode(stored_documents(tmp_path / "z")[3]) == "document number 3"
+    lines = tmp_path / "lines.txt"
+    lines.write_text("one\ntwo\n\nthree\n")
+    build_shards(BuildOptions([str(lines)], str(tmp_path / "l"), text_mode="lines"), gpt2, progress=False)
+    assert [gpt2.decode(d) for d in stored_documents(tmp_path / "l")] == ["one", "two", "three"]
+
+
+def test_cli_build_reports_and_refuses_reuse(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "x.jsonl", [{"text": "hello there"}])
+    assert cli(["shards", "build", str(src), "--out", str(tmp_path / "o")]) == 0
+    assert "unknown" in capsys.readouterr().out
+    assert cli(["shards", "build", str(src), "--out", str(tmp_path / "o")]) == 2
+    assert "already holds shards" in capsys.readouterr().err
+    assert cli(["shards", "build", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p")]) == 2
+    assert "input not found" in capsys.readouterr().err

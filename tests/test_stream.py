@@ -1,0 +1,194 @@
+"""Per-rank streaming: DP x worker partition, identical TP peers, exact resume in a new process,
+masking statistics, corrupt shards and foreign dictionaries."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megamlm.config import ParallelConfig
+from megamlm.data.masking import Masker
+from megamlm.data.shards import BuildOptions, ShardError, build_shards
+from megamlm.data.stream import MaskedBatches, ShardSet, StreamPosition, advance, make_loader
+from megamlm.data.tokenizer import Tokenizer
+from megamlm.parallel import init_distributed
+from tests.multiproc import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stream") / "shards"
+    build_shards(BuildOptions([str(ROOT / "data/wikitext-103/valid.txt")], str(out), seq_length=128,
+                              long_docs="split", shard_tokens=25_000), Tokenizer.gpt2(), progress=False)
+    return out
+
+
+def masker(seed=1):
+    gpt2 = Tokenizer.gpt2()
+    return Masker(gpt2.dictionary.mask_id, gpt2.dictionary.ordinary_ids(), seed=seed)
+
+
+def stream(folder, **kw):
+    args = dict(seq_length=128, micro_batch=8, seed=3, shuffle_buffer=50)
+    args.update(kw)
+    return MaskedBatches(ShardSet(folder), masker(), **args)
+
+
+def originals(batch):
+    """The unmasked samples of a batch, keyed by their index in the epoch's global order."""
+    tokens = batch["tokens"].clone()
+    tokens[batch["masked_positions"]] = batch["targets"]
+    return {int(i): tuple(row[row != 1].tolist()) for i, row in zip(batch["sample_ids"], tokens)}
+
+
+def _rank_epoch(folder, tensor_parallel, workers):
+    ctx = init_distributed(ParallelConfig(tensor_parallel=tensor_parallel))
+    # micro batch 1: no partial last batch, so the epoch is partitioned exactly
+    s = stream(folder, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, epochs=1, micro_batch=1)
+    seen, batches = {}, []
+    for batch in make_loader(s, workers=workers):
+        seen.update(originals(batch))
+        batches.append(batch)
+    return {"seen": seen, "batches": batches[:5], "per_epoch": s.batches_per_epoch(),
+            "left_out": s.left_out_per_epoch(), "dp": ctx.dp_size}
+
+
+def _both_layouts(folder):
+    return _rank_epoch(folder, 1, 2), _rank_epoch(folder, 2, 2)
+
+
+def test_data_parallel_ranks_partition_the_epoch_and_tp_peers_agree(shard_dir):
+    single = stream(shard_dir, epochs=1, micro_batch=1)
+    everything = {}
+    for batch in make_loader(single):
+        everything.update(originals(batch))
+    (dp0, tp0), (dp1, tp1) = run_on_ranks(_both_layouts, 2, shard_dir)
+    assert dp0["dp"] == 2 and tp0["dp"] == 1
+    # DP=2 x 2 workers each: equal, disjoint halves whose union is the single-rank epoch, except
+    # the N mod 2 samples at the end of the epoch's order, which are reported as left out
+    assert dp0["per_epoch"] == dp1["per_epoch"] > 500
+    assert not dp0["seen"].keys() & dp1["seen"].keys()
+    union = {**dp0["seen"], **dp1["seen"]}
+    left_out = sorted(everything.keys() - union.keys())
+    assert len(left_out) == dp0["left_out"] and union.keys() <= everything.keys()
+    assert left_out == list(range(len(everything) - len(left_out), len(everything)))
+    assert all(everything[i] == sample for i, sample in union.items())
+    # TP=2 (DP=1): both peers get the very same batches
+    for a, b in zip(tp0["batches"], tp1["batches"]):
+        for key in ("tokens", "masked_positions", "targets", "sample_ids"):
+            assert torch.equal(a[key], b[key])
+
+
+def _resume_in_new_process(folder, position, count):
+    s = stream(folder, position=StreamPosition(**json.loads(position)))
+    loader = iter(make_loader(s, workers=2))
+    return [next(loader) for _ in range(count)]
+
+
+def test_resume_continues_with_the_next_batch_across_epochs(tmp_path):
+    small = tmp_path / "small"
+    text = (ROOT / "data/wikitext-103/valid.txt").read_text()[:40_000]
+    (tmp_path / "small.txt").write_text(text)
+    build_shards(BuildOptions([str(tmp_path / "small.txt")], str(small), seq_length=128,
+                              long_docs="split", shard_tokens=3_000), Tokenizer.gpt2(), progress=False)
+    s = stream(small)
+    per_epoch = s.batches_per_epoch()
+    assert 3 <= per_epoch <= 20
+    k, m = per_epoch - 2, 6  # stop two batches before the end of epoch 0, resume into epoch 1
+    straight = iter(make_loader(s, workers=2))
+    straight = [next(straight) for _ in range(k + m)]
+    position = StreamPosition()
+    for batch in straight[:k]:
+        position = advance(position, batch, per_epoch)
+    resumed = run_on_ranks(_resume_in_new_process, 1, small, json.dumps(position.state_dict()), m)[0]
+    assert [(b["epoch"], b["batch"]) for b in resumed] == [(b["epoch"], b["batch"]) for b in straight[k:]]
+    assert {b["epoch"] for b in resumed} == {0, 1}
+    for a, b in zip(straight[k:], resumed):
+        for key in ("tokens", "masked_positions", "targets", "sample_ids"):
+            assert torch.equal(a[key], b[key])
+    # a new epoch is reshuffled and remasked
+    epoch1 = [b for b in straight if b["epoch"] == 1][0]
+    assert not torch.equal(epoch1["sample_ids"], straight[0]["sample_ids"])
+
+
+def test_batches_are_padded_to_a_multiple_of_8_and_start_with_bos(shard_dir):
+    batch = next(iter(make_loader(stream(shard_dir))))
+    assert batch["tokens"].shape[1] % 8 == 0 and batch["tokens"].shape[1] <= 128
+    assert (batch["tokens"][:, 0] == 0).sum() + batch["masked_positions"][:, 0].sum() >= 8
+    assert batch["targets"].numel() == batch["masked_positions"].sum()
+    assert not batch["masked_positions"][batch["tokens"] == 1].any()
+
+
+def test_masking_statistics_follow_the_reference():
+    m = masker()
+    rng = np.random.default_rng(0)
+    total = targeted = masked = randomized = kept = 0
+    ordinary = set(m.random_ids.tolist())
+    for index in range(4000):
+        tokens = rng.integers(4, 50260, size=int(rng.integers(20, 128)))
+        inputs, target = m(tokens, epoch=0, index=index)
+        total += len(tokens)
+        targeted += target.sum()
+        masked += (inputs[target] == m.mask_id).sum()
+        same = inputs[target] == tokens[target]
+        kept += same.sum()
+        randomized += (~same & (inputs[target] != m.mask_id)).sum()
+        assert set(inputs[target & (inputs != m.mask_id)].tolist()) <= ordinary
+        assert np.array_equal(inputs[~target], tokens[~target])
+    assert abs(targeted / total - 0.15) < 0.003
+    assert targeted == masked + randomized + kept
+    assert abs(masked / targeted - 0.8) < 0.01
+    assert abs(randomized / targeted - 0.1) < 0.01 and abs(kept / targeted - 0.1) < 0.01
+
+
+def test_mask_rate_uses_probabilistic_rounding_and_is_seeded():
+    m = masker()
+    counts = [m(np.arange(4, 14), epoch=0, index=i)[1].sum() for i in range(5000)]
+    assert abs(np.mean(counts) - 1.5) < 0.05  # 15% of 10 tokens: 1 or 2, 1.5 on average
+    tokens = np.arange(4, 104)
+    first = m(tokens, 2, 7)
+    assert all(np.array_equal(a, b) for a, b in zip(first, m(tokens, 2, 7)))
+    assert not np.array_equal(first[1], m(tokens, 3, 7)[1])
+    zero = Masker(50262, Tokenizer.gpt2(zero_clap=True).dictionary.ordinary_ids())
+    inputs, target = zero(tokens, 0, 0)
+    assert (inputs[target] == 50262).sum() > 0
+
+
+def test_truncated_shard_is_skipped_and_garbage_is_replaced(shard_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(shard_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    names = [s["name"] for s in manifest["splits"]["train"]["shards"]]
+    with open(copy / names[0], "r+b") as f:
+        f.truncate(5000)
+    index = np.load(copy / names[1].replace(".tar", ".idx.npy"))
+    with open(copy / names[1], "r+b") as f:  # garbage over every document of the second shard
+        for offset, size, _ in index:
+            f.seek(offset)
+            f.write(b"\x93NUMPY garbage" + b"\xff" * (size - 14))
+    with pytest.warns(UserWarning, match=f"skipping shard .*{names[0]}: truncated"):
+        shards = ShardSet(copy)
+    assert shards.excluded == [str(copy / names[0])]
+    s = MaskedBatches(shards, masker(), seq_length=128, micro_batch=8, seed=3, epochs=1)
+    corrupt = 0
+    with pytest.warns(UserWarning, match="unreadable"):
+        for batch in make_loader(s):
+            corrupt += batch["corrupt"]
+            assert batch["tokens"].shape[0] == 8
+    assert corrupt > 0
+
+
+def test_foreign_dictionary_and_unfinished_builds_are_refused(shard_dir, tmp_path):
+    zero = Tokenizer.gpt2(zero_clap=True)
+    with pytest.raises(ShardError, match="built with another dictionary .* rebuild the shards"):
+        ShardSet(shard_dir, dictionary_sha256=zero.dictionary.sha256)
+    ShardSet(shard_dir, dictionary_sha256=Tokenizer.gpt2().dictionary.sha256)
+    with pytest.raises(ShardError, match="manifest.json not found"):
+        ShardSet(tmp_path)
+    with pytest.raises(ShardError, match="has no 'valid' split; it has: train"):
+        ShardSet(shard_dir, "valid")
