@@ -110,7 +110,9 @@ def _add_shards_args(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--valid-fraction", type=float, default=0.0,
                        help="fraction of documents written to the valid split")
     build.add_argument("--shard-tokens", type=int, default=20_000_000, help="tokens per shard")
-    build.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    build.add_argument("--workers", type=int, default=1,
+                       help="tokenizer processes (each already uses all cores through tokenizers' "
+                            "threads; more pay off only for many large input files)")
     build.add_argument("--seed", type=int, default=1, help="seed of the train/valid split")
     build.add_argument("--strict", action="store_true",
                        help="stop at the first malformed line instead of skipping and counting it")
