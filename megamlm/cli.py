@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import yaml
-
 from megamlm.config import Config, ConfigError, load_config
 
 
@@ -19,16 +17,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_config(cfg: Config, args) -> int:
-    print(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False), end="")
+    print(cfg.to_yaml(), end="")
     return 0
-
-
-def _plain(obj):
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return list(obj)
-    return obj
 
 
 def cmd_params(cfg: Config, args) -> int:
@@ -74,7 +64,7 @@ def cmd_shards(args) -> int:
             out = Tokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size)
             print(f"wrote {out}/encoder.json, vocab.bpe, dict.txt; build shards with --tokenizer {out}")
             return 0
-        tokenizer = load_tokenizer(args.tokenizer)
+        tokenizer = Tokenizer.load(args.tokenizer)
         options = BuildOptions(inputs=args.inputs, out_dir=args.out, seq_length=args.seq_length,
                                long_docs=args.long_docs, text_mode=args.text_mode,
                                valid_fraction=args.valid_fraction, shard_tokens=args.shard_tokens,
@@ -85,15 +75,6 @@ def cmd_shards(args) -> int:
         return 2
     print(summary_table(manifest))
     return 0
-
-
-def load_tokenizer(spec: str):
-    """`gpt2`, `gpt2-zero-clap` (50262 symbols, no <mask> row) or a folder with BPE + dict.txt."""
-    from megamlm.data.tokenizer import Tokenizer
-
-    if spec in ("gpt2", "gpt2-zero-clap"):
-        return Tokenizer.gpt2(zero_clap=spec == "gpt2-zero-clap")
-    return Tokenizer.from_dir(spec)
 
 
 def _add_shards_args(parser: argparse.ArgumentParser) -> None:
@@ -124,22 +105,75 @@ def _add_shards_args(parser: argparse.ArgumentParser) -> None:
     bpe.add_argument("--vocab-size", type=int, default=32000)
 
 
+def cmd_train(cfg: Config, args) -> int:
+    from megamlm.data.shards import ShardError
+    from megamlm.parallel import destroy_distributed
+    from megamlm.train.loop import train
+
+    try:
+        summary = train(cfg, resume=args.resume)
+    except ShardError as err:
+        print(f"megamlm: data error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+    if args.fill_mask and not summary.get("preempted"):
+        return fill_mask_main(summary["model_dir"], args.fill_mask, topk=3)
+    return 0
+
+
+def fill_mask_main(model_dir: str, text: str, topk: int) -> int:
+    from megamlm.data.tokenizer import Tokenizer
+    from megamlm.fill_mask import fill_mask
+    from megamlm.parallel import destroy_distributed, init_distributed
+    from megamlm.pretrained import load_pretrained
+
+    ctx = init_distributed(load_config([]).parallel)
+    try:
+        cfg, model = load_pretrained(model_dir, ctx)
+        tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
+        if ctx.tp_rank == 0 and ctx.dp_rank == 0:
+            print(f"fill-mask: {text}")
+            for filled, prob, token in fill_mask(model, tokenizer, text, topk):
+                print(f"  {prob:7.4f}  {token!r:>14}  {filled}")
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def _add_train_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume", default=None, metavar="auto|TAG",
+                        help="auto: continue from the newest complete checkpoint of train.run_dir (if any)")
+    parser.add_argument("--fill-mask", default=None, metavar="TEXT",
+                        help="after training, print the top-3 fills of TEXT's <mask>")
+
+
 VERBS = {
-    "config": (cmd_config, "print the resolved configuration"),
-    "params": (cmd_params, "build the model and print its parameter counts"),
-    "smoke": (cmd_smoke, "forward/backward/optimizer smoke run of the configured model"),
+    "config": (cmd_config, "print the resolved configuration", None),
+    "params": (cmd_params, "build the model and print its parameter counts", None),
+    "smoke": (cmd_smoke, "forward/backward/optimizer smoke run of the configured model", None),
+    "train": (cmd_train, "pretrain (or continue) the configured experiment", _add_train_args),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megamlm", description=__doc__)
     sub = parser.add_subparsers(dest="verb", required=True)
-    for name, (_, help_text) in VERBS.items():
-        _add_config_args(sub.add_parser(name, help=help_text, description=help_text))
+    for name, (_, help_text, add_args) in VERBS.items():
+        verb = sub.add_parser(name, help=help_text, description=help_text)
+        _add_config_args(verb)
+        if add_args is not None:
+            add_args(verb)
     _add_shards_args(sub.add_parser("shards", help="build and inspect token shards"))
+    fill = sub.add_parser("fill-mask", help="top-k fills of the first <mask> with a trained model")
+    fill.add_argument("model_dir", help="exported model folder (<run_dir>/final)")
+    fill.add_argument("text", help='e.g. "The capital of China is <mask>."')
+    fill.add_argument("--topk", type=int, default=5)
     args = parser.parse_args(argv)
     if args.verb == "shards":
         return cmd_shards(args)
+    if args.verb == "fill-mask":
+        return fill_mask_main(args.model_dir, args.text, args.topk)
     try:
         cfg = load_config(args.config, args.overrides)
         return VERBS[args.verb][0](cfg, args)

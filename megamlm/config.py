@@ -149,58 +149,155 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """Input data (the data-pipeline issue adds the shard and masking knobs)."""
+    """Shards, sample construction and masking (fairseq masked_lm task)."""
 
+    shards: Optional[str] = None
+    """Folder of shards built by `megamlm shards build` (train and valid splits)."""
+    build_from: list[str] = field(default_factory=list)
+    """Input files (.jsonl, .jsonl.zst, .txt) built into `shards` on first use when it holds none."""
+    tokenizer: str = "gpt2"
+    """gpt2, or a folder with encoder.json, vocab.bpe, dict.txt (`megamlm shards train-bpe`); the
+    zero-clap dictionary (no <mask> row) is chosen automatically with model.zero_mask."""
     seq_length: int = 512
     """Tokens per sample including `<s>` (the reference's tokens_per_sample)."""
+    block_mode: Literal["complete", "contiguous"] = "complete"
+    """complete: whole documents packed per sample (the reference); contiguous: a token stream cut
+    every seq_length - 1 tokens."""
+    long_docs: Literal["drop", "truncate", "split"] = "drop"
+    """Documents longer than a sample when building: drop (the reference), truncate, split."""
+    text_mode: Literal["paragraphs", "lines"] = "paragraphs"
+    """Plain-text inputs: one document per blank-line-separated block, or per line."""
+    valid_fraction: float = 0.01
+    """Share of documents put in the valid split when building."""
+    shuffle_window: int = 10000
+    """Samples are shuffled within consecutive windows of this many (after a per-epoch shard
+    permutation); larger mixes more, 1 keeps the shard order."""
+    loader_workers: int = 0
+    """DataLoader worker processes per rank (0: read in the training process)."""
     mask_prob: float = 0.15
     """Fraction of tokens selected for prediction."""
+    leave_unmasked_prob: float = 0.1
+    """Of the selected tokens, the share left unchanged."""
+    random_token_prob: float = 0.1
+    """Of the selected tokens, the share replaced by a random ordinary token."""
 
     def __post_init__(self):
         check_fields(self, "data")
-        if self.seq_length < 2:
-            raise ConfigError(f"data.seq_length={self.seq_length} must be >= 2")
+        if self.seq_length < 3:
+            raise ConfigError(f"data.seq_length={self.seq_length} must be >= 3")
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"data.mask_prob={self.mask_prob} must be in (0, 1)")
+        if self.leave_unmasked_prob + self.random_token_prob > 1.0:
+            raise ConfigError(
+                f"data.leave_unmasked_prob + data.random_token_prob = "
+                f"{self.leave_unmasked_prob + self.random_token_prob} must be <= 1")
+        if self.build_from and self.shards is None:
+            raise ConfigError("data.build_from needs data.shards: the folder to build the shards into")
 
 
 @dataclass
 class OptimConfig:
-    """AdamW with the reference's settings (the training issue adds the schedule knobs)."""
+    """AdamW and the learning-rate schedule (reference: betas (0.9, 0.98), eps 1e-6, wd 0.01)."""
 
     lr: float = 6e-4
     """Peak learning rate."""
+    min_lr: float = 6e-5
+    """Cosine floor; warm-up starts here (fairseq warmup_init_lr = min_lr)."""
+    schedule: Literal["cosine", "polynomial", "constant"] = "cosine"
+    """cosine (pretraining, fairseq cosine), polynomial (fine-tuning, fairseq polynomial_decay),
+    constant (after warm-up)."""
+    warmup_steps: int = 10000
+    """Linear warm-up updates."""
+    period_steps: Optional[int] = None
+    """Cosine period after warm-up; null = 1.1 × train.steps (the reference ran 133082 of 146390)."""
+    end_lr: float = 0.0
+    """Polynomial decay's final learning rate."""
+    power: float = 1.0
+    """Polynomial decay's power."""
     betas: tuple[float, float] = (0.9, 0.98)
     """Adam betas."""
     eps: float = 1e-6
     """Adam epsilon."""
     weight_decay: float = 0.01
-    """Decoupled weight decay."""
+    """Decoupled weight decay (applied to every parameter, as fairseq does)."""
+    clip_grad: float = 0.0
+    """Gradient-norm clipping threshold; 0 = off (the reference)."""
 
     def __post_init__(self):
         check_fields(self, "optim")
         if self.lr <= 0:
             raise ConfigError(f"optim.lr={self.lr} must be positive")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.period_steps is not None and self.period_steps < 1:
+            raise ConfigError(f"optim.period_steps={self.period_steps} must be >= 1")
 
 
 @dataclass
 class TrainConfig:
-    """The run (the training issue adds engine, checkpoint and logging knobs)."""
+    """The run: batch arithmetic, engine, evaluation, checkpoints, guards."""
 
     seed: int = 1
-    """Seed for initialization, dropout and data order; results do not depend on TP."""
+    """Seed for initialization, dropout, data order and masking; results do not depend on TP."""
     micro_batch_size: int = 8
     """Sequences per forward pass on one data-parallel rank."""
+    global_batch_size: Optional[int] = None
+    """Sequences per update over all ranks = micro × accumulation × DP; null = micro × DP."""
     steps: int = 20
     """Optimizer updates."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision."""
+    """fp32, bf16, or fp16 with dynamic loss scaling (the reference)."""
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP)."""
+    deepspeed_config: Optional[str] = None
+    """A DeepSpeed JSON file used instead of the one generated from this config (batch sizes must agree)."""
+    run_dir: str = "runs/default"
+    """Checkpoints, TensorBoard events and logs go here."""
+    log_interval: int = 10
+    """Updates between log lines."""
+    eval_interval: int = 100
+    """Updates between validation runs (also before the first and after the last update)."""
+    eval_batches: int = 50
+    """Validation micro-batches per rank (fewer if the valid split is smaller)."""
+    save_interval: int = 500
+    """Updates between checkpoints (also at the end and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted."""
+    spike_factor: float = 3.0
+    """A loss above spike_factor × the running median is a spike."""
+    spike_patience: int = 5
+    """Consecutive spiking updates that trigger a rollback (a non-finite loss triggers at once)."""
+    spike_window: int = 100
+    """Updates in the running median."""
+    max_rollbacks: int = 3
+    """Rollbacks to the last good checkpoint (with a new data seed) before giving up."""
 
     def __post_init__(self):
         check_fields(self, "train")
-        for key in ("micro_batch_size", "steps"):
+        for key in ("micro_batch_size", "steps", "log_interval", "eval_interval", "save_interval",
+                    "keep_last", "spike_patience", "spike_window"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage={self.zero_stage} is invalid; allowed: 0 | 1 | 2 | 3")
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}")
+
+    def accumulation_steps(self, dp_size: int) -> int:
+        """global = micro × accumulation × DP, checked against the world actually launched."""
+        if self.global_batch_size is None:
+            return 1
+        per_step = self.micro_batch_size * dp_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is not divisible by "
+                f"train.micro_batch_size × data-parallel size = {self.micro_batch_size} × {dp_size}; "
+                f"choose a multiple of {per_step}")
+        return self.global_batch_size // per_step
 
 
 @dataclass
@@ -235,6 +332,16 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def to_yaml(self) -> str:
+        """The resolved config as YAML that load_config reads back to an equal Config."""
+
+        def plain(obj):
+            if isinstance(obj, dict):
+                return {k: plain(v) for k, v in obj.items()}
+            return [plain(v) for v in obj] if isinstance(obj, (tuple, list)) else obj
+
+        return yaml.safe_dump(plain(self.to_dict()), sort_keys=False)
+
 
 # ------------------------------------------------------------------------------------------------
 # Field checking shared by every section
@@ -254,6 +361,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
     if origin is tuple:
         return "[" + ", ".join(_describe(a) for a in args) + "]"
+    if origin is list:
+        return f"list of {_describe(args[0])}"
     return tp.__name__
 
 
@@ -272,6 +381,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return False, value
     if origin is Literal:
         return value in args, value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        items = [_coerce(v, args[0]) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             return False, value

@@ -58,6 +58,9 @@ def init_distributed(cfg: ParallelConfig) -> ParallelContext:
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    # DeepSpeed reads these itself; make srun and plain `python` runs look like torchrun
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", local_rank)):
+        os.environ.setdefault(name, str(value))
     backend = cfg.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -340,3 +340,25 @@ def summary_table(manifest: dict) -> str:
     rows.append("skipped inputs: " + (", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
                                       if skipped else "none"))
     return "\n".join(rows)
+
+
+def ensure_shards(data, tokenizer: Tokenizer, progress: bool = True) -> Path:
+    """data.shards, built from data.build_from first if it holds no finished build (call on one
+    process; the others wait for it)."""
+    if data.shards is None:
+        raise ShardError("data.shards is not set: point it at a folder built by `megamlm shards build`")
+    folder = Path(data.shards)
+    if (folder / "manifest.json").exists():
+        return folder
+    if not data.build_from:
+        raise ShardError(f"{folder}/manifest.json not found and data.build_from is empty: build the "
+                         f"shards with `megamlm shards build ... --out {folder}`")
+    if folder.exists():  # leftovers of an interrupted build
+        for leftover in folder.glob("*"):
+            leftover.unlink()
+    manifest = build_shards(BuildOptions(inputs=list(data.build_from), out_dir=str(folder),
+                                         seq_length=data.seq_length, long_docs=data.long_docs,
+                                         text_mode=data.text_mode, valid_fraction=data.valid_fraction),
+                            tokenizer, progress=progress)
+    print(summary_table(manifest))
+    return folder

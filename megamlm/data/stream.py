@@ -1,20 +1,22 @@
 """Per-rank streaming of masked batches from shards, with an exact, serializable position.
 
-An epoch is planned from document lengths alone (the `.idx.npy` sidecars and the manifest), never
-from a shared queue, so every rank computes the same plan independently:
+An epoch has one global sample order, computed by every rank from document lengths alone (the
+manifest and `.idx.npy` sidecars), so no rank ever talks to another about data:
 
 1. the shards are permuted by (seed, epoch) and their samples (blocks.py) concatenated: N samples;
-2. data-parallel rank r takes the contiguous range [r·N/DP, (r+1)·N/DP): sequential reads, equal
-   counts on every rank (the N mod DP remainder is left out of that epoch and reported), identical
-   batches on tensor-parallel peers (they share the DP rank);
-3. a shuffle buffer, simulated on sample indices with its own seed (seed, epoch, rank), reorders
-   the range;
-4. batch j holds samples [j·b, (j+1)·b) of that order; loader worker w of W builds the batches
-   g ≡ w (mod W) of the rank's flat batch sequence, which is the order a DataLoader yields them in.
+2. the order is shuffled within consecutive windows of `shuffle_window` samples, each by its own
+   seeded permutation (random access to any position, nothing to replay on resume);
+3. an update consumes the next G = micro × accumulation × DP samples of that order; micro-step a of
+   data-parallel rank r takes the slice starting at (a·DP + r)·micro. So the samples of an update do
+   not depend on how it is split (DP=2 sees what DP=1 with 2 accumulation steps sees), every rank
+   gets the same number of batches (the N mod G remainder is left out of that epoch and reported),
+   and tensor-parallel peers (same DP rank) get identical batches;
+4. loader worker w of W builds micro-batches k ≡ w (mod W) of the rank's flat sequence, which is the
+   order a DataLoader yields them in.
 
-The position is (epoch, next batch): a resumed stream continues with exactly the batch an
-uninterrupted run would have produced next. Masking is seeded by (seed, epoch, sample index in
-the epoch's global order), independent of ranks and workers.
+The position is (epoch, next micro-batch of this rank): a resumed stream continues with exactly the
+batch an uninterrupted run would have produced next. Masking is seeded by (seed, epoch, sample index),
+independent of ranks, workers and restarts.
 """
 
 from __future__ import annotations
@@ -131,70 +133,57 @@ class StreamPosition:
         return {"epoch": self.epoch, "batch": self.batch}
 
 
-@dataclass
-class EpochPlan:
-    shard: np.ndarray        # [n] shard of each sample of this rank, in yield order
-    block: np.ndarray        # [n] sample index within its shard
-    global_index: np.ndarray  # [n] position in the epoch's global order (seeds the masking)
+class EpochOrder:
+    """The global sample order of one epoch: position -> (shard, block in shard, sample index)."""
 
+    def __init__(self, counts: np.ndarray, seed: int, epoch: int, window: int):
+        self.counts, self.seed, self.epoch, self.window = counts, seed, epoch, max(1, window)
+        self.order = np.random.default_rng([seed, epoch]).permutation(len(counts))
+        self.ends = np.cumsum(counts[self.order])
+        self.total = int(self.ends[-1])
+        self._window_id, self._permutation = -1, None
 
-def plan_epoch(counts: np.ndarray, seed: int, epoch: int, dp_rank: int, dp_size: int,
-               shuffle_buffer: int) -> EpochPlan:
-    order = np.random.default_rng([seed, epoch]).permutation(len(counts))
-    ordered_counts = counts[order]
-    ends = np.cumsum(ordered_counts)
-    total = int(ends[-1])
-    per_rank = total // dp_size
-    lo, hi = dp_rank * per_rank, (dp_rank + 1) * per_rank
-    # materialize only this rank's range: [lo, hi) of the concatenation of ordered shards
-    global_index = np.arange(lo, hi, dtype=np.int64)
-    position = np.searchsorted(ends, global_index, side="right")
-    shard = order[position]
-    block = global_index - (ends[position] - ordered_counts[position])
-    permutation = _shuffle_buffer_order(len(global_index), shuffle_buffer,
-                                        np.random.default_rng([seed, epoch, dp_rank, 1]))
-    return EpochPlan(shard[permutation], block[permutation], global_index[permutation])
-
-
-def _shuffle_buffer_order(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
-    """The order a shuffle buffer of `size` emits items 0..n-1 in (size <= 1: unchanged)."""
-    if size <= 1:
-        return np.arange(n)
-    out, buffer = [], []
-    picks = rng.integers(0, size, max(n - size, 0))
-    for item in range(n):
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        k = picks[item - size]
-        out.append(buffer[k])
-        buffer[k] = item
-    tail = np.asarray(buffer, dtype=np.int64)
-    rng.shuffle(tail)
-    return np.concatenate([np.asarray(out, dtype=np.int64), tail])
+    def sample(self, position: int) -> tuple[int, int, int]:
+        window_id, offset = divmod(position, self.window)
+        if window_id != self._window_id:
+            size = min(self.window, self.total - window_id * self.window)
+            rng = np.random.default_rng([self.seed, self.epoch, window_id, 1])
+            self._window_id, self._permutation = window_id, rng.permutation(size)
+        index = window_id * self.window + int(self._permutation[offset])
+        slot = int(np.searchsorted(self.ends, index, side="right"))
+        shard = int(self.order[slot])
+        return shard, index - int(self.ends[slot] - self.counts[shard]), index
 
 
 class MaskedBatches(IterableDataset):
     """Infinite (or `epochs`-long) stream of masked batches for one data-parallel rank."""
 
     def __init__(self, shards: ShardSet, masker: Masker, *, seq_length: int, micro_batch: int,
-                 block_mode: str = "complete", seed: int = 1, dp_rank: int = 0, dp_size: int = 1,
-                 shuffle_buffer: int = 1000, pad_id: int = 1, epochs: int | None = None,
-                 position: StreamPosition | None = None):
+                 accumulation: int = 1, block_mode: str = "complete", seed: int = 1,
+                 dp_rank: int = 0, dp_size: int = 1, shuffle_window: int = 1000, pad_id: int = 1,
+                 epochs: int | None = None, position: StreamPosition | None = None):
         self.shards, self.masker = shards, masker
         self.seq_length, self.micro_batch, self.block_mode = seq_length, micro_batch, block_mode
-        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        self.shuffle_buffer, self.pad_id, self.epochs = shuffle_buffer, pad_id, epochs
+        self.accumulation, self.seed, self.dp_rank, self.dp_size = accumulation, seed, dp_rank, dp_size
+        self.shuffle_window, self.pad_id, self.epochs = shuffle_window, pad_id, epochs
         self.position = position or StreamPosition()
         self.counts = shards.block_counts(seq_length, block_mode)
+        self.global_batch = micro_batch * accumulation * dp_size
         self._bounds: dict[int, np.ndarray] = {}
         if self.batches_per_epoch() == 0:
             raise ShardError(f"{shards.folder}: {int(self.counts.sum())} samples of length "
-                             f"{seq_length} cannot give every one of {dp_size} data-parallel ranks a "
-                             f"batch of {micro_batch}")
+                             f"{seq_length} do not fill one update of {self.global_batch} sequences "
+                             f"(micro {micro_batch} x accumulation {accumulation} x DP {dp_size})")
 
     def batches_per_epoch(self) -> int:
-        return int(self.counts.sum()) // self.dp_size // self.micro_batch
+        """Micro-batches per rank per epoch (whole updates only)."""
+        return int(self.counts.sum()) // self.global_batch * self.accumulation
+
+    def _positions(self, k: int) -> range:
+        """Positions in the epoch order of this rank's micro-batch k."""
+        update, micro_step = divmod(k, self.accumulation)
+        start = update * self.global_batch + (micro_step * self.dp_size + self.dp_rank) * self.micro_batch
+        return range(start, start + self.micro_batch)
 
     def _block_bounds(self, shard: int) -> np.ndarray:
         if shard not in self._bounds:
@@ -206,13 +195,12 @@ class MaskedBatches(IterableDataset):
         start, end = self._block_bounds(shard)[block]
         return np.concatenate([[BOS], self.shards.read_tokens(shard, int(start), int(end))])
 
-    def _batch(self, plan: EpochPlan, epoch: int, j: int) -> dict:
-        rows = range(j * self.micro_batch, (j + 1) * self.micro_batch)
+    def _batch(self, order: EpochOrder, epoch: int, j: int) -> dict:
         samples = []
-        for r in rows:
+        for position in self._positions(j):
+            shard, block, index = order.sample(position)
             try:
-                samples.append((self._sample(int(plan.shard[r]), int(plan.block[r])),
-                                int(plan.global_index[r])))
+                samples.append((self._sample(shard, block), index))
             except CorruptShardError as err:
                 warnings.warn(f"{err}; the sample is replaced by another of the same batch")
         if not samples:
@@ -247,19 +235,16 @@ class MaskedBatches(IterableDataset):
         per_epoch = self.batches_per_epoch()
         flat = 0  # batches of this rank's stream since the resume point
         while self.epochs is None or epoch < self.epochs:
-            plan = None
+            order = EpochOrder(self.counts, self.seed, epoch, self.shuffle_window)
             for j in range(start, per_epoch):
                 if flat % workers == worker:
-                    if plan is None:
-                        plan = plan_epoch(self.counts, self.seed, epoch, self.dp_rank, self.dp_size,
-                                          self.shuffle_buffer)
-                    yield self._batch(plan, epoch, j)
+                    yield self._batch(order, epoch, j)
                 flat += 1
             epoch, start = epoch + 1, 0
 
     def left_out_per_epoch(self) -> int:
-        """Samples of an epoch that no rank gets (N mod DP)."""
-        return int(self.counts.sum()) % self.dp_size
+        """Samples of an epoch in no update (N mod global batch)."""
+        return int(self.counts.sum()) % self.global_batch
 
 
 def make_loader(stream: MaskedBatches, workers: int = 0) -> DataLoader:

@@ -132,6 +132,13 @@ class Tokenizer:
         return cls(folder / "encoder.json", folder / "vocab.bpe", dictionary)
 
     @classmethod
+    def load(cls, spec: str, zero_clap: bool = False) -> "Tokenizer":
+        """`gpt2`, `gpt2-zero-clap`, or a folder with encoder.json, vocab.bpe and dict.txt."""
+        if spec in ("gpt2", "gpt2-zero-clap"):
+            return cls.gpt2(zero_clap=zero_clap or spec == "gpt2-zero-clap")
+        return cls.from_dir(spec, zero_clap=zero_clap)
+
+    @classmethod
     def from_dir(cls, folder: str | Path, zero_clap: bool = False) -> "Tokenizer":
         """encoder.json + vocab.bpe + dict.txt from a folder (e.g. written by `train`)."""
         folder = Path(folder)

@@ -156,11 +156,13 @@ class MaskedLM(nn.Module):
         logits = self.lm_head(features, self.embedding.word_embeddings.weight)
         return logits.masked_fill(self.padded_columns, float("-inf"))
 
-    def loss(self, logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (nats) over the selected positions; targets [n] are real ids."""
+    def loss(self, logits_local: torch.Tensor, targets: torch.Tensor,
+             reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy (nats) over the selected positions, mean or sum; targets [n] are real ids."""
         # copy: megatron's kernel subtracts the max in place
         logits = logits_local.to(torch.float32, copy=True)
-        return vocab_parallel_cross_entropy(logits, targets).mean()
+        losses = vocab_parallel_cross_entropy(logits, targets)
+        return losses.sum() if reduction == "sum" else losses.mean()
 
     @torch.no_grad()
     def gather_logits(self, logits_local: torch.Tensor) -> torch.Tensor:

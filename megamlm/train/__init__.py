@@ -1,0 +1,1 @@
+"""Training: DeepSpeed engine, schedule, checkpoints, the loop."""

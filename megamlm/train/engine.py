@@ -1,0 +1,109 @@
+"""The DeepSpeed engine: JSON generated from our config, ZeRO over the data-parallel group only.
+
+DeepSpeed learns the layout from an `mpu` object. megatron's parallel_state lacks the
+`get_model_parallel_*` names DeepSpeed asks for, so `ModelParallelUnit` answers from our
+ParallelContext. It deliberately has no `initialize_sequence_parallel` attribute: DeepSpeed would
+then take the sequence-parallel path and drop model-parallel handling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from megamlm.config import Config, ConfigError
+from megamlm.parallel import ParallelContext
+from megamlm.train.schedule import Schedule
+
+
+class ModelParallelUnit:
+    """What DeepSpeed's `mpu` must provide (ZeRO partitions over the DP group; the gradient norm
+    counts TP-sharded parameters once per shard and replicated ones once)."""
+
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+
+    def get_model_parallel_rank(self):
+        return self.ctx.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.ctx.tp_size
+
+    def get_model_parallel_group(self):
+        return self.ctx.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self):
+        return self.ctx.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.ctx.dp_size
+
+    def get_data_parallel_group(self):
+        return self.ctx.dp_group
+
+
+def deepspeed_config(cfg: Config, dp_size: int) -> dict:
+    """The DeepSpeed JSON for this run (or the user's file, checked against our batch arithmetic)."""
+    train = cfg.train
+    accumulation = train.accumulation_steps(dp_size)
+    global_batch = train.micro_batch_size * accumulation * dp_size
+    if train.deepspeed_config:
+        path = Path(train.deepspeed_config)
+        try:
+            ds = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"train.deepspeed_config={path}: cannot read JSON ({err})")
+        for key, ours in (("train_micro_batch_size_per_gpu", train.micro_batch_size),
+                          ("gradient_accumulation_steps", accumulation),
+                          ("train_batch_size", global_batch)):
+            if key in ds and ds[key] != ours:
+                raise ConfigError(f"{path}: {key}={ds[key]} disagrees with the config's {ours} "
+                                  f"(train.micro_batch_size / global_batch_size); make them agree")
+        ds.update(train_micro_batch_size_per_gpu=train.micro_batch_size,
+                  gradient_accumulation_steps=accumulation, train_batch_size=global_batch)
+        return ds
+    ds = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": global_batch,
+        "gradient_clipping": cfg.optim.clip_grad,
+        "zero_optimization": {"stage": train.zero_stage},
+        # our optimizer is torch's AdamW (no fused/CPU-Adam kernels to build)
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    if train.precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif train.precision == "fp16":
+        # dynamic loss scaling as fairseq: start at 2^7, halve on overflow, double after 1000 clean steps
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 7,
+                      "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1e-4}
+    return ds
+
+
+def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext):
+    """(engine, optimizer, schedule) from a model whose parameters are already initialized."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
+    import deepspeed
+
+    if cfg.train.precision == "fp16" and ctx.device.type == "cpu":
+        raise ConfigError("train.precision=fp16 needs a GPU; allowed on CPU: fp32, bf16")
+    optim = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
+                                  eps=optim.eps, weight_decay=optim.weight_decay)
+    if cfg.train.zero_stage == 3:
+        # the tied embedding is used by the head outside the embedding's own forward
+        deepspeed.zero.register_external_parameter(model.lm_head, model.embedding.word_embeddings.weight)
+    engine, optimizer, _, schedule = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(cfg, ctx.dp_size),
+        mpu=ModelParallelUnit(ctx),
+        lr_scheduler=lambda opt: Schedule(opt, cfg.optim, cfg.train.steps))
+    return engine, optimizer, schedule

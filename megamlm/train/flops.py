@@ -1,0 +1,54 @@
+"""Model FLOPs per token and MFU (matmuls only, forward + backward = 3 × forward).
+
+    flops/token = 6·N_body + 12·L·s·h + 6·(h² [RoBERTa head dense] + h·V)·p_head
+    N_body = L·(4h² + 2h·f)
+
+Attention is not halved (bidirectional); p_head is the fraction of positions the head projects
+(the masked fraction here, 1.0 for a head over every position). MFU = flops/token × tokens/s ÷ peak;
+the peak comes from a table of known GPUs or, on CPU, from a matmul timed in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megamlm.config import ModelConfig
+
+# dense peak FLOP/s per GPU (no sparsity) by precision
+GPU_PEAKS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "V100": {"bf16": 125e12, "fp16": 125e12, "fp32": 15.7e12},
+}
+
+
+def flops_per_token(model: ModelConfig, seq_length: int, head_fraction: float) -> float:
+    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
+    body = L * (4 * h * h + 2 * h * f)
+    head = (h * h if model.head == "roberta" else 0) + h * V
+    return 6 * body + 12 * L * seq_length * h + 6 * head * head_fraction
+
+
+def measured_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
+    """FLOP/s of a square matmul on this CPU (the reference for MFU on machines without a table)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    start, reps = time.perf_counter(), 5
+    for _ in range(reps):
+        a @ b
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def device_peak(device: torch.device, precision: str) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAKS.items():
+            if key in name:
+                return peaks[precision], f"{name} datasheet"
+        return float("nan"), f"{name} (unknown peak)"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return measured_matmul_peak(dtype), "CPU matmul measured at start"

@@ -1,0 +1,314 @@
+"""The training loop, top to bottom.
+
+    megamlm train --config configs/demo.yaml [--resume auto] [section.key=value ...]
+    torchrun --nproc-per-node 2 -m megamlm train --config configs/demo.yaml parallel.tensor_parallel=2
+
+One update = `accumulation` micro-batches per data-parallel rank. The loss is fairseq's: the sum of
+cross-entropies over every masked token of the update (all ranks, all micro-batches) divided by
+their number, so results do not depend on how the global batch is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megamlm.config import Config, ConfigError
+from megamlm.data.masking import Masker
+from megamlm.data.shards import ShardError, ensure_shards
+from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
+from megamlm.data.tokenizer import Tokenizer
+from megamlm.model import MaskedLM
+from megamlm.parallel import ParallelContext, init_distributed, seed_everything
+from megamlm.pretrained import export_pretrained
+from megamlm.train.checkpoint import Checkpoints, TrainState
+from megamlm.train.engine import build_engine
+from megamlm.train.flops import device_peak, flops_per_token
+from megamlm.train.guard import SpikeGuard
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) only raise a flag: the loop
+    finishes its update, saves and exits 0. Further signals while saving change nothing."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def any_rank(self, device) -> bool:
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class Log:
+    """Human lines on stdout and JSON lines in run_dir/log.jsonl (rank 0), TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(run_dir / "log.jsonl", "a")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def event(self, kind: str, step: int, text: str | None = None, **values) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"event": kind, "step": step, "time": time.time(), **values}) + "\n")
+        self.jsonl.flush()
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.tb.add_scalar(f"{kind}/{key}", value, step)
+        if text:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            self.tb.close()
+
+
+@dataclass
+class Data:
+    tokenizer: Tokenizer
+    shards: Path
+    masker: Masker
+
+
+def prepare_data(cfg: Config, ctx: ParallelContext) -> Data:
+    tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
+    if len(tokenizer.dictionary) != cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} differs from the dictionary of data.tokenizer="
+            f"{cfg.data.tokenizer} ({len(tokenizer.dictionary)} symbols); set model.vocab_size="
+            f"{len(tokenizer.dictionary)}")
+    if dist.get_rank() == 0:
+        ensure_shards(cfg.data, tokenizer)
+    dist.barrier()
+    d = cfg.data
+    masker = Masker(tokenizer.dictionary.mask_id, tokenizer.dictionary.ordinary_ids(), d.mask_prob,
+                    d.leave_unmasked_prob, d.random_token_prob, seed=cfg.train.seed)
+    return Data(tokenizer, Path(d.shards), masker)
+
+
+def train_stream(cfg: Config, ctx: ParallelContext, data: Data, state: TrainState) -> MaskedBatches:
+    shards = ShardSet(data.shards, "train", data.tokenizer.dictionary.sha256)
+    masker = dataclasses.replace(data.masker, seed=state.data_seed)
+    return MaskedBatches(shards, masker, seq_length=cfg.data.seq_length,
+                         micro_batch=cfg.train.micro_batch_size,
+                         accumulation=cfg.train.accumulation_steps(ctx.dp_size),
+                         block_mode=cfg.data.block_mode,
+                         seed=state.data_seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+                         shuffle_window=cfg.data.shuffle_window, pad_id=cfg.model.pad_token_id,
+                         position=state.position)
+
+
+def valid_stream(cfg: Config, ctx: ParallelContext, data: Data) -> MaskedBatches | None:
+    """Fixed order and masking (seed of the run, epoch 0): comparable across evaluations and variants.
+    None (with a warning) when the shards have no valid split big enough for every rank."""
+    try:
+        shards = ShardSet(data.shards, "valid", data.tokenizer.dictionary.sha256)
+        return MaskedBatches(shards, data.masker, seq_length=cfg.data.seq_length,
+                             micro_batch=cfg.train.micro_batch_size, block_mode=cfg.data.block_mode,
+                             seed=cfg.train.seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+                             shuffle_window=1, pad_id=cfg.model.pad_token_id, epochs=1)
+    except ShardError as err:
+        warnings.warn(f"no validation: {err}")
+        return None
+
+
+@torch.no_grad()
+def evaluate(model: MaskedLM, stream: MaskedBatches, max_batches: int, ctx: ParallelContext) -> dict:
+    """Validation MLM loss (nats per masked token, all DP ranks) and perplexity."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    for i, batch in enumerate(stream):
+        if i == max_batches:
+            break
+        masked = batch["masked_positions"].to(ctx.device)
+        logits = model(batch["tokens"].to(ctx.device), masked)
+        totals[0] += model.loss(logits, batch["targets"].to(ctx.device), reduction="sum").double()
+        totals[1] += masked.sum()
+    dist.all_reduce(totals, group=ctx.dp_group)
+    model.train(was_training)
+    loss = (totals[0] / totals[1]).item()
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1].item())}
+
+
+def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
+    """Run (or continue) the experiment; returns the summary. `loss_hook(step, loss) -> loss` lets
+    tests inject spikes."""
+    # ---- setup -----------------------------------------------------------------------------
+    ctx = init_distributed(cfg.parallel)
+    rank0 = dist.get_rank() == 0
+    run_dir = Path(cfg.train.run_dir)
+    log = Log(run_dir, rank0)
+    seed_everything(cfg.train.seed, ctx)
+    accumulation = cfg.train.accumulation_steps(ctx.dp_size)
+    data = prepare_data(cfg, ctx)
+    model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
+    engine, optimizer, schedule = build_engine(model, cfg, ctx)
+    checkpoints = Checkpoints(run_dir, ctx, cfg.train.keep_last)
+    state = TrainState(data_seed=cfg.train.seed)
+    if resume is not None:
+        tag = checkpoints.newest() if resume == "auto" else resume
+        if tag is not None:
+            state = checkpoints.load(engine, tag)
+            log.event("resume", state.step, f"resumed from {checkpoints.root / tag} at update {state.step}")
+        elif resume != "auto":
+            raise FileNotFoundError(f"no checkpoint {resume} in {checkpoints.root}")
+    if rank0:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    stream = train_stream(cfg, ctx, data, state)
+    batches = iter(make_loader(stream, cfg.data.loader_workers))
+    valid = valid_stream(cfg, ctx, data)
+    guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_patience, cfg.train.spike_window)
+    preemption = Preemption()
+    peak, peak_source = device_peak(ctx.device, cfg.train.precision)
+    tokens_per_update = cfg.train.micro_batch_size * accumulation * ctx.dp_size * cfg.data.seq_length
+    log.event("start", state.step,
+              f"{model.parameter_count() / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | "
+              f"update = {cfg.train.micro_batch_size} micro x {accumulation} accumulation x {ctx.dp_size} DP"
+              f" = {tokens_per_update // cfg.data.seq_length} sequences of <= {cfg.data.seq_length} tokens"
+              f" | ZeRO-{cfg.train.zero_stage} {cfg.train.precision} | peak {peak / 1e12:.2f} TFLOP/s"
+              f" ({peak_source}) | {stream.batches_per_epoch()} micro-batches per rank per epoch")
+
+    def validate(tag: str) -> dict | None:
+        if valid is None:
+            return None
+        result = evaluate(engine.module, valid, cfg.train.eval_batches, ctx)
+        log.event("valid", state.step, f"valid @ {state.step} ({tag}): loss {result['loss']:.4f} | "
+                  f"ppl {result['ppl']:.2f} | {result['tokens']:,} masked tokens", **result)
+        return result
+
+    first_valid = validate("before training" if state.step == 0 else "resumed")
+    losses: list[float] = []
+    window_start, window_tokens = time.perf_counter(), 0
+    run_start, start_step = time.perf_counter(), state.step
+
+    # ---- updates ---------------------------------------------------------------------------
+    while state.step < cfg.train.steps:
+        micro_batches = [next(batches) for _ in range(accumulation)]
+        counts = torch.tensor([sum(int(b["targets"].numel()) for b in micro_batches)],
+                              dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(counts, group=ctx.dp_group)
+        weight = ctx.dp_size * accumulation / max(counts.item(), 1.0)  # DeepSpeed averages over both
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for batch in micro_batches:
+            masked = batch["masked_positions"].to(ctx.device)
+            logits = engine(batch["tokens"].to(ctx.device), masked)
+            ce = engine.module.loss(logits, batch["targets"].to(ctx.device), reduction="sum")
+            engine.backward(ce * weight)
+            engine.step()
+            loss_sum += ce.detach().double()
+            window_tokens += int(batch["tokens"].ne(cfg.model.pad_token_id).sum()) * ctx.dp_size
+        dist.all_reduce(loss_sum, group=ctx.dp_group)
+        loss = loss_sum.item() / max(counts.item(), 1.0)
+        state.step += 1
+        for batch in micro_batches:
+            state.position = advance(state.position, batch, stream.batches_per_epoch())
+        if loss_hook is not None:
+            loss = loss_hook(state.step, loss)
+
+        reason = guard.check(loss)
+        if reason is not None:
+            state, stream, batches = _roll_back(cfg, ctx, data, engine, checkpoints, state, log, reason)
+            guard.reset()
+            continue
+        losses.append(loss)
+
+        if state.step % cfg.train.log_interval == 0 or state.step == cfg.train.steps:
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = window_tokens / elapsed
+            mfu = (flops_per_token(cfg.model, cfg.data.seq_length, cfg.data.mask_prob)
+                   * tokens_per_s / (peak * ctx.tp_size * ctx.dp_size))
+            done = state.step - start_step
+            eta = (time.perf_counter() - run_start) / done * (cfg.train.steps - state.step)
+            values = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": schedule.get_last_lr()[0],
+                      "grad_norm": _float(engine.get_global_grad_norm()),
+                      "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
+                      "tokens_per_s": tokens_per_s, "mfu": mfu}
+            if cfg.model.head == "clap":
+                values["beta"] = _float(engine.module.lm_head.beta)
+            log.event("train", state.step,
+                      f"update {state.step}/{cfg.train.steps} | loss {loss:.4f} | ppl {values['ppl']:.1f}"
+                      f" | lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f}"
+                      + (f" | beta {values['beta']:.3f}" if "beta" in values else "")
+                      + f" | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.2f}% | ETA {_duration(eta)}",
+                      **values)
+            window_start, window_tokens = time.perf_counter(), 0
+
+        if state.step % cfg.train.eval_interval == 0 and state.step < cfg.train.steps:
+            validate("periodic")
+        if preemption.any_rank(ctx.device):
+            checkpoints.save(engine, state, cfg)
+            log.event("preempted", state.step, f"signal received: saved update {state.step}, exiting 0")
+            log.close()
+            return {"preempted": True, "step": state.step, "losses": losses}
+        if state.step % cfg.train.save_interval == 0 and state.step < cfg.train.steps:
+            checkpoints.save(engine, state, cfg)
+
+    # ---- end of run ------------------------------------------------------------------------
+    final_valid = validate("end of training")
+    checkpoints.save(engine, state, cfg)
+    final_dir = export_pretrained(engine.module, cfg, run_dir / "final", cfg.train.zero_stage)
+    summary = {"steps": state.step, "rollbacks": state.rollbacks, "losses": losses,
+               "valid_before": first_valid, "valid_after": final_valid, "model_dir": str(final_dir),
+               "minutes": (time.perf_counter() - run_start) / 60}
+    text = f"done: {state.step} updates in {summary['minutes']:.1f} min, {state.rollbacks} rollbacks"
+    if first_valid and final_valid:
+        text += (f" | valid ppl {first_valid['ppl']:.1f} -> {final_valid['ppl']:.1f}")
+    log.event("summary", state.step, text + f" | model: {final_dir}",
+              rollbacks=state.rollbacks, minutes=summary["minutes"])
+    log.close()
+    return summary
+
+
+def _roll_back(cfg, ctx, data, engine, checkpoints, state, log, reason):
+    """Reload the last good checkpoint, change the data seed, continue (or give up)."""
+    rollbacks = state.rollbacks + 1
+    tag = checkpoints.newest()
+    if rollbacks > cfg.train.max_rollbacks or tag is None:
+        why = ("no checkpoint to roll back to (lower train.save_interval)" if tag is None
+               else f"gave up after {cfg.train.max_rollbacks} rollbacks (train.max_rollbacks)")
+        log.event("abort", state.step, f"update {state.step}: {reason}; {why}")
+        raise RuntimeError(f"training diverged at update {state.step}: {reason}; {why}")
+    restored = checkpoints.load(engine, tag)
+    restored.rollbacks = rollbacks
+    restored.data_seed = cfg.train.seed + 1000 * rollbacks
+    log.event("rollback", state.step,
+              f"update {state.step}: {reason} -> rolled back to {tag} with data seed "
+              f"{restored.data_seed} (rollback {rollbacks}/{cfg.train.max_rollbacks})",
+              rollbacks=rollbacks)
+    stream = train_stream(cfg, ctx, data, restored)
+    return restored, stream, iter(make_loader(stream, cfg.data.loader_workers))
+
+
+def _float(value) -> float:
+    if value is None:
+        return float("nan")
+    return float(value.item() if torch.is_tensor(value) else value)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s"
