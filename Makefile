@@ -23,7 +23,7 @@ $(VENV)/.installed: $(BIN)/activate setup.py
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/megamlm smoke --config configs/demo.yaml
+	$(BIN)/megamlm train --config configs/demo.yaml --fill-mask "The capital of France is <mask>."
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -9,6 +9,7 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     packages=find_packages(include=["megamlm", "megamlm.*"]),
+    package_data={"megamlm.data": ["assets/gpt2/*"]},
     install_requires=[
         # any CUDA or CPU build in this range; `make` installs the CPU wheel 2.13.0 explicitly
         "torch>=2.5,<2.15",

@@ -41,20 +41,6 @@ def cmd_params(cfg: Config, args) -> int:
     return 0
 
 
-def cmd_smoke(cfg: Config, args) -> int:
-    from megamlm.parallel import destroy_distributed, init_distributed
-    from megamlm.smoke import run_smoke
-
-    ctx = init_distributed(cfg.parallel)
-    is_logger = ctx.tp_rank == 0 and ctx.dp_rank == 0
-    result = run_smoke(cfg, ctx, log=print if is_logger else (lambda *_: None))
-    destroy_distributed()
-    if result["last"] >= result["first"]:
-        print("smoke: the loss did not decrease", file=sys.stderr)
-        return 1
-    return 0
-
-
 def cmd_shards(args) -> int:
     from megamlm.data.shards import BuildOptions, ShardError, build_shards, summary_table
     from megamlm.data.tokenizer import Tokenizer, TokenizerError
@@ -151,7 +137,6 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
 VERBS = {
     "config": (cmd_config, "print the resolved configuration", None),
     "params": (cmd_params, "build the model and print its parameter counts", None),
-    "smoke": (cmd_smoke, "forward/backward/optimizer smoke run of the configured model", None),
     "train": (cmd_train, "pretrain (or continue) the configured experiment", _add_train_args),
 }
 

@@ -14,12 +14,18 @@ def megamlm(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_smoke_main_job_reduces_the_loss():
-    run = megamlm("smoke", "--config", "configs/demo.yaml", "train.steps=12", "optim.lr=2e-3")
-    assert run.returncode == 0, run.stderr
-    done = [line for line in run.stdout.splitlines() if line.startswith("done: loss")]
-    first, last = (float(x) for x in done[0].split()[2:5:2])
-    assert last < first - 1.0, run.stdout
+def test_main_job_trains_lowers_validation_perplexity_and_fills_masks(tmp_path):
+    run = megamlm("train", "--config", "configs/demo.yaml", "train.steps=60", "train.eval_interval=1000",
+                  f"train.run_dir={tmp_path / 'run'}", f"data.shards={tmp_path / 'shards'}",
+                  "--fill-mask", "The capital of France is <mask>.", timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    done = [line for line in run.stdout.splitlines() if line.startswith("done:")][0]
+    before, after = (float(x) for x in done.split("valid ppl ")[1].split(" |")[0].split(" -> "))
+    assert after < before / 5, done
+    fills = run.stdout.split("fill-mask: The capital of France is <mask>.")[1].strip().splitlines()
+    assert len(fills) == 3 and all("The capital of France is" in line for line in fills)
+    assert (tmp_path / "run/final/model.pt").exists()
+    assert (tmp_path / "shards/manifest.json").exists()
 
 
 def test_params_prints_the_roberta_base_count():

@@ -249,7 +249,8 @@ class MaskedBatches(IterableDataset):
 
 def make_loader(stream: MaskedBatches, workers: int = 0) -> DataLoader:
     """A DataLoader that yields the stream's batches in order (batching happens in the stream)."""
-    return DataLoader(stream, batch_size=None, num_workers=workers,
+    # its own generator: creating an iterator must not advance the default RNG (dropout, resume)
+    return DataLoader(stream, batch_size=None, num_workers=workers, generator=torch.Generator(),
                       persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
 
 

@@ -34,6 +34,13 @@ class TrainState:
     position: StreamPosition = field(default_factory=StreamPosition)
     data_seed: int = 1
     rollbacks: int = 0
+    rng: dict | None = None
+    """RNG states read from a checkpoint; the loop applies them right before its next update."""
+
+    def restore_rng(self) -> None:
+        if self.rng is not None:
+            set_rng_state(self.rng)
+            self.rng = None
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -42,14 +49,14 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     state = {"cpu": torch.get_rng_state(), "tensor_parallel": tensor_parallel_rng.state_dict()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     tensor_parallel_rng.load_state_dict(state["tensor_parallel"])
     if "cuda" in state and torch.cuda.is_available():
@@ -71,7 +78,7 @@ class Checkpoints:
             shutil.rmtree(folder)
         dist.barrier()
         engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
-        torch.save(_rng_state(), folder / f"rank{self.rank:05d}.pt.tmp")
+        torch.save(rng_state(), folder / f"rank{self.rank:05d}.pt.tmp")
         os.replace(folder / f"rank{self.rank:05d}.pt.tmp", folder / f"rank{self.rank:05d}.pt")
         dist.barrier()
         if self.rank == 0:
@@ -104,7 +111,8 @@ class Checkpoints:
         return complete[-1] if complete else None
 
     def load(self, engine, tag: str) -> TrainState:
-        """Collective: restore engine, RNG and loop state from a complete checkpoint."""
+        """Collective: restore the engine and the loop state (RNG states included, applied by
+        `TrainState.restore_rng` so nothing in between can advance them)."""
         folder = self.root / tag
         if not (folder / "complete").exists():
             raise FileNotFoundError(f"{folder} is not a complete checkpoint")
@@ -114,7 +122,7 @@ class Checkpoints:
                              f"{dist.get_world_size()}; resume with the same layout")
         engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
                                load_lr_scheduler_states=True)
-        _set_rng_state(torch.load(folder / f"rank{self.rank:05d}.pt", weights_only=False))
         return TrainState(step=meta["step"], position=StreamPosition(**meta["position"]),
-                          data_seed=meta["data_seed"], rollbacks=meta["rollbacks"])
+                          data_seed=meta["data_seed"], rollbacks=meta["rollbacks"],
+                          rng=torch.load(folder / f"rank{self.rank:05d}.pt", weights_only=False))
 

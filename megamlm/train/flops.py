@@ -34,7 +34,8 @@ def flops_per_token(model: ModelConfig, seq_length: int, head_fraction: float) -
 
 def measured_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
     """FLOP/s of a square matmul on this CPU (the reference for MFU on machines without a table)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)  # leave the training RNG streams alone
+    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
     a @ b
     start, reps = time.perf_counter(), 5
     for _ in range(reps):

@@ -164,6 +164,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     accumulation = cfg.train.accumulation_steps(ctx.dp_size)
     data = prepare_data(cfg, ctx)
     model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
+    parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     engine, optimizer, schedule = build_engine(model, cfg, ctx)
     checkpoints = Checkpoints(run_dir, ctx, cfg.train.keep_last)
     state = TrainState(data_seed=cfg.train.seed)
@@ -185,7 +186,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     peak, peak_source = device_peak(ctx.device, cfg.train.precision)
     tokens_per_update = cfg.train.micro_batch_size * accumulation * ctx.dp_size * cfg.data.seq_length
     log.event("start", state.step,
-              f"{model.parameter_count() / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | "
+              f"{parameters / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | "
               f"update = {cfg.train.micro_batch_size} micro x {accumulation} accumulation x {ctx.dp_size} DP"
               f" = {tokens_per_update // cfg.data.seq_length} sequences of <= {cfg.data.seq_length} tokens"
               f" | ZeRO-{cfg.train.zero_stage} {cfg.train.precision} | peak {peak / 1e12:.2f} TFLOP/s"
@@ -206,6 +207,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
 
     # ---- updates ---------------------------------------------------------------------------
     while state.step < cfg.train.steps:
+        state.restore_rng()  # after a resume or rollback: exactly the streams of the saved run
         micro_batches = [next(batches) for _ in range(accumulation)]
         counts = torch.tensor([sum(int(b["targets"].numel()) for b in micro_batches)],
                               dtype=torch.float64, device=ctx.device)

@@ -23,7 +23,7 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     if optim.schedule == "cosine":
         if step < warmup:
             return optim.min_lr + (peak - optim.min_lr) * step / warmup
-        period = optim.period_steps or math.ceil(1.1 * total_steps)
+        period = optim.period_steps or round(1.1 * total_steps)
         progress = ((step - warmup) % period) / period
         return optim.min_lr + 0.5 * (peak - optim.min_lr) * (1 + math.cos(math.pi * progress))
     if step < warmup:

@@ -1,0 +1,229 @@
+"""Training on real gloo ranks: exact resume after SIGKILL, ZeRO stages vs DP=1, TP=2 vs TP=1,
+preemption by SIGTERM, spike / NaN rollback, schedule values, DeepSpeed JSON generation."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megamlm.config import ConfigError, load_config
+from megamlm.data.shards import BuildOptions, build_shards
+from megamlm.data.tokenizer import Tokenizer
+from megamlm.train.engine import deepspeed_config
+from megamlm.train.schedule import lr_at
+from tests.multiproc import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train") / "shards"
+    text = tmp_path_factory.getbasetemp() / "corpus.txt"
+    text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:300_000])
+    build_shards(BuildOptions([str(text)], str(folder), seq_length=64, long_docs="split",
+                              valid_fraction=0.1, shard_tokens=8_000), Tokenizer.gpt2(), progress=False)
+    return folder
+
+
+def config(shards, run_dir, *overrides):
+    base = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+            "model.ffn_hidden_size=128", "model.max_positions=64", f"data.shards={shards}",
+            "data.seq_length=64", "data.shuffle_window=64", "train.micro_batch_size=4",
+            f"train.run_dir={run_dir}", "optim.lr=2e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3",
+            "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2",
+            "train.save_interval=1000", "train.steps=8"]
+    return load_config([CONFIGS / "variants/baseline.yaml"], base + list(overrides))
+
+
+def logged(run_dir, event="train", key="loss"):
+    lines = (Path(run_dir) / "log.jsonl").read_text().splitlines()
+    return {e["step"]: e[key] for e in map(json.loads, lines) if e["event"] == event}
+
+
+def _train(cfg, resume=None, kill_at=None, hook=None):
+    from megamlm.train.loop import train
+
+    def loss_hook(step, loss):
+        if kill_at is not None and step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup at all, as a node failure
+        return hook(step, loss) if hook else loss
+
+    summary = train(cfg, resume=resume, loss_hook=loss_hook)
+    return {k: summary[k] for k in ("losses", "rollbacks", "steps") if k in summary}
+
+
+def _straight_then_resume(cfg_straight, cfg_killed):
+    # one process group for both runs: train() re-initializes only the TP x DP groups
+    return _train(cfg_straight), _train(cfg_killed, resume="auto")
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.tensor_parallel=1", "train.zero_stage=1"],  # DP=2, ZeRO-1
+    ["parallel.tensor_parallel=2", "train.zero_stage=1"],  # TP=2
+], ids=["dp2-zero1", "tp2"])
+def test_resume_after_sigkill_reproduces_the_uninterrupted_losses(shards, tmp_path, layout):
+    steps = ["train.steps=10", "train.save_interval=5", "model.hidden_dropout=0.1",
+             "model.attention_dropout=0.1"]
+    killed = config(shards, tmp_path / "killed", *layout, *steps)
+    with pytest.raises(RuntimeError, match="died without a result"):
+        run_on_ranks(_train, 2, killed, None, 7)  # killed during update 7; last checkpoint: 5
+    assert (tmp_path / "killed/checkpoints/latest").read_text() == "step00000005"
+    straight = config(shards, tmp_path / "straight", *layout, *steps)
+    (full, resumed), _ = run_on_ranks(_straight_then_resume, 2, straight, killed)
+    assert len(full["losses"]) == 10 and len(resumed["losses"]) == 5
+    assert resumed["losses"] == full["losses"][5:]  # bit for bit
+    assert logged(tmp_path / "killed", "resume", "step") == {5: 5}
+
+
+def _zero_runs(cfgs):
+    return [_train(cfg) for cfg in cfgs]
+
+
+def test_zero_stages_on_two_ranks_match_one_rank_with_the_same_global_batch(shards, tmp_path):
+    common = ["train.global_batch_size=8", "model.hidden_dropout=0", "model.attention_dropout=0"]
+    (reference,) = run_on_ranks(_zero_runs, 1, [config(shards, tmp_path / "dp1", *common)])[0]
+    stages = [config(shards, tmp_path / f"z{z}", *common, f"train.zero_stage={z}") for z in range(4)]
+    results = run_on_ranks(_zero_runs, 2, stages)[0]
+    assert len(reference["losses"]) == 8 and reference["losses"][-1] < reference["losses"][0] - 0.2
+    for stage, result in enumerate(results):
+        diff = max(abs(a - b) for a, b in zip(result["losses"], reference["losses"]))
+        assert diff < 1e-4, f"ZeRO-{stage}: losses differ from DP=1 by {diff}"
+
+
+def test_tp2_training_matches_tp1_with_the_same_grad_norm(shards, tmp_path):
+    common = ["train.steps=20", "optim.clip_grad=1.0", "model.attention_dropout=0"]
+    one = run_on_ranks(_zero_runs, 1, [config(shards, tmp_path / "tp1", *common)])[0][0]
+    two = run_on_ranks(_zero_runs, 2, [config(shards, tmp_path / "tp2", *common,
+                                                "parallel.tensor_parallel=2")])[0][0]
+    assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) < 1e-4
+    norms_one, norms_two = logged(tmp_path / "tp1", key="grad_norm"), logged(tmp_path / "tp2", key="grad_norm")
+    assert len(norms_one) == 20 and all(n > 0 for n in norms_one.values())
+    assert max(abs(norms_one[s] - norms_two[s]) / norms_one[s] for s in norms_one) < 1e-4
+
+
+class InjectOnce:
+    """A loss hook (picklable for the rank processes): NaN at update 5, then a 10x spike at updates
+    10 and 11; each fires once, so the rerun after a rollback is clean."""
+
+    def __init__(self):
+        self.fired = set()
+
+    def __call__(self, step, loss):
+        if step == 5 and "nan" not in self.fired:
+            self.fired.add("nan")
+            return float("nan")
+        if step in (10, 11) and step not in self.fired:
+            self.fired.add(step)
+            return loss * 10
+        return loss
+
+
+def diverge_after_3(step, loss):
+    return float("inf") if step > 3 else loss
+
+
+def test_nan_and_spike_trigger_rollbacks_and_training_completes(shards, tmp_path):
+    cfg = config(shards, tmp_path / "spiky", "train.steps=14", "train.save_interval=3",
+                 "train.spike_patience=2", "train.spike_factor=2.0")
+    result = run_on_ranks(_train, 1, cfg, None, None, InjectOnce())[0]
+    assert result["rollbacks"] == 2 and result["steps"] == 14
+    events = [json.loads(line) for line in (tmp_path / "spiky/log.jsonl").read_text().splitlines()]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert [e["step"] for e in rollbacks] == [5, 11]
+    assert (tmp_path / "spiky/final/model.pt").exists()
+
+
+def test_training_gives_up_after_max_rollbacks(shards, tmp_path):
+    cfg = config(shards, tmp_path / "diverge", "train.save_interval=2", "train.max_rollbacks=1")
+    with pytest.raises(RuntimeError, match="gave up after 1 rollbacks"):
+        run_on_ranks(_train, 1, cfg, None, None, diverge_after_3)
+
+
+def test_sigterm_saves_a_complete_checkpoint_exits_0_and_resume_continues(shards, tmp_path):
+    run_dir = tmp_path / "preempt"
+    args = ["--config", str(CONFIGS / "variants/baseline.yaml")] + [
+        o for o in config(shards, run_dir).to_yaml().splitlines() if False] + [
+        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.ffn_hidden_size=128", "model.max_positions=64", f"data.shards={shards}",
+        "data.seq_length=64", "train.micro_batch_size=4", f"train.run_dir={run_dir}",
+        "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=1000"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", *args, "train.steps=100000"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = run_dir / "log.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (log.exists() and len(logged(run_dir)) >= 3):
+        time.sleep(0.2)
+    assert len(logged(run_dir)) >= 3, proc.communicate(timeout=5)[0]
+    sent_at_step = max(logged(run_dir))
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    saved = int((run_dir / "checkpoints/latest").read_text().removeprefix("step"))
+    assert saved - sent_at_step <= 2 and (run_dir / f"checkpoints/step{saved:08d}/complete").exists()
+    assert "signal received: saved update" in output
+    resume = subprocess.run([sys.executable, "-m", "megamlm", "train", *args,
+                             f"train.steps={saved + 2}", "--resume", "auto"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert resume.returncode == 0, resume.stdout + resume.stderr
+    assert f"resumed from {run_dir}/checkpoints/step{saved:08d} at update {saved}" in resume.stdout
+    assert max(logged(run_dir)) == saved + 2
+
+
+def test_interrupted_checkpoint_is_never_chosen(world, tmp_path):
+    from megamlm.train.checkpoint import Checkpoints
+
+    ckpts = Checkpoints(tmp_path, world, keep_last=2)
+    for step, complete in ((100, True), (200, True), (300, False)):
+        folder = ckpts.root / f"step{step:08d}"
+        folder.mkdir()
+        if complete:
+            (folder / "complete").write_text("")
+    (ckpts.root / "latest").write_text("step00000300")  # pointer to a half-written one
+    assert ckpts.newest() == "step00000200"
+    (ckpts.root / "latest").unlink()
+    assert ckpts.newest() == "step00000200"
+
+
+def test_schedule_follows_the_reference_formula():
+    cfg = load_config([], ["optim.lr=6e-4", "optim.min_lr=6e-5", "optim.warmup_steps=10000",
+                           "optim.period_steps=146390"]).optim
+    total = 133082
+    formula = lambda t: 6e-5 + 0.5 * (6e-4 - 6e-5) * (1 + math.cos(math.pi * (t - 10000) / 146390))  # noqa: E731
+    assert lr_at(0, cfg, total) == pytest.approx(6e-5)
+    assert lr_at(5000, cfg, total) == pytest.approx(6e-5 + 0.5 * (6e-4 - 6e-5))
+    assert lr_at(10000, cfg, total) == pytest.approx(6e-4)
+    for t in (10000, 70000, 133081):
+        assert lr_at(t, cfg, total) == pytest.approx(formula(t), rel=1e-12)
+    assert lr_at(133081, cfg, total) == pytest.approx(9.3e-5, rel=0.02)  # the reference's end lr
+    default_period = load_config([], ["optim.warmup_steps=10"]).optim
+    half = default_period.min_lr + 0.5 * (default_period.lr - default_period.min_lr)
+    assert lr_at(10 + 55, default_period, 100) == pytest.approx(half)  # period = 1.1 x 100 steps
+    poly = load_config([], ["optim.schedule=polynomial", "optim.lr=1e-5", "optim.min_lr=0",
+                            "optim.warmup_steps=122"]).optim
+    assert lr_at(61, poly, 2036) == pytest.approx(0.5e-5)
+    assert lr_at(122, poly, 2036) == pytest.approx(1e-5)
+    assert lr_at(2036, poly, 2036) == pytest.approx(0.0)
+
+
+def test_deepspeed_json_is_generated_from_the_config(tmp_path):
+    cfg = load_config([], ["train.micro_batch_size=4", "train.global_batch_size=32", "train.zero_stage=2",
+                           "train.precision=bf16", "optim.clip_grad=1.0"])
+    ds = deepspeed_config(cfg, dp_size=2)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (4, 4, 32)
+    assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"] == {"enabled": True}
+    assert ds["gradient_clipping"] == 1.0
+    with pytest.raises(ConfigError, match="global_batch_size=32 is not divisible by .* 4 × 3"):
+        deepspeed_config(cfg, dp_size=3)
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=8 disagrees"):
+        deepspeed_config(load_config([], [f"train.deepspeed_config={user}", "train.micro_batch_size=4"]), 1)
