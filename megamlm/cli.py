@@ -4,6 +4,7 @@ merged in order) and dotted overrides (`model.position=alibi`)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megamlm.config import Config, ConfigError, load_config
@@ -98,36 +99,58 @@ def cmd_train(cfg: Config, args) -> int:
 
     try:
         summary = train(cfg, resume=args.resume)
+        if args.fill_mask and not summary.get("preempted"):
+            print_fill_mask(summary["model_dir"], args.fill_mask, topk=3)
     except ShardError as err:
         print(f"megamlm: data error: {err}", file=sys.stderr)
         return 2
     finally:
         destroy_distributed()
-    if args.fill_mask and not summary.get("preempted"):
-        return fill_mask_main(summary["model_dir"], args.fill_mask, topk=3)
     return 0
 
 
-def fill_mask_main(model_dir: str, text: str, topk: int) -> int:
+def print_fill_mask(model_dir: str, text: str, topk: int) -> None:
+    """Top-k fills on every rank's process group (a TP=1 copy of the model on each; rank 0 prints)."""
     from megamlm.data.tokenizer import Tokenizer
     from megamlm.fill_mask import fill_mask
-    from megamlm.parallel import destroy_distributed, init_distributed
+    from megamlm.parallel import init_distributed
     from megamlm.pretrained import load_pretrained
 
     ctx = init_distributed(load_config([]).parallel)
+    cfg, model = load_pretrained(model_dir, ctx)
+    tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
+    results = fill_mask(model, tokenizer, text, topk)
+    if ctx.tp_rank == 0 and ctx.dp_rank == 0:
+        print(f"fill-mask: {text}")
+        for filled, prob, token in results:
+            print(f"  {prob:7.4f}  {token!r:>14}  {filled}")
+
+
+def cmd_fill_mask(args) -> int:
+    from megamlm.parallel import destroy_distributed
+
     try:
-        cfg, model = load_pretrained(model_dir, ctx)
-        tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
-        if ctx.tp_rank == 0 and ctx.dp_rank == 0:
-            print(f"fill-mask: {text}")
-            for filled, prob, token in fill_mask(model, tokenizer, text, topk):
-                print(f"  {prob:7.4f}  {token!r:>14}  {filled}")
+        print_fill_mask(args.model_dir, args.text, args.topk)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"megamlm: error: {err}", file=sys.stderr)
+        return 2
     finally:
         destroy_distributed()
     return 0
 
 
+def relaunch_with_torchrun(nproc: int, argv: list[str]) -> None:
+    """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...`."""
+    argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
+            and not a.startswith("--nproc=")]
+    os.execvp(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={nproc}", "-m", "megamlm", *argv])
+
+
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes on this machine (relaunches under torchrun); the layout is "
+                             "parallel.tensor_parallel x data parallel")
     parser.add_argument("--resume", default=None, metavar="auto|TAG",
                         help="auto: continue from the newest complete checkpoint of train.run_dir (if any)")
     parser.add_argument("--fill-mask", default=None, metavar="TEXT",
@@ -154,11 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     fill.add_argument("model_dir", help="exported model folder (<run_dir>/final)")
     fill.add_argument("text", help='e.g. "The capital of China is <mask>."')
     fill.add_argument("--topk", type=int, default=5)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
+        relaunch_with_torchrun(args.nproc, argv)
     if args.verb == "shards":
         return cmd_shards(args)
     if args.verb == "fill-mask":
-        return fill_mask_main(args.model_dir, args.text, args.topk)
+        return cmd_fill_mask(args)
     try:
         cfg = load_config(args.config, args.overrides)
         return VERBS[args.verb][0](cfg, args)

@@ -438,7 +438,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})")
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     flat: dict[str, tuple[Any, str]] = {}

@@ -38,7 +38,7 @@ def _run_all_cases():
             grads = full_state_dict(model, grads=True)
             # parameters replicated across TP ranks must receive identical gradients on each peer
             replicated_gap = 0.0
-            for pname, param in model.named_parameters():
+            for param in model.parameters():
                 if not getattr(param, "tensor_model_parallel", False) and ctx.tp_size > 1:
                     peers = [torch.empty_like(param.grad) for _ in range(ctx.tp_size)]
                     dist.all_gather(peers, param.grad, group=ctx.tp_group)

@@ -3,7 +3,6 @@
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from megamlm.data import tokenizer as tokmod

@@ -101,7 +101,7 @@ class Tokenizer:
         try:
             bpe = models.BPE.from_file(str(self.encoder_json), str(self.vocab_bpe))
         except Exception as err:  # tokenizers raises a bare Exception on malformed files
-            raise TokenizerError(f"cannot read BPE from {self.encoder_json}, {self.vocab_bpe}: {err}")
+            raise TokenizerError(f"cannot read BPE from {self.encoder_json}, {self.vocab_bpe}: {err}") from None
         self._bpe = HFTokenizer(bpe)
         self._bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._bpe.decoder = decoders.ByteLevel()

@@ -59,7 +59,7 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict:
         try:
             ds = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"train.deepspeed_config={path}: cannot read JSON ({err})")
+            raise ConfigError(f"train.deepspeed_config={path}: cannot read JSON ({err})") from None
         for key, ours in (("train_micro_batch_size_per_gpu", train.micro_batch_size),
                           ("gradient_accumulation_steps", accumulation),
                           ("train_batch_size", global_batch)):
