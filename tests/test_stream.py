@@ -13,7 +13,7 @@ from megamlm.config import ParallelConfig
 from megamlm.data.masking import Masker
 from megamlm.data.shards import BuildOptions, ShardError, build_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, StreamPosition, advance, make_loader
-from megamlm.data.tokenizer import Tokenizer
+from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.parallel import init_distributed
 from tests.multiproc import run_on_ranks
 
@@ -185,10 +185,12 @@ def test_truncated_shard_is_skipped_and_garbage_is_replaced(shard_dir, tmp_path)
 
 
 def test_foreign_dictionary_and_unfinished_builds_are_refused(shard_dir, tmp_path):
-    zero = Tokenizer.gpt2(zero_clap=True)
+    (tmp_path / "dict.txt").write_text("".join(f"{i} 1\n" for i in range(300)))
+    foreign = Dictionary.load(tmp_path / "dict.txt")
     with pytest.raises(ShardError, match="built with another dictionary .* rebuild the shards"):
-        ShardSet(shard_dir, dictionary_sha256=zero.dictionary.sha256)
-    ShardSet(shard_dir, dictionary_sha256=Tokenizer.gpt2().dictionary.sha256)
+        ShardSet(shard_dir, dictionary_sha256=foreign.sha256)
+    for zero_clap in (False, True):  # the zero-clap dictionary reads GPT-2 shards
+        ShardSet(shard_dir, dictionary_sha256=Tokenizer.gpt2(zero_clap=zero_clap).dictionary.sha256)
     with pytest.raises(ShardError, match="manifest.json not found"):
         ShardSet(tmp_path)
     with pytest.raises(ShardError, match="has no 'valid' split; it has: train"):

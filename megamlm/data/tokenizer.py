@@ -77,8 +77,14 @@ class Dictionary:
 
     @property
     def sha256(self) -> str:
-        """Identity of the id space: shards built with another dictionary are refused."""
-        return hashlib.sha256("\n".join(self.symbols).encode()).hexdigest()
+        """Identity of the id space that data can contain: every symbol up to the trailing
+        madeupword / `<mask>` padding, which text never encodes to. The GPT-2 dictionary and its
+        zero-clap variant therefore share shards (as the reference's runs shared binarized data);
+        shards of any other dictionary are refused."""
+        symbols = list(self.symbols)
+        while symbols and (symbols[-1] == MASK_SYMBOL or symbols[-1].startswith("madeupword")):
+            symbols.pop()
+        return hashlib.sha256("\n".join(symbols).encode()).hexdigest()
 
     def ordinary_ids(self) -> np.ndarray:
         """Ids that random replacement may draw: not special, not madeupword, not `<mask>`."""
