@@ -157,10 +157,28 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                         help="after training, print the top-3 fills of TEXT's <mask>")
 
 
+def cmd_plan(cfg: Config, args) -> int:
+    from megamlm.plan import check_budget, make_plan
+
+    plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu)
+    print(plan.table(args.gpu_memory))
+    check_budget(plan, args.gpu_memory)
+    return 0
+
+
+def _add_plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB")
+    parser.add_argument("--gpu", default="A100", help="peak FLOP/s table entry: A100, H100, H200, V100")
+    parser.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilization to assume")
+
+
 VERBS = {
     "config": (cmd_config, "print the resolved configuration", None),
     "params": (cmd_params, "build the model and print its parameter counts", None),
     "train": (cmd_train, "pretrain (or continue) the configured experiment", _add_train_args),
+    "plan": (cmd_plan, "layout, batch arithmetic, memory per GPU and wall time of a run", _add_plan_args),
 }
 
 

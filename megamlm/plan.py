@@ -1,0 +1,107 @@
+"""`megamlm plan`: the layout, batch arithmetic, memory per GPU and wall time of a run, before
+submitting it.
+
+Memory per GPU (bytes; P = parameters, TP/DP the parallel degrees, w = 2 for bf16/fp16, 4 for fp32):
+  weights      P/TP · w                 (ZeRO-3: / DP)
+  gradients    P/TP · w                 (ZeRO-2/3: / DP)
+  optimizer    P/TP · (8 + 4 master if w == 2)   Adam moments (+ fp32 master copy)  (ZeRO-1+: / DP)
+  activations  L · s · b · h · (34 + 5 · a · s / h) · w/2 / TP   (Korthikanti et al. 2022, no
+               recomputation; attention scores a·s² dominate at long sequences)
+Wall time = flops/token (flops.py) · tokens · updates / (GPUs · peak · MFU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megamlm.config import Config, ConfigError
+from megamlm.train.flops import GPU_PEAKS, flops_per_token
+
+
+def parameter_count(cfg: Config) -> int:
+    """Parameters of the model, from the architecture alone (vocabulary padding excluded)."""
+    m = cfg.model
+    h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, m.vocab_size
+    count = V * h
+    if m.position == "learned":
+        count += (m.max_positions + m.pad_token_id + 1) * h
+    if m.embedding_layernorm:
+        count += 2 * h
+    layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+    count += L * layer
+    if m.layernorm == "pre":
+        count += 2 * h
+    if m.position == "alibi" and m.alibi_mode == "learned":
+        count += 2 * m.num_attention_heads
+    if m.head == "clap":
+        count += 1
+    else:
+        count += (h * h + h) + 2 * h + V + (0 if m.tie_embeddings else V * h)
+    return count
+
+
+@dataclass
+class Plan:
+    gpus: int
+    tp: int
+    dp: int
+    micro: int
+    accumulation: int
+    global_batch: int
+    tokens_per_update: int
+    updates: int
+    memory: dict  # name -> bytes per GPU
+    hours: float
+
+    def table(self, budget_gib: float) -> str:
+        gib = {k: v / 2**30 for k, v in self.memory.items()}
+        rows = [
+            f"layout        {self.gpus} GPUs = TP {self.tp} x DP {self.dp}",
+            f"batch         micro {self.micro} x accumulation {self.accumulation} x DP {self.dp} "
+            f"= {self.global_batch} sequences per update",
+            f"tokens        {self.tokens_per_update:,} per update (at full length), "
+            f"{self.tokens_per_update * self.updates / 1e9:.2f}B in {self.updates:,} updates",
+            "memory / GPU  " + ", ".join(f"{k} {v:.2f}" for k, v in gib.items() if k != "total")
+            + f" -> total {gib['total']:.2f} GiB of {budget_gib:g}",
+            f"wall time     {self.hours:.1f} h ({self.hours / 24:.1f} days)",
+        ]
+        return "\n".join(rows)
+
+
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float) -> Plan:
+    gpus = nodes * gpus_per_node
+    tp = cfg.parallel.tensor_parallel
+    if gpus % tp:
+        raise ConfigError(f"parallel.tensor_parallel={tp} does not divide {nodes} nodes x "
+                          f"{gpus_per_node} GPUs = {gpus}")
+    dp = gpus // tp
+    train, m, s = cfg.train, cfg.model, cfg.data.seq_length
+    accumulation = train.accumulation_steps(dp)
+    global_batch = train.micro_batch_size * accumulation * dp
+    params = parameter_count(cfg)
+    w = 4 if train.precision == "fp32" else 2
+    stage = train.zero_stage
+    memory = {
+        "weights": params / tp * w / (dp if stage >= 3 else 1),
+        "gradients": params / tp * w / (dp if stage >= 2 else 1),
+        "optimizer": params / tp * (8 + (4 if w == 2 else 0)) / (dp if stage >= 1 else 1),
+        "activations": (m.num_layers * s * train.micro_batch_size * m.hidden_size
+                        * (34 + 5 * m.num_attention_heads * s / m.hidden_size) * w / 2 / tp),
+    }
+    memory["total"] = sum(memory.values())
+    if gpu not in GPU_PEAKS:
+        raise ConfigError(f"--gpu {gpu}; known: {', '.join(GPU_PEAKS)}")
+    peak = GPU_PEAKS[gpu][train.precision]
+    tokens = global_batch * s
+    seconds = flops_per_token(m, s, cfg.data.mask_prob) * tokens * train.steps / (gpus * peak * mfu)
+    return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens,
+                train.steps, memory, seconds / 3600)
+
+
+def check_budget(plan: Plan, budget_gib: float) -> None:
+    total = plan.memory["total"] / 2**30
+    if total > budget_gib:
+        raise ConfigError(
+            f"the plan needs {total:.1f} GiB per GPU, over the {budget_gib:g} GiB budget; lower "
+            f"train.micro_batch_size (raising accumulation), raise train.zero_stage or "
+            f"parallel.tensor_parallel")

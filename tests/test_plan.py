@@ -1,0 +1,55 @@
+"""`megamlm plan`: the reference arithmetic, refusals, and memory estimates against a real model."""
+
+import pytest
+import torch
+
+from megamlm.config import ConfigError, load_config
+from megamlm.model import MaskedLM
+from megamlm.plan import check_budget, make_plan, parameter_count
+from tests.variants import CONFIGS, VARIANTS, variant_config
+
+
+def test_reference_base_alibi_on_one_node_of_8_gpus():
+    cfg = load_config([CONFIGS / "pile/base-alibi.yaml"])
+    plan = make_plan(cfg, nodes=1, gpus_per_node=8, gpu="A100", mfu=0.35)
+    assert (plan.tp, plan.dp, plan.micro, plan.accumulation, plan.global_batch) == (1, 8, 4, 16, 512)
+    assert plan.tokens_per_update == 512 * 2048 and plan.updates == 133082
+    large = make_plan(load_config([CONFIGS / "pile/large-alibi.yaml"]), 1, 8, "A100", 0.35)
+    assert (large.micro, large.accumulation, large.global_batch) == (2, 32, 512)
+
+
+def test_impossible_plans_are_refused_with_the_reason():
+    cfg = load_config([CONFIGS / "pile/base-alibi.yaml"])
+    with pytest.raises(ConfigError, match="not divisible by .* 4 × 6"):
+        make_plan(cfg, 1, 6, "A100", 0.35)
+    with pytest.raises(ConfigError, match="tensor_parallel=5 does not divide model.num_attention_heads=12"):
+        load_config([CONFIGS / "pile/base-alibi.yaml"], ["parallel.tensor_parallel=5"])
+    big = make_plan(load_config([CONFIGS / "pile/large-alibi.yaml"], ["train.micro_batch_size=32"]),
+                    1, 8, "A100", 0.35)
+    with pytest.raises(ConfigError, match="over the 40 GiB budget"):
+        check_budget(big, 40)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_parameter_estimate_equals_the_built_model(world, variant):
+    cfg = variant_config(variant)
+    assert parameter_count(cfg) == MaskedLM(cfg.model, world).parameter_count()
+
+
+def test_memory_estimate_matches_measured_weight_and_optimizer_bytes(world):
+    cfg = variant_config("baseline", ["train.zero_stage=0", "train.precision=fp32"])
+    model = MaskedLM(cfg.model, world)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(4, 1000, (2, 16))
+    masked = torch.rand(2, 16) < 0.5
+    masked[:, 1] = True
+    model.loss(model(tokens, masked), tokens[masked]).backward()
+    optimizer.step()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    states = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                 for t in s.values() if t.dim() > 0)
+    plan = make_plan(cfg, 1, 1, "A100", 0.35)
+    # the built model also holds the vocabulary padding rows (1100 -> 1152), which the plan ignores
+    assert plan.memory["weights"] == pytest.approx(weights, rel=0.05)
+    assert plan.memory["optimizer"] == pytest.approx(states, rel=0.05)
+    assert plan.memory["gradients"] == pytest.approx(weights, rel=0.05)
