@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 from megamlm.config import Config, ConfigError, load_config
@@ -174,10 +175,39 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilization to assume")
 
 
+def cmd_deepspeed_config(cfg: Config, args) -> int:
+    import json
+
+    from megamlm.train.engine import deepspeed_config
+
+    print(json.dumps(deepspeed_config(cfg, args.dp), indent=2))
+    return 0
+
+
+def cmd_hostfile(args) -> int:
+    from megamlm.launch import hostfile_text, slurm_hosts
+
+    try:
+        hosts = args.hosts.split(",") if args.hosts else slurm_hosts()
+        text = hostfile_text(hosts, args.slots)
+    except (ValueError, OSError, subprocess.CalledProcessError) as err:
+        print(f"megamlm: error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        print(text, end="")
+    return 0
+
+
 VERBS = {
     "config": (cmd_config, "print the resolved configuration", None),
     "params": (cmd_params, "build the model and print its parameter counts", None),
     "train": (cmd_train, "pretrain (or continue) the configured experiment", _add_train_args),
+    "deepspeed-config": (cmd_deepspeed_config, "print the DeepSpeed JSON generated from the config",
+                         lambda p: p.add_argument("--dp", type=int, default=1,
+                                                  help="data-parallel size the JSON is for")),
     "plan": (cmd_plan, "layout, batch arithmetic, memory per GPU and wall time of a run", _add_plan_args),
 }
 
@@ -191,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         if add_args is not None:
             add_args(verb)
     _add_shards_args(sub.add_parser("shards", help="build and inspect token shards"))
+    hostfile = sub.add_parser("hostfile", help="write a DeepSpeed hostfile (SLURM allocation or --hosts)")
+    hostfile.add_argument("--hosts", default=None, help="comma-separated hosts (default: the SLURM allocation)")
+    hostfile.add_argument("--slots", type=int, default=8, help="processes (GPUs) per host")
+    hostfile.add_argument("--out", default=None, help="file to write (default: stdout)")
     fill = sub.add_parser("fill-mask", help="top-k fills of the first <mask> with a trained model")
     fill.add_argument("model_dir", help="exported model folder (<run_dir>/final)")
     fill.add_argument("text", help='e.g. "The capital of China is <mask>."')
@@ -201,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         relaunch_with_torchrun(args.nproc, argv)
     if args.verb == "shards":
         return cmd_shards(args)
+    if args.verb == "hostfile":
+        return cmd_hostfile(args)
     if args.verb == "fill-mask":
         return cmd_fill_mask(args)
     try:
