@@ -1,5 +1,6 @@
-"""`megamlm <verb>`: the command-line entry point. Every verb takes `--config FILE` (repeatable,
-merged in order) and dotted overrides (`model.position=alibi`)."""
+"""`megamlm <verb>`: the command-line entry point. The experiment verbs (train, plan, config, params,
+deepspeed-config) take `--config FILE` (repeatable, merged in order) and dotted overrides
+(`model.position=alibi`); shards, fill-mask and hostfile take their own arguments."""
 
 from __future__ import annotations
 
@@ -105,6 +106,11 @@ def cmd_train(cfg: Config, args) -> int:
     except ShardError as err:
         print(f"megamlm: data error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        if "training diverged" not in str(err):
+            raise
+        print(f"megamlm: {err}", file=sys.stderr)  # the log and checkpoints stay in train.run_dir
+        return 1
     finally:
         destroy_distributed()
     return 0

@@ -91,7 +91,9 @@ add_hosts() {
 
 start() {
     [ "$(id -u)" -eq 0 ] || die "needs root (daemons, /etc/hosts, packages)"
-    if pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null; then
+    # live daemons only: a container's init may leave zombies of an earlier cluster behind
+    if ps -eo stat=,comm= | awk '$1 !~ /^Z/ && ($2 == "slurmctld" || $2 == "slurmd") {found = 1}
+                                 END {exit !found}'; then
         die "SLURM daemons already run on this machine (ports 16817/17001/17002); stop them first"
     fi
     install_packages
@@ -124,6 +126,15 @@ stop() {
     sleep 1
     pkill -f "slurmd -N n[12] -f $CONF" 2>/dev/null || true
     pkill -f "slurmctld -c -f $CONF" 2>/dev/null || true
+    # job step daemons outlive slurmd; this machine's only ones are ours
+    pkill -f "^slurmstepd" 2>/dev/null || true
+    sleep 1
+    pkill -KILL -f "^slurmstepd" 2>/dev/null || true
+    for _ in $(seq 10); do
+        ps -eo stat=,comm= | awk '$1 !~ /^Z/ && $2 ~ /^slurm(ctld|d|stepd)$/ {found = 1} END {exit !found}' \
+            || break
+        sleep 1
+    done
     rm -rf "$ROOT_DIR"
 }
 

@@ -46,12 +46,17 @@ def cluster():
 
 
 def _wait(predicate, timeout, what):
+    """Wait for predicate(); on timeout fail with what() (evaluated then) and the daemons' logs."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
             return
         time.sleep(1)
-    raise TimeoutError(what)
+    logs = "".join(f"\n--- {p}\n" + "\n".join(p.read_text().splitlines()[-15:])
+                   for p in sorted(Path(STATE, "log").glob("*.log")))
+    queue = subprocess.run(["squeue"], env=dict(os.environ, SLURM_CONF=f"{STATE}/slurm.conf"),
+                           capture_output=True, text=True).stdout
+    raise TimeoutError(f"{what()}\n--- squeue\n{queue}{logs}")
 
 
 def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
@@ -77,10 +82,15 @@ def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
             return []
         return [e["step"] for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "train"]
 
-    _wait(lambda: len(trained()) >= 4, 300, f"job {job} made no progress:\n{out.read_text() if out.exists() else ''}")
+    def job_output():
+        return out.read_text() if out.exists() else "(no output file)"
+
+    _wait(lambda: len(trained()) >= 4, 300, lambda: f"job {job} made no progress:\n{job_output()}")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
-    _wait(lambda: out.exists() and "done:" in out.read_text(), 420,
-          f"job {job} did not finish after requeue:\n{out.read_text() if out.exists() else ''}")
+    _wait(lambda: "done:" in job_output(), 420,
+          lambda: f"job {job} did not finish after requeue:\n{job_output()}")
+    _wait(lambda: not subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                                     text=True).stdout.strip(), 120, lambda: f"job {job} did not leave the queue")
     output = out.read_text()
     # two nodes, two tasks, one rendezvous host, DP=2
     assert "node n1: task 0 of 2" in output and "node n2: task 1 of 2" in output
