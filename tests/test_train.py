@@ -149,8 +149,7 @@ def test_training_gives_up_after_max_rollbacks(shards, tmp_path):
 
 def test_sigterm_saves_a_complete_checkpoint_exits_0_and_resume_continues(shards, tmp_path):
     run_dir = tmp_path / "preempt"
-    args = ["--config", str(CONFIGS / "variants/baseline.yaml")] + [
-        o for o in config(shards, run_dir).to_yaml().splitlines() if False] + [
+    args = ["--config", str(CONFIGS / "variants/baseline.yaml"),
         "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
         "model.ffn_hidden_size=128", "model.max_positions=64", f"data.shards={shards}",
         "data.seq_length=64", "train.micro_batch_size=4", f"train.run_dir={run_dir}",
@@ -181,7 +180,7 @@ def test_sigterm_saves_a_complete_checkpoint_exits_0_and_resume_continues(shards
 def test_interrupted_checkpoint_is_never_chosen(world, tmp_path):
     from megamlm.train.checkpoint import Checkpoints
 
-    ckpts = Checkpoints(tmp_path, world, keep_last=2)
+    ckpts = Checkpoints(tmp_path, keep_last=2)
     for step, complete in ((100, True), (200, True), (300, False)):
         folder = ckpts.root / f"step{step:08d}"
         folder.mkdir()

@@ -206,8 +206,8 @@ class ShardWriter:
         self._tar.close()
         index = np.asarray(self._index, dtype=np.int64).reshape(-1, 3)
         np.save(self.out_dir / f"{self._name}.idx.npy", index)
-        os.replace(self._tmp, self.out_dir / f"{self._name}.tar")
         path = self.out_dir / f"{self._name}.tar"
+        os.replace(self._tmp, path)
         self.shards.append({"name": path.name, "documents": len(index),
                             "tokens": int(index[:, 2].sum()), "bytes": path.stat().st_size})
         self._tar = None

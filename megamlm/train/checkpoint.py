@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megamlm.config import Config
 from megamlm.data.stream import StreamPosition
-from megamlm.parallel import ParallelContext, tensor_parallel_rng
+from megamlm.parallel import tensor_parallel_rng
 
 
 @dataclass
@@ -64,9 +64,9 @@ def set_rng_state(state: dict) -> None:
 
 
 class Checkpoints:
-    def __init__(self, run_dir: str | Path, ctx: ParallelContext, keep_last: int):
+    def __init__(self, run_dir: str | Path, keep_last: int):
         self.root = Path(run_dir) / "checkpoints"
-        self.ctx, self.keep_last = ctx, keep_last
+        self.keep_last = keep_last
         self.rank = dist.get_rank()
         self.root.mkdir(parents=True, exist_ok=True)
 

@@ -107,27 +107,27 @@ def prepare_data(cfg: Config, ctx: ParallelContext) -> Data:
     return Data(tokenizer, Path(d.shards), masker)
 
 
+def _stream(cfg: Config, ctx: ParallelContext, data: Data, split: str, seed: int,
+            **options) -> MaskedBatches:
+    """This rank's masked batches of one split; `options` are the split-specific ones."""
+    return MaskedBatches(ShardSet(data.shards, split, data.tokenizer.dictionary.sha256),
+                         dataclasses.replace(data.masker, seed=seed), seq_length=cfg.data.seq_length,
+                         micro_batch=cfg.train.micro_batch_size, block_mode=cfg.data.block_mode,
+                         seed=seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+                         pad_id=cfg.model.pad_token_id, **options)
+
+
 def train_stream(cfg: Config, ctx: ParallelContext, data: Data, state: TrainState) -> MaskedBatches:
-    shards = ShardSet(data.shards, "train", data.tokenizer.dictionary.sha256)
-    masker = dataclasses.replace(data.masker, seed=state.data_seed)
-    return MaskedBatches(shards, masker, seq_length=cfg.data.seq_length,
-                         micro_batch=cfg.train.micro_batch_size,
-                         accumulation=cfg.train.accumulation_steps(ctx.dp_size),
-                         block_mode=cfg.data.block_mode,
-                         seed=state.data_seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                         shuffle_window=cfg.data.shuffle_window, pad_id=cfg.model.pad_token_id,
-                         position=state.position)
+    return _stream(cfg, ctx, data, "train", state.data_seed,
+                   accumulation=cfg.train.accumulation_steps(ctx.dp_size),
+                   shuffle_window=cfg.data.shuffle_window, position=state.position)
 
 
 def valid_stream(cfg: Config, ctx: ParallelContext, data: Data) -> MaskedBatches | None:
     """Fixed order and masking (seed of the run, epoch 0): comparable across evaluations and variants.
     None (with a warning) when the shards have no valid split big enough for every rank."""
     try:
-        shards = ShardSet(data.shards, "valid", data.tokenizer.dictionary.sha256)
-        return MaskedBatches(shards, data.masker, seq_length=cfg.data.seq_length,
-                             micro_batch=cfg.train.micro_batch_size, block_mode=cfg.data.block_mode,
-                             seed=cfg.train.seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                             shuffle_window=1, pad_id=cfg.model.pad_token_id, epochs=1)
+        return _stream(cfg, ctx, data, "valid", cfg.train.seed, shuffle_window=1, epochs=1)
     except ShardError as err:
         warnings.warn(f"no validation: {err}")
         return None
@@ -166,7 +166,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     engine, optimizer, schedule = build_engine(model, cfg, ctx)
-    checkpoints = Checkpoints(run_dir, ctx, cfg.train.keep_last)
+    checkpoints = Checkpoints(run_dir, cfg.train.keep_last)
     state = TrainState(data_seed=cfg.train.seed)
     if resume is not None:
         tag = checkpoints.newest() if resume == "auto" else resume
