@@ -17,7 +17,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
@@ -56,7 +56,7 @@ class ModelConfig:
     layout). Other position kinds accept any length."""
     position: Literal["learned", "sinusoidal", "none", "alibi"] = "learned"
     """Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, or ALiBi."""
-    alibi_mode: Optional[Literal["symmetric", "offset", "learned"]] = None
+    alibi_mode: Literal["symmetric", "offset", "learned"] | None = None
     """ALiBi variant (only with position=alibi; default offset, the blog's choice): symmetric
     `-m|i-j|`; offset: keys after the query get `-m(|i-j|-0.5)`; learned: separate learnable
     slopes for keys before/after the query, initialized from Press et al."""
@@ -151,7 +151,7 @@ class ParallelConfig:
 class DataConfig:
     """Shards, sample construction and masking (fairseq masked_lm task)."""
 
-    shards: Optional[str] = None
+    shards: str | None = None
     """Folder of shards built by `megamlm shards build` (train and valid splits)."""
     build_from: list[str] = field(default_factory=list)
     """Input files (.jsonl, .jsonl.zst, .txt) built into `shards` on first use when it holds none."""
@@ -208,7 +208,7 @@ class OptimConfig:
     constant (after warm-up)."""
     warmup_steps: int = 10000
     """Linear warm-up updates."""
-    period_steps: Optional[int] = None
+    period_steps: int | None = None
     """Cosine period after warm-up; null = 1.1 × train.steps (the reference ran 133082 of 146390)."""
     end_lr: float = 0.0
     """Polynomial decay's final learning rate."""
@@ -243,7 +243,7 @@ class TrainConfig:
     """Seed for initialization, dropout, data order and masking; results do not depend on TP."""
     micro_batch_size: int = 8
     """Sequences per forward pass on one data-parallel rank."""
-    global_batch_size: Optional[int] = None
+    global_batch_size: int | None = None
     """Sequences per update over all ranks = micro × accumulation × DP; null = micro × DP."""
     steps: int = 20
     """Optimizer updates."""
@@ -251,7 +251,7 @@ class TrainConfig:
     """fp32, bf16, or fp16 with dynamic loss scaling (the reference)."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP)."""
-    deepspeed_config: Optional[str] = None
+    deepspeed_config: str | None = None
     """A DeepSpeed JSON file used instead of the one generated from this config (batch sizes must agree)."""
     run_dir: str = "runs/default"
     """Checkpoints, TensorBoard events and logs go here."""

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -42,7 +42,7 @@ def run_on_ranks(fn, world_size: int = 2, *args, timeout: float = 600):
     """Results of `fn(*args)` on ranks 0..world_size-1 (fn must be importable, i.e. top level)."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args))
                  for r in range(world_size)]
         for p in procs:

@@ -217,7 +217,8 @@ def test_deepspeed_json_is_generated_from_the_config(tmp_path):
     cfg = load_config([], ["train.micro_batch_size=4", "train.global_batch_size=32", "train.zero_stage=2",
                            "train.precision=bf16", "optim.clip_grad=1.0"])
     ds = deepspeed_config(cfg, dp_size=2)
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (4, 4, 32)
+    batch = (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"])
+    assert batch == (4, 4, 32)
     assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"] == {"enabled": True}
     assert ds["gradient_clipping"] == 1.0
     with pytest.raises(ConfigError, match="global_batch_size=32 is not divisible by .* 4 × 3"):

@@ -51,7 +51,7 @@ class Dictionary:
     has_mask_row: bool
 
     @classmethod
-    def load(cls, path: str | Path, add_mask: bool = True, drop_last: int = 0) -> "Dictionary":
+    def load(cls, path: str | Path, add_mask: bool = True, drop_last: int = 0) -> Dictionary:
         """Read dict.txt ("<symbol> <count>" per line). `drop_last` removes trailing lines (the
         zero-clap checkpoints were trained without the last two madeupwords)."""
         path = Path(path)
@@ -126,7 +126,7 @@ class Tokenizer:
             self.encoder_json.read_bytes() + self.vocab_bpe.read_bytes()).hexdigest()
 
     @classmethod
-    def gpt2(cls, zero_clap: bool = False) -> "Tokenizer":
+    def gpt2(cls, zero_clap: bool = False) -> Tokenizer:
         """The bundled GPT-2 files (hashes verified). zero_clap: 50262 symbols, no <mask> row."""
         folder = bundled_gpt2_dir()
         for name, digest in GPT2_SHA256.items():
@@ -138,14 +138,14 @@ class Tokenizer:
         return cls(folder / "encoder.json", folder / "vocab.bpe", dictionary)
 
     @classmethod
-    def load(cls, spec: str, zero_clap: bool = False) -> "Tokenizer":
+    def load(cls, spec: str, zero_clap: bool = False) -> Tokenizer:
         """`gpt2`, `gpt2-zero-clap`, or a folder with encoder.json, vocab.bpe and dict.txt."""
         if spec in ("gpt2", "gpt2-zero-clap"):
             return cls.gpt2(zero_clap=zero_clap or spec == "gpt2-zero-clap")
         return cls.from_dir(spec, zero_clap=zero_clap)
 
     @classmethod
-    def from_dir(cls, folder: str | Path, zero_clap: bool = False) -> "Tokenizer":
+    def from_dir(cls, folder: str | Path, zero_clap: bool = False) -> Tokenizer:
         """encoder.json + vocab.bpe + dict.txt from a folder (e.g. written by `train`)."""
         folder = Path(folder)
         if not (folder / "dict.txt").is_file():
