@@ -9,3 +9,7 @@ for _message in ("Transformer Engine and Apex are not installed", "Apex is not i
     warnings.filterwarnings("ignore", message=_message)
 
 __version__ = "0.1.0"
+
+from megamlm.model import MaskedLM  # noqa: E402  (after the warning filters above)
+
+__all__ = ["MaskedLM", "__version__"]

@@ -146,6 +146,35 @@ def cmd_fill_mask(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from megamlm.convert.fairseq import ConversionError
+    from megamlm.convert.pipeline import convert
+    from megamlm.convert.safe_load import UnsafeCheckpointError
+
+    # the world of one it sets up is left as is: converting is the whole process (or a caller's step)
+    try:
+        convert(args.source, args.target, args.src, args.out, dict_path=args.dict, tp=args.tp,
+                tolerance=args.tolerance)
+    except (ConversionError, UnsafeCheckpointError, ConfigError, FileNotFoundError) as err:
+        print(f"megamlm: convert: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_convert_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="source", required=True, choices=("fairseq", "megamlm", "zero"),
+                        help="fairseq: a fairseq/ALiBi-CLAP-fork .pt; megamlm: a model folder; "
+                             "zero: a DeepSpeed training checkpoint (run dir or step folder)")
+    parser.add_argument("--to", dest="target", required=True, choices=("megamlm", "fairseq", "hf"),
+                        help="megamlm: a model folder; fairseq: a .pt file; hf: a transformers folder")
+    parser.add_argument("src", help="the checkpoint to read")
+    parser.add_argument("out", help="where to write (nothing is written unless the logits agree)")
+    parser.add_argument("--dict", default=None, help="the fairseq dict.txt (default: bundled GPT-2)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards of a megamlm output")
+    parser.add_argument("--tolerance", type=float, default=1e-4,
+                        help="max |logit difference| allowed, relative to max(1, |logit|)")
+
+
 def relaunch_with_torchrun(nproc: int, argv: list[str]) -> None:
     """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...`."""
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
@@ -235,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     fill.add_argument("model_dir", help="exported model folder (<run_dir>/final)")
     fill.add_argument("text", help='e.g. "The capital of China is <mask>."')
     fill.add_argument("--topk", type=int, default=5)
+    _add_convert_args(sub.add_parser("convert", help="convert checkpoints: fairseq, megamlm, ZeRO, "
+                                                     "Hugging Face (checked on a probe batch)"))
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
@@ -245,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_hostfile(args)
     if args.verb == "fill-mask":
         return cmd_fill_mask(args)
+    if args.verb == "convert":
+        return cmd_convert(args)
     try:
         cfg = load_config(args.config, args.overrides)
         return VERBS[args.verb][0](cfg, args)

@@ -255,6 +255,9 @@ class TrainConfig:
     """A DeepSpeed JSON file used instead of the one generated from this config (batch sizes must agree)."""
     run_dir: str = "runs/default"
     """Checkpoints, TensorBoard events and logs go here."""
+    init_from: str | None = None
+    """A model folder (a trained <run_dir>/final or `megamlm convert` output) whose weights start the
+    run; its model section must describe the same architecture. Ignored when resuming a checkpoint."""
     log_interval: int = 10
     """Updates between log lines."""
     eval_interval: int = 100
@@ -455,6 +458,21 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
         for key, value in body.items():
             flat[f"{section}.{key}"] = (value, str(path))
     return flat
+
+
+def config_from_dict(values: dict, overrides: list[str] = (), origin: str = "config") -> Config:
+    """A Config from nested {section: {key: value}} (e.g. a checkpoint's copy) plus dotted overrides,
+    validated as if read from a file named `origin`."""
+    flat = {f"{section}.{key}": (value, origin) for section, body in values.items() for key, value in body.items()}
+    for text in overrides:
+        key, value = parse_override(text)
+        flat[key] = (value, "command line")
+    return build_config(flat)
+
+
+def replace_config(cfg: Config, overrides: list[str] = (), origin: str = "config") -> Config:
+    """`cfg` with dotted overrides applied, validated again."""
+    return config_from_dict(cfg.to_dict(), overrides, origin)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -1,20 +1,109 @@
-"""A trained model as one folder: `model.pt` (full TP=1 tensors) + `config.yaml`.
+"""A model as one folder, written by training and by `megamlm convert`, loadable at any TP degree.
 
-Written at the end of training from any TP / ZeRO layout; loadable at any TP degree for
-fill-mask, evaluation or further training.
+    config.yaml                      the full megamlm config (model section describes the weights)
+    model.pt                         full (TP=1) fp32 tensors by megamlm parameter name, or
+    model-tp00-of-04.pt ...          one file per tensor-parallel rank (megatron layout, vocab padded)
+    classification_heads.pt          optional: fairseq classification heads ({name}.dense.weight, ...)
+    fairseq_source.pt                optional: what a fairseq source held besides weights (cfg, dtype,
+                                     key style), so that the way back is exact
+
+Folders are written to a temporary sibling and renamed into place: a failed write leaves nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megamlm.config import Config, load_config
+from megamlm.config import Config, load_config, replace_config
 from megamlm.convert.reshard import full_state_dict, load_full_state_dict
+from megamlm.convert.tp import merge_shards, split_full
 from megamlm.parallel import ParallelContext
+
+MODEL_FILE = "model.pt"
+SHARD_FILE = "model-tp{rank:02d}-of-{tp:02d}.pt"
+HEADS_FILE = "classification_heads.pt"
+SOURCE_FILE = "fairseq_source.pt"
+
+
+@contextlib.contextmanager
+def staged_folder(folder: str | Path):
+    """Yield a temporary folder beside `folder`; on success it replaces `folder`, on error it is removed."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = folder.with_name(f".{folder.name}.old")
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_write(folder: str | Path, cfg: Config, full: dict[str, torch.Tensor], tp: int = 1,
+                 heads: dict[str, torch.Tensor] | None = None, source=None):
+    """Write a model folder into a staging folder and yield it (for checks and extra files); it
+    replaces `folder` when the block ends without an error. Tensors: model.pt, or `tp` shard files."""
+    full = {k: v.detach().float().contiguous() for k, v in full.items()}
+    cfg = replace_config(cfg, [f"parallel.tensor_parallel={tp}"])
+    with staged_folder(folder) as tmp:
+        if tp == 1:
+            torch.save(full, tmp / MODEL_FILE)
+        else:
+            for rank, shard in enumerate(split_full(full, cfg.model, tp)):
+                torch.save(shard, tmp / SHARD_FILE.format(rank=rank, tp=tp))
+        if heads:
+            torch.save(heads, tmp / HEADS_FILE)
+        if source is not None:
+            torch.save(dataclasses.asdict(source), tmp / SOURCE_FILE)
+        (tmp / "config.yaml").write_text(cfg.to_yaml())
+        yield tmp
+
+
+def write_model_folder(folder: str | Path, cfg: Config, full: dict[str, torch.Tensor], tp: int = 1,
+                       heads: dict[str, torch.Tensor] | None = None, source=None) -> Path:
+    with staged_write(folder, cfg, full, tp, heads, source):
+        pass
+    return Path(folder)
+
+
+def read_model_folder(folder: str | Path) -> tuple[Config, dict[str, torch.Tensor], dict, dict | None]:
+    """(config, full tensors, classification heads, fairseq source fields or None)."""
+    folder = Path(folder)
+    if not (folder / "config.yaml").is_file():
+        raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder "
+                                f"(training writes one to <run_dir>/final; `megamlm convert` writes others)")
+    cfg = load_config([folder / "config.yaml"])
+    shards = sorted(folder.glob("model-tp*-of-*.pt"))
+    if (folder / MODEL_FILE).is_file():
+        full = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=True)
+    elif shards:
+        tp = int(shards[0].stem.rsplit("-of-", 1)[1])
+        expected = [folder / SHARD_FILE.format(rank=r, tp=tp) for r in range(tp)]
+        if sorted(expected) != shards:
+            raise FileNotFoundError(f"{folder}: expected shard files {[p.name for p in expected]}, "
+                                    f"found {[p.name for p in shards]}")
+        full = merge_shards([torch.load(p, map_location="cpu", weights_only=True) for p in expected],
+                            cfg.model)
+    else:
+        raise FileNotFoundError(f"{folder}: neither {MODEL_FILE} nor {SHARD_FILE.format(rank=0, tp=2)}...")
+    heads = (torch.load(folder / HEADS_FILE, map_location="cpu", weights_only=True)
+             if (folder / HEADS_FILE).is_file() else {})
+    source = (torch.load(folder / SOURCE_FILE, map_location="cpu", weights_only=True)
+              if (folder / SOURCE_FILE).is_file() else None)
+    return cfg, full, heads, source
 
 
 def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
@@ -29,23 +118,18 @@ def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
     with gather:
         full = full_state_dict(model)
     if dist.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        torch.save({k: v.float().contiguous() for k, v in full.items()}, folder / "model.pt.tmp")
-        (folder / "model.pt.tmp").replace(folder / "model.pt")
-        (folder / "config.yaml").write_text(cfg.to_yaml())
+        write_model_folder(folder, cfg, full)
     dist.barrier()
     return folder
 
 
 def load_pretrained(folder: str | Path, ctx: ParallelContext, overrides: list[str] = ()):
-    """(config, MaskedLM in eval mode) from an exported folder, at ctx's TP degree."""
+    """(config, MaskedLM in eval mode) from a model folder, at ctx's TP degree."""
     from megamlm.model import MaskedLM
 
-    folder = Path(folder)
-    if not (folder / "model.pt").is_file():
-        raise FileNotFoundError(f"{folder / 'model.pt'} not found: not an exported megamlm model "
-                                f"(training writes one to <run_dir>/final)")
-    cfg = load_config([folder / "config.yaml"], [f"parallel.tensor_parallel={ctx.tp_size}", *overrides])
+    cfg, full, _, _ = read_model_folder(folder)
+    cfg = replace_config(cfg, [f"parallel.tensor_parallel={ctx.tp_size}", *overrides],
+                         origin=str(Path(folder) / "config.yaml"))
     model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
-    load_full_state_dict(model, torch.load(folder / "model.pt", map_location="cpu", weights_only=True))
+    load_full_state_dict(model, full)
     return cfg, model.eval()

@@ -26,6 +26,21 @@ def test_main_job_trains_lowers_validation_perplexity_and_fills_masks(tmp_path):
     assert len(fills) == 3 and all("The capital of France is" in line for line in fills)
     assert (tmp_path / "run/final/model.pt").exists()
     assert (tmp_path / "shards/manifest.json").exists()
+    # the trained model exported to Hugging Face: same logits (checked by convert), fill-mask offline
+    hf = tmp_path / "hf"
+    run = megamlm("convert", "--from", "megamlm", "--to", "hf", str(tmp_path / "run/final"), str(hf))
+    assert run.returncode == 0, run.stderr[-3000:]
+    diff = float(run.stdout.split("parity vs transformers RobertaForMaskedLM: max |Δlogit| = ")[1].split()[0])
+    assert diff < 1e-5
+    code = ("from transformers import pipeline; import sys; "
+            "r = pipeline('fill-mask', model=sys.argv[1], top_k=3)('The capital of France is <mask>.'); "
+            "print(r[0]['token_str'] + '|' + r[0]['sequence'])")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    pipe = subprocess.run([sys.executable, "-c", code, str(hf)], env=env, capture_output=True, text=True, timeout=300)
+    assert pipe.returncode == 0, pipe.stderr[-3000:]
+    token, sequence = pipe.stdout.strip().splitlines()[-1].split("|")
+    ours = fills[0].split()  # "  prob  'token'  sentence": the same best token as megamlm fill-mask
+    assert repr(token) in fills[0] and sequence.startswith("The capital of France is"), (pipe.stdout, ours)
 
 
 def test_params_prints_the_roberta_base_count():

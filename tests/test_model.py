@@ -63,8 +63,8 @@ def test_padding_does_not_change_real_positions(world, variant):
     tokens, _ = batch(cfg.model.vocab_size, lengths=(16, 10))
     alone = tokens[1:, :10]
     with torch.no_grad():
-        padded_logits = model.gather_logits(model(tokens)).view(2, 16, -1)[1, :10]
-        alone_logits = model.gather_logits(model(alone)).view(10, -1)
+        padded_logits = model(tokens)[1, :10]
+        alone_logits = model(alone)[0]
     torch.testing.assert_close(padded_logits, alone_logits, rtol=0, atol=1e-5)
 
 
@@ -74,10 +74,11 @@ def test_masked_only_projection_equals_full_projection(world, variant):
     model = MaskedLM(cfg.model, world, seed=3).eval()
     tokens, masked = batch(cfg.model.vocab_size)
     with torch.no_grad():
-        full = model(tokens)  # every position, [b*s, V_local]
-        only = model(tokens, masked)
-    assert only.shape[0] == int(masked.sum()) < full.shape[0]
-    torch.testing.assert_close(only, full[masked.flatten()], rtol=0, atol=1e-6)
+        full = model(tokens)  # every position, [b, s, vocab_size]
+        only = model(tokens, masked)  # [n, V_local]
+    assert full.shape == (*tokens.shape, cfg.model.vocab_size)
+    assert only.shape[0] == int(masked.sum()) < tokens.numel()
+    torch.testing.assert_close(only[:, : cfg.model.vocab_size], full[masked], rtol=0, atol=1e-6)
 
 
 def test_padded_vocabulary_columns_take_no_probability(world):
@@ -121,11 +122,11 @@ def test_zero_clap_embeds_the_mask_as_zero_vector(world):
         assert x[3].abs().sum() == 0
         assert x[4].abs().sum() > 0
         torch.testing.assert_close(x[2].norm(dim=-1), torch.full((3,), cfg.model.hidden_size ** 0.5))
-        before = model.gather_logits(model(tokens))
+        before = model(tokens)
         model.embedding.word_embeddings.weight[vocab - 1] += 1.0  # the row the mask id clamps to
-        after = model.gather_logits(model(tokens))
+        after = model(tokens)
     # only the logit columns of the edited row change; the mask position's input does not
-    torch.testing.assert_close(before[:, : vocab - 1], after[:, : vocab - 1])
+    torch.testing.assert_close(before[..., : vocab - 1], after[..., : vocab - 1])
 
 
 def test_flex_backend_refuses_cpu_with_a_clear_message(world):

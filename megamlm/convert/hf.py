@@ -49,6 +49,13 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) 
     return torch.stack(parts, dim=1).reshape(-1, *q.shape[1:])
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron's fused per-head QKV -> separate q, k, v ([h, ...] rows, heads contiguous)."""
+    # [3h, ...] -> [np, 3, hn, ...]; each [:, j] -> [h, ...]
+    grouped = qkv.reshape(num_heads, 3, -1, *qkv.shape[1:])
+    return tuple(grouped[:, j].reshape(-1, *qkv.shape[1:]) for j in range(3))
+
+
 def hf_roberta_to_megamlm(hf_state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """A RobertaForMaskedLM state dict -> full megamlm tensors for a post-LN `roberta` head model."""
     out: dict[str, torch.Tensor] = {}

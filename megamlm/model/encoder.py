@@ -3,9 +3,14 @@
 Shapes: b batch, s sequence, h hidden, np heads on this rank, V_local vocab rows on this rank,
 n selected (masked) positions. Token ids are fairseq dictionary ids, padding = pad_token_id.
 
-    logits_local = model(tokens [b, s], masked_positions [b, s] bool)   # [n, V_local]
+    logits_local = model(tokens [b, s], masked_positions [b, s] bool)   # [n, V_local] (training)
     loss = model.loss(logits_local, tokens_target[masked_positions])     # mean CE in nats
     logits = model.gather_logits(logits_local)                            # [n, vocab_size]
+    logits = model(tokens)                                  # [b, s, vocab_size], every position
+
+Inference from a model folder (trained, or converted from fairseq):
+    from megamlm import MaskedLM
+    m = MaskedLM.from_pretrained("runs/demo/final"); logits = m(token_ids)
 """
 
 from __future__ import annotations
@@ -143,10 +148,10 @@ class MaskedLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor,
                 masked_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of this rank's vocabulary shard at the selected positions.
-
-        masked_positions [b, s] bool selects positions in row-major (b, s) order; None selects all.
-        Returns [n, V_local]; padded vocabulary columns are -inf.
+        """Training: masked_positions [b, s] bool selects positions in row-major (b, s) order and the
+        result is this rank's vocabulary shard [n, V_local] (padded columns -inf), ready for `loss`.
+        Inference: without masked_positions, logits at every position over the whole vocabulary,
+        [b, s, vocab_size] (gathered over tensor-parallel ranks; differentiable only at TP=1).
         """
         hidden = self.hidden_states(tokens).transpose(0, 1)  # [s, b, h] -> [b, s, h]
         if masked_positions is None:
@@ -154,7 +159,22 @@ class MaskedLM(nn.Module):
         else:
             features = hidden[masked_positions]  # [n, h]
         logits = self.lm_head(features, self.embedding.word_embeddings.weight)
-        return logits.masked_fill(self.padded_columns, float("-inf"))
+        logits = logits.masked_fill(self.padded_columns, float("-inf"))
+        if masked_positions is None:
+            # [b*s, V] -> [b, s, V]
+            return self.gather_logits(logits).view(*tokens.shape, -1)
+        return logits
+
+    @classmethod
+    def from_pretrained(cls, folder, ctx: ParallelContext | None = None,
+                        overrides: list[str] = ()) -> MaskedLM:
+        """A model folder (training's <run_dir>/final, or `megamlm convert` output) in eval mode.
+        Without `ctx`, a world of one process is set up (or the running one joined, TP=1)."""
+        from megamlm.config import ParallelConfig
+        from megamlm.parallel import init_distributed
+        from megamlm.pretrained import load_pretrained
+
+        return load_pretrained(folder, ctx or init_distributed(ParallelConfig()), overrides)[1]
 
     def loss(self, logits_local: torch.Tensor, targets: torch.Tensor,
              reduction: str = "mean") -> torch.Tensor:
@@ -164,10 +184,12 @@ class MaskedLM(nn.Module):
         losses = vocab_parallel_cross_entropy(logits, targets)
         return losses.sum() if reduction == "sum" else losses.mean()
 
-    @torch.no_grad()
     def gather_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
-        """[n, V_local] shards -> [n, vocab_size] on every rank (padding columns dropped); for
+        """[..., V_local] shards -> [..., vocab_size] on every rank (padding columns dropped), for
         evaluation and inference (megatron's gather allocates on CUDA, this one on any device)."""
-        shards = [torch.empty_like(logits_local) for _ in range(self.ctx.tp_size)]
-        dist.all_gather(shards, logits_local.contiguous(), group=self.ctx.tp_group)
-        return torch.cat(shards, dim=-1)[..., : self.config.vocab_size]
+        if self.ctx.tp_size == 1:
+            return logits_local[..., : self.config.vocab_size]
+        with torch.no_grad():
+            shards = [torch.empty_like(logits_local) for _ in range(self.ctx.tp_size)]
+            dist.all_gather(shards, logits_local.contiguous(), group=self.ctx.tp_group)
+            return torch.cat(shards, dim=-1)[..., : self.config.vocab_size]

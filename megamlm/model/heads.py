@@ -54,7 +54,9 @@ class ClapHead(nn.Module):
     def __init__(self, model: ModelConfig, tp_group):
         super().__init__()
         self.tp_group = tp_group
-        self.beta = nn.Parameter(torch.tensor(float(model.clap_initial_beta)))
+        # shape [1], not fairseq's []: DeepSpeed's DP broadcast views every parameter as bytes,
+        # which a 0-dim tensor cannot do (the converters reshape)
+        self.beta = nn.Parameter(torch.full((1,), float(model.clap_initial_beta)))
 
     def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
         x = copy_to_tensor_model_parallel_region(features, group=self.tp_group)

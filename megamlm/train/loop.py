@@ -152,6 +152,23 @@ def evaluate(model: MaskedLM, stream: MaskedBatches, max_batches: int, ctx: Para
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1].item())}
 
 
+def init_from_folder(model: MaskedLM, cfg: Config, folder: str) -> None:
+    """Start from a model folder's weights (checked: same architecture as the run's config)."""
+    from megamlm.convert.reshard import load_full_state_dict
+    from megamlm.pretrained import read_model_folder
+
+    source, full, _, _ = read_model_folder(folder)
+    shape_keys = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                  "position", "alibi_mode", "layernorm", "embedding_layernorm", "head", "tie_embeddings",
+                  "max_positions")
+    differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.model, k)}"
+              for k in shape_keys if getattr(cfg.model, k) != getattr(source.model, k)]
+    if differ:
+        raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
+                          f"(start from its config.yaml: --config {folder}/config.yaml)")
+    load_full_state_dict(model, full)
+
+
 def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     """Run (or continue) the experiment; returns the summary. `loss_hook(step, loss) -> loss` lets
     tests inject spikes."""
@@ -164,6 +181,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     accumulation = cfg.train.accumulation_steps(ctx.dp_size)
     data = prepare_data(cfg, ctx)
     model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
+    if cfg.train.init_from:
+        init_from_folder(model, cfg, cfg.train.init_from)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     engine, optimizer, schedule = build_engine(model, cfg, ctx)
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last)

@@ -1,0 +1,206 @@
+"""`megamlm convert`: read a checkpoint, write it in another format, prove it on a probe batch.
+
+Sources: fairseq (a .pt from fairseq or the ALiBi/CLAP fork), megamlm (a model folder), zero (a
+DeepSpeed training checkpoint of any DP × TP layout). Targets: megamlm (a model folder, at any TP),
+fairseq, hf. Every conversion runs the converted model and a second model on the same probe batch
+and compares logits at every real position over the whole vocabulary; only when they agree is the
+output moved into place, so a failed conversion writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megamlm.config import Config, ParallelConfig, config_from_dict
+from megamlm.convert import fairseq as fs
+from megamlm.convert.fairseq_reference import fairseq_logits
+from megamlm.convert.safe_load import load_untrusted
+from megamlm.data.tokenizer import Dictionary, Tokenizer
+
+SOURCES = ("fairseq", "megamlm", "zero")
+TARGETS = ("megamlm", "fairseq", "hf")
+
+
+@dataclass
+class Model:
+    """A checkpoint in megamlm terms, whatever it was read from."""
+
+    cfg: Config
+    full: dict[str, torch.Tensor]
+    heads: dict[str, torch.Tensor]
+    source: fs.FairseqSource | None = None
+    reference: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Logits computed from the source file by an independent implementation (fairseq sources)."""
+    dictionary: list[str] | None = None
+    """dict.txt lines to ship with the model when it is not the bundled GPT-2 dictionary."""
+
+
+def read_fairseq(path: str | Path, dict_path: str | Path | None = None) -> Model:
+    ckpt = load_untrusted(path)
+    if "model" not in ckpt:
+        raise fs.ConversionError(f"{path}: no 'model' entry: not a fairseq checkpoint")
+    state, old_names = fs.normalize_names(ckpt["model"])
+    model_cfg = fs.fairseq_model_cfg(ckpt)
+    try:
+        model = fs.model_config_from_fairseq(model_cfg, state)
+        full, heads, constants = fs.fairseq_to_megamlm(state, model)
+    except fs.ConversionError as err:
+        raise fs.ConversionError(f"{path}: {err}") from None
+    dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()}
+    cfg_dict = ckpt.get("cfg") if isinstance(ckpt.get("cfg"), dict) else {"model": model_cfg}
+    source = fs.FairseqSource(cfg=cfg_dict, dtype="float16" if "float16" in dtypes else "float32",
+                              old_names=old_names, constants=constants)
+    omit_mask = bool((cfg_dict.get("task") or {}).get("omit_mask", False))
+    tokenizer, lines = _dictionary(dict_path, model.vocab_size, model.zero_mask or omit_mask)
+    cfg = config_from_dict({"model": dataclasses.asdict(model),
+                            "data": {"tokenizer": tokenizer, "seq_length": model.max_positions}},
+                           origin=str(path))
+    return Model(cfg, full, heads, source, reference=lambda tokens: fairseq_logits(state, model_cfg, tokens),
+                 dictionary=lines)
+
+
+def _dictionary(dict_path, rows: int, no_mask_row: bool) -> tuple[str, list[str] | None]:
+    """(data.tokenizer value, dict.txt lines to ship or None) for a checkpoint with `rows` symbols."""
+    bundled = Tokenizer.gpt2(zero_clap=no_mask_row).dictionary
+    if dict_path is None:
+        if rows == len(bundled):
+            return ("gpt2-zero-clap" if no_mask_row else "gpt2"), None
+        raise fs.ConversionError(f"the checkpoint has {rows} embedding rows, not GPT-2's {len(bundled)}: "
+                                 f"pass the dictionary it was trained with (--dict dict.txt)")
+    candidates = [Dictionary.load(dict_path, add_mask=not no_mask_row)]
+    if no_mask_row:  # released zero-clap checkpoints: dict.txt minus its last two madeupwords
+        candidates.append(Dictionary.load(dict_path, add_mask=False, drop_last=2))
+    for dictionary in candidates:
+        if len(dictionary) == rows:
+            if dictionary.symbols == bundled.symbols:
+                return ("gpt2-zero-clap" if no_mask_row else "gpt2"), None
+            return "tokenizer", [f"{s} 1" for s in dictionary.symbols[4:len(dictionary.symbols)
+                                                                     - dictionary.has_mask_row]]
+    sizes = " or ".join(str(len(d)) for d in candidates)
+    raise fs.ConversionError(f"{dict_path} gives {sizes} symbols (4 specials + lines"
+                             f"{'' if no_mask_row else ' + <mask>'}) but the checkpoint has {rows} "
+                             f"embedding rows: pass the dictionary the checkpoint was trained with")
+
+
+def read_megamlm(path: str | Path) -> Model:
+    from megamlm.pretrained import read_model_folder
+
+    cfg, full, heads, source = read_model_folder(path)
+    return Model(cfg, full, heads, fs.FairseqSource(**source) if source else None)
+
+
+def read_zero(path: str | Path) -> Model:
+    from megamlm.convert.zero import consolidate
+
+    cfg, full, _ = consolidate(path)
+    return Model(cfg, full, {})
+
+
+def probe_tokens(cfg: Config, seed: int = 0) -> torch.Tensor:
+    """[2, s] fairseq ids: <s> ... </s>, a mask token, the second row right-padded."""
+    model = cfg.model
+    length = min(24, model.max_positions) if model.position == "learned" else 24
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, model.vocab_size, (2, length), generator=g)
+    tokens[:, 0], tokens[:, -1] = 0, 2
+    tokens[0, length // 2] = model.vocab_size if model.zero_mask else model.vocab_size - 1
+    tokens[1, length - 6:] = model.pad_token_id
+    tokens[1, length - 7] = 2
+    return tokens
+
+
+def compare(ours: torch.Tensor, theirs: torch.Tensor, tokens: torch.Tensor, pad: int, what: str,
+            tolerance: float) -> float:
+    """Max |logit difference| over real positions; raises when above tolerance × max(1, |logit|)."""
+    real = tokens.ne(pad)
+    diff = (ours.float() - theirs.float())[real].abs().max().item()
+    scale = max(1.0, theirs.float()[real].abs().max().item())
+    if not diff <= tolerance * scale:
+        raise fs.ConversionError(f"logits differ from {what}: max |Δ| = {diff:.3g} > {tolerance:g} × {scale:.3g}; "
+                                 f"nothing was written")
+    return diff
+
+
+def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    from megamlm.convert.reshard import load_full_state_dict
+    from megamlm.model import MaskedLM
+    from megamlm.parallel import init_distributed
+
+    ctx = init_distributed(ParallelConfig())
+    model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
+    load_full_state_dict(model, full)
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+def convert(source: str, target: str, src: str | Path, out: str | Path, dict_path=None, tp: int = 1,
+            tolerance: float = 1e-4, log=print) -> dict:
+    """Run one conversion; returns a report {max_diff: {check: value}, out: path}."""
+    if source not in SOURCES or target not in TARGETS:
+        raise fs.ConversionError(f"--from {source} --to {target}: allowed --from {', '.join(SOURCES)}; "
+                                 f"--to {', '.join(TARGETS)}")
+    model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
+             "zero": lambda: read_zero(src)}[source]()
+    cfg, out = model.cfg, Path(out)
+    tokens = probe_tokens(cfg)
+    ours = megamlm_logits(cfg, model.full, tokens)
+    pad = cfg.model.pad_token_id
+    report: dict = {"max_diff": {}, "out": str(out)}
+    if model.reference is not None:
+        report["max_diff"][f"{source} source"] = compare(ours, model.reference(tokens), tokens, pad,
+                                                         f"the {source} source (reference forward)", tolerance)
+    if target == "megamlm":
+        _write_megamlm(model, out, tp, tokens, ours, tolerance, report)
+    elif target == "fairseq":
+        _write_fairseq(model, out, tokens, ours, tolerance, report)
+    else:
+        from megamlm.convert.hf_export import write_hf
+
+        write_hf(model, out, tokens, ours, tolerance, report)
+    for check, diff in report["max_diff"].items():
+        log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {int(tokens.ne(pad).sum())} positions × "
+            f"{cfg.model.vocab_size} symbols (tolerance {tolerance:g})")
+    log(f"wrote {out}")
+    return report
+
+
+def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, report) -> None:
+    from megamlm.pretrained import read_model_folder, staged_write
+
+    cfg = model.cfg
+    if model.dictionary is not None:
+        cfg = config_from_dict(cfg.to_dict(), [f"data.tokenizer={out.resolve() / 'tokenizer'}"])
+    with staged_write(out, cfg, model.full, tp, model.heads, model.source) as tmp:
+        if model.dictionary is not None:
+            (tmp / "tokenizer").mkdir()
+            (tmp / "tokenizer/dict.txt").write_text("\n".join(model.dictionary) + "\n")
+        written_cfg, written, _, _ = read_model_folder(tmp)
+        report["max_diff"]["written megamlm folder"] = compare(
+            megamlm_logits(written_cfg, written, tokens), ours, tokens, cfg.model.pad_token_id,
+            f"the written folder {out}", tolerance)
+
+
+def _write_fairseq(model: Model, out: Path, tokens, ours, tolerance, report) -> None:
+    cfg = model.cfg
+    source = model.source or fs.FairseqSource(cfg=fs.fairseq_cfg_for(cfg.model),
+                                              constants={"sentence_encoder.version": torch.tensor([3.0])})
+    state = fs.megamlm_to_fairseq(model.full, cfg.model, source, model.heads)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        torch.save(fs.fairseq_checkpoint(state, source.cfg), tmp)
+        written = load_untrusted(tmp)
+        written_state, _ = fs.normalize_names(written["model"])
+        report["max_diff"]["written fairseq checkpoint"] = compare(
+            fairseq_logits(written_state, fs.fairseq_model_cfg(written), tokens), ours, tokens,
+            cfg.model.pad_token_id, f"the written fairseq checkpoint {out}", tolerance)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -1,0 +1,66 @@
+"""Tensor-parallel shards <-> full tensors, by parameter name, without a process group.
+
+The model marks its sharded parameters (megatron's `partition_dim`, our `vocab_parallel`); tools that
+work on files (resharding, ZeRO consolidation) need the same facts without building the model, so
+they are written down once here and `tests/test_convert.py` checks this table against every
+variant's parameters. Vocab-parallel tables are padded with zero rows to a multiple of
+make_vocab_size_divisible_by × TP; their full form holds exactly `vocab_size` rows.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megamlm.config import ModelConfig
+
+# (megamlm parameter name pattern, partition dim, vocab-parallel rows)
+SHARD_RULES: list[tuple[str, int, bool]] = [
+    (r"embedding\.word_embeddings\.weight", 0, True),
+    (r"lm_head\.(weight|bias)", 0, True),
+    (r"encoder\.layers\.\d+\.self_attention\.linear_qkv\.(weight|bias)", 0, False),
+    (r"encoder\.layers\.\d+\.mlp\.linear_fc1\.(weight|bias)", 0, False),
+    (r"encoder\.layers\.\d+\.self_attention\.linear_proj\.weight", 1, False),
+    (r"encoder\.layers\.\d+\.mlp\.linear_fc2\.weight", 1, False),
+    (r"alibi\.log_slopes", 1, False),
+]
+_RULES = [(re.compile(pattern + "$"), dim, vocab) for pattern, dim, vocab in SHARD_RULES]
+
+
+def shard_rule(name: str) -> tuple[int | None, bool]:
+    """(partition dim or None if replicated, whether rows are vocab-padded) of a parameter."""
+    for pattern, dim, vocab in _RULES:
+        if pattern.match(name):
+            return dim, vocab
+    return None, False
+
+
+def split_full(full: dict[str, torch.Tensor], model: ModelConfig, tp: int) -> list[dict[str, torch.Tensor]]:
+    """Full tensors -> one dict per TP rank, shaped like that rank's parameters."""
+    padded = model.padded_vocab_size(tp)
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for name, tensor in full.items():
+        dim, vocab = shard_rule(name)
+        if vocab:
+            tensor = torch.cat([tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])])
+        parts = [tensor] * tp if dim is None else tensor.chunk(tp, dim=dim)
+        for rank, part in enumerate(parts):
+            shards[rank][name] = part.clone()
+    return shards
+
+
+def merge_shards(shards: list[dict[str, torch.Tensor]], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """One dict per TP rank -> full tensors (vocab padding dropped; replicas must agree)."""
+    full = {}
+    for name, first in shards[0].items():
+        dim, vocab = shard_rule(name)
+        if dim is None:
+            for rank, shard in enumerate(shards[1:], 1):
+                if not torch.equal(shard[name], first):
+                    raise ValueError(f"{name}: replicated parameter differs between TP rank 0 and {rank}")
+            tensor = first
+        else:
+            tensor = torch.cat([shard[name] for shard in shards], dim=dim)
+        full[name] = tensor[: model.vocab_size] if vocab else tensor
+    return full

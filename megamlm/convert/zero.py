@@ -1,0 +1,64 @@
+"""ZeRO consolidation: a DeepSpeed training checkpoint of any DP × TP layout -> full fp32 tensors.
+
+DeepSpeed's `zero_to_fp32` merges the data-parallel partitions of one model-parallel rank but cannot
+merge tensor-parallel shards. We give it one TP rank at a time (a folder of links to that rank's
+files), then concatenate the TP shards with the partition table of `megamlm.convert.tp`.
+The checkpoint is megamlm's own (`<run_dir>/checkpoints/stepN`), so its pickles are trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megamlm.config import Config, config_from_dict
+from megamlm.convert.tp import merge_shards
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder, a `checkpoints` folder (its `latest`), or a run folder (its checkpoints/latest)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if not (path / "megamlm.json").is_file():
+        raise FileNotFoundError(f"{path}: not a megamlm training checkpoint (no megamlm.json); pass "
+                                f"<run_dir>, <run_dir>/checkpoints or <run_dir>/checkpoints/stepNNNNNNNN")
+    if not (path / "complete").exists():
+        raise FileNotFoundError(f"{path}: checkpoint is incomplete (the save was interrupted)")
+    return path
+
+
+def _tp_rank_state(folder: Path, tp_rank: int, zero_stage: int) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob(f"*mp_rank_{tp_rank:02d}_*.pt"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no DeepSpeed files for tensor-parallel rank {tp_rank}")
+    if zero_stage == 0:
+        module = torch.load(folder / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu",
+                            weights_only=False)["module"]
+        return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}
+    from deepspeed.utils.zero_to_fp32 import _get_fp32_state_dict_from_zero_checkpoint, to_torch_tensor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for file in files:
+            (Path(tmp) / file.name).symlink_to(file.resolve())
+        with contextlib.redirect_stdout(io.StringIO()):
+            state = _get_fp32_state_dict_from_zero_checkpoint(tmp, exclude_frozen_parameters=False)
+            return to_torch_tensor(state)
+
+
+def consolidate(path: str | Path) -> tuple[Config, dict[str, torch.Tensor], Path]:
+    """(the run's config, full fp32 tensors by parameter name, the step folder used)."""
+    folder = resolve_checkpoint(path)
+    meta = json.loads((folder / "megamlm.json").read_text())
+    cfg = config_from_dict(meta["config"], origin=str(folder / "megamlm.json"))
+    tp = cfg.parallel.tensor_parallel
+    shards = [_tp_rank_state(folder, rank, cfg.train.zero_stage) for rank in range(tp)]
+    full = merge_shards(shards, cfg.model)
+    return cfg, full, folder
