@@ -216,6 +216,18 @@ def test_zero2_dp2_tp2_checkpoint_consolidates_to_the_training_model(tmp_path):
         want = MaskedLM.from_pretrained(tmp_path / "run/final", ctx)(tokens)
         got = MaskedLM.from_pretrained(tmp_path / "consolidated", ctx)(tokens)
     assert torch.equal(got, want)
+    # a converted folder starts a new run (train.init_from): with lr 1e-30 the run's export is that folder
+    from megamlm.config import replace_config
+
+    again = replace_config(cfg, [f"train.init_from={tmp_path / 'consolidated'}", "parallel.tensor_parallel=1",
+                                 "train.zero_stage=0", "optim.lr=1e-30", "optim.min_lr=0", "optim.weight_decay=0",
+                                 "train.steps=1", f"train.run_dir={tmp_path / 'again'}"])
+    assert run_on_ranks(_train_run, 1, again)[0] == 1
+    restarted = read_megamlm(tmp_path / "again/final")
+    assert all(torch.allclose(restarted.full[k], v, rtol=0, atol=1e-20) for k, v in consolidated.full.items())
+    wrong = replace_config(again, ["model.num_layers=3"])
+    with pytest.raises(RuntimeError, match="holds a different architecture: model.num_layers: run 3 vs 2"):
+        run_on_ranks(_train_run, 1, wrong)
 
 
 @pytest.mark.parametrize("variant", ["alibi", "zero-clap"])
@@ -239,15 +251,3 @@ def test_alibi_and_clap_variants_export_as_remote_code_that_transformers_loads(w
     results = fill("The capital of France is <mask>.")
     assert len(results) == 3 and all(r["sequence"].startswith("The capital of France is") for r in results)
     assert abs(sum(r["score"] for r in results)) <= 1.0
-    # a converted folder starts a new run (train.init_from): with lr 0 the run's export is that folder
-    from megamlm.config import replace_config
-
-    again = replace_config(cfg, [f"train.init_from={tmp_path / 'consolidated'}", "parallel.tensor_parallel=1",
-                                 "train.zero_stage=0", "optim.lr=0", "optim.min_lr=0", "optim.weight_decay=0",
-                                 "train.steps=1", f"train.run_dir={tmp_path / 'again'}"])
-    assert run_on_ranks(_train_run, 1, again)[0] == 1
-    restarted = read_megamlm(tmp_path / "again/final")
-    assert all(torch.equal(restarted.full[k], v) for k, v in consolidated.full.items())
-    wrong = replace_config(again, ["model.num_layers=3"])
-    with pytest.raises(RuntimeError, match="holds a different architecture: model.num_layers: run 3 vs 2"):
-        run_on_ranks(_train_run, 1, wrong)

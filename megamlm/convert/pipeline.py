@@ -160,6 +160,10 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
     elif target == "fairseq":
         _write_fairseq(model, out, tokens, ours, tolerance, report)
     else:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise fs.ConversionError("--to hf needs transformers: pip install 'megamlm[hf]'") from None
         from megamlm.convert.hf_export import write_hf
 
         write_hf(model, out, tokens, ours, tolerance, report)
