@@ -23,6 +23,10 @@ setup(
         "tensorboard>=2.14",
         "pyyaml>=6",
         "numpy>=1.24",
+        # GLUE metrics and the extrapolation plot
+        "scikit-learn>=1.3",
+        "scipy>=1.10",
+        "matplotlib>=3.7",
     ],
     # NVIDIA apex (fused LayerNorm) is used when installed from NVIDIA's repository; the PyPI
     # project named "apex" is unrelated and must not be installed.

@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from megamlm.config import Config, ConfigError, load_config
 
@@ -175,6 +176,75 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
                         help="max |logit difference| allowed, relative to max(1, |logit|)")
 
 
+def cmd_glue(args) -> int:
+    from megamlm.glue.finetune import FinetuneOptions
+    from megamlm.glue.run import run_glue
+    from megamlm.glue.tasks import GlueDataError
+
+    options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr)
+    try:
+        report = run_glue(args.checkpoint, args.data_dir, args.tasks.split(","),
+                          [int(s) for s in args.seeds.split(",")], args.out, options, args.max_train_samples,
+                          args.max_eval_samples, args.parallel, args.ppl)
+    except (GlueDataError, FileNotFoundError, ValueError, ConfigError) as err:
+        print(f"megamlm: glue: {err}", file=sys.stderr)
+        return 2
+    print((Path(args.out) / "results.md").read_text())
+    return 0 if any("summary" in r for r in report["tasks"].values()) else 1
+
+
+def _add_glue_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="model folder (<run_dir>/final or converted)")
+    parser.add_argument("--data-dir", required=True, help="GLUE folder: <TASK>/train.tsv, dev.tsv")
+    parser.add_argument("--tasks", default="MNLI,QNLI,QQP,RTE,SST-2,MRPC,CoLA,STS-B")
+    parser.add_argument("--seeds", default="1", help="comma-separated; several give median and spread")
+    parser.add_argument("--out", default="glue-results")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's per task")
+    parser.add_argument("--lr", type=float, default=None, help="default: the recipe's per task")
+    parser.add_argument("--max-train-samples", type=int, default=None, help="subsample training rows")
+    parser.add_argument("--max-eval-samples", type=int, default=None, help="subsample dev rows")
+    parser.add_argument("--parallel", type=int, default=1, help="tasks in parallel processes")
+    parser.add_argument("--ppl", type=float, default=None, help="the model's validation perplexity, "
+                                                                "for the table (megamlm eval ppl)")
+
+
+def cmd_eval(args) -> int:
+    from megamlm.evaluate import evaluate_lengths, extrapolation_report
+
+    try:
+        if args.what == "ppl":
+            row = evaluate_lengths(args.checkpoint[0], args.data, [args.seq_length], args.max_tokens,
+                                   args.batch_size)[0]
+            if "skipped" in row:
+                raise ValueError(f"length {args.seq_length}: {row['skipped']}")
+            print(f"{args.checkpoint[0]}: MLM loss {row['loss']:.4f} nats | perplexity {row['ppl']:.2f} | "
+                  f"{row['masked_tokens']:,} masked tokens in {row['samples']} samples of {args.seq_length}")
+            return 0
+        lengths = [int(n) for n in args.lengths.split(",")]
+        results = {Path(c).parent.name if Path(c).name == "final" else Path(c).name:
+                   evaluate_lengths(c, args.data, lengths, args.max_tokens, args.batch_size) for c in args.checkpoint}
+        print(extrapolation_report(results, args.out, args.train_length), end="")
+        print(f"plot: {Path(args.out) / 'ppl-vs-length.png'}")
+    except (FileNotFoundError, ValueError, ConfigError) as err:
+        print(f"megamlm: eval: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_eval_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", choices=("ppl", "extrapolation"))
+    parser.add_argument("--checkpoint", action="append", required=True,
+                        help="model folder; extrapolation takes several (one curve each)")
+    parser.add_argument("--data", required=True, help="shard folder (its valid split) or a text file")
+    parser.add_argument("--seq-length", type=int, default=128, help="ppl: sample length")
+    parser.add_argument("--lengths", default="128,256,512,1024,2048", help="extrapolation: lengths")
+    parser.add_argument("--max-tokens", type=int, default=65536, help="evaluation tokens (per length)")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per batch at the shortest length")
+    parser.add_argument("--train-length", type=int, default=None, help="marked in the plot")
+    parser.add_argument("--out", default="extrapolation", help="extrapolation: output folder")
+
+
 def relaunch_with_torchrun(nproc: int, argv: list[str]) -> None:
     """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...`."""
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
@@ -266,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     fill.add_argument("--topk", type=int, default=5)
     _add_convert_args(sub.add_parser("convert", help="convert checkpoints: fairseq, megamlm, ZeRO, "
                                                      "Hugging Face (checked on a probe batch)"))
+    _add_glue_args(sub.add_parser("glue", help="fine-tune and evaluate on GLUE tasks (reference recipe)"))
+    _add_eval_args(sub.add_parser("eval", help="MLM perplexity (fixed masking) and length extrapolation"))
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
@@ -278,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_fill_mask(args)
     if args.verb == "convert":
         return cmd_convert(args)
+    if args.verb == "glue":
+        return cmd_glue(args)
+    if args.verb == "eval":
+        return cmd_eval(args)
     try:
         cfg = load_config(args.config, args.overrides)
         return VERBS[args.verb][0](cfg, args)

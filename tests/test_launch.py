@@ -40,12 +40,30 @@ def test_deepspeed_json_is_printed_from_the_config(capsys):
     assert printed["zero_optimization"]["stage"] == 3 and printed["gradient_accumulation_steps"] == 16
 
 
-def test_glue_array_script_stops_with_a_clear_message_until_glue_exists():
-    env = dict(os.environ, SLURM_ARRAY_TASK_ID="9", PYTHON=sys.executable, PYTHONPATH=str(ROOT))
-    run = subprocess.run(["bash", str(ROOT / "slurm/glue.sbatch"), "runs/a/final", "runs/b/final"],
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2
-    assert "megamlm glue is not available" in run.stderr and "MNLI on runs/b/final" in run.stderr
+def test_glue_array_script_runs_its_task_of_its_model(tmp_path):
+    from megamlm import MaskedLM
+    from megamlm.config import ParallelConfig
+    from megamlm.convert.reshard import full_state_dict
+    from megamlm.parallel import init_distributed
+    from megamlm.pretrained import write_model_folder
+    from tests.variants import variant_config
+
+    cfg = variant_config("baseline", ["model.vocab_size=50265", "model.hidden_size=32", "model.num_layers=1"])
+    model = MaskedLM(cfg.model, init_distributed(ParallelConfig()))
+    for name in ("a", "b"):
+        write_model_folder(tmp_path / name, cfg, full_state_dict(model))
+    env = dict(os.environ, SLURM_ARRAY_TASK_ID="13", PYTHON=sys.executable, PYTHONPATH=str(ROOT),
+               GLUE_DIR=str(ROOT / "tests/data/glue"), GLUE_ARGS="--epochs 1 --batch-size 4")
+    run = subprocess.run(["bash", str(ROOT / "slurm/glue.sbatch"), str(tmp_path / "a"), str(tmp_path / "b")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"array task 13: RTE on {tmp_path / 'b'}" in run.stdout  # 13 = model 1, task 13 % 8 = RTE
+    result = json.loads((tmp_path / "b/glue/RTE/results.json").read_text())
+    assert result["tasks"]["RTE"]["seeds"]["1"]["updates"] == 2  # 8 rows / batch 4, 1 epoch
+    env["SLURM_ARRAY_TASK_ID"] = "16"
+    run = subprocess.run(["bash", str(ROOT / "slurm/glue.sbatch"), str(tmp_path / "a"), str(tmp_path / "b")],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "array index 16 is beyond 2 models x 8 tasks" in run.stderr
 
 
 def test_shellcheck_passes_on_every_slurm_script():

@@ -57,7 +57,7 @@ def _roberta_config(model: ModelConfig):
 def write_tokenizer(spec: str, zero_mask: bool, folder: Path) -> bool:
     """vocab.json (BPE token -> fairseq id) + merges.txt + tokenizer config; False if the model's
     tokenizer has no BPE files (a converted checkpoint with only a dict.txt)."""
-    from transformers import RobertaTokenizer
+    from transformers import AddedToken, RobertaTokenizer
 
     try:
         tokenizer = Tokenizer.load(spec, zero_clap=zero_mask)
@@ -71,7 +71,10 @@ def write_tokenizer(spec: str, zero_mask: bool, folder: Path) -> bool:
     vocab["<mask>"] = tokenizer.dictionary.mask_id  # = vocab size for zero-clap (embedded as zeros)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     shutil.copyfile(tokenizer.vocab_bpe, folder / "merges.txt")
-    RobertaTokenizer(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt")).save_pretrained(folder)
+    # lstrip: "is <mask>." -> "is" + " Paris", as fairseq's fill_mask and roberta-base on the Hub
+    mask = AddedToken("<mask>", lstrip=True, rstrip=False, normalized=False, special=True)
+    RobertaTokenizer(vocab=str(folder / "vocab.json"), merges=str(folder / "merges.txt"),
+                     mask_token=mask).save_pretrained(folder)
     return True
 
 

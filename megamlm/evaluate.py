@@ -1,0 +1,133 @@
+"""MLM perplexity with a fixed masking seed, at the training length or beyond it.
+
+The evaluation text (a shard folder's valid split, or a text file) becomes one token stream that
+is cut into samples of `<s>` + L-1 tokens; every sample is masked by the fairseq rule with a fixed
+seed, so every model and every variant is scored on exactly the same targets. Extrapolation cuts
+the same stream at several lengths (the same number of tokens per length) — the experiment the
+reference left open: learned position tables end at max_positions, ALiBi and sinusoidal do not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megamlm.data.masking import Masker
+from megamlm.data.tokenizer import BOS, EOS, Tokenizer
+
+
+def token_stream(data: str | Path, tokenizer: Tokenizer, max_tokens: int) -> np.ndarray:
+    """Up to `max_tokens` ids: a shard folder's valid split (documents end with </s>) or a text file
+    (each non-empty line a document)."""
+    from megamlm.data.stream import ShardSet
+
+    data = Path(data)
+    pieces, total = [], 0
+    if (data / "manifest.json").is_file():
+        shards = ShardSet(data, "valid", tokenizer.dictionary.sha256)
+        for i in range(len(shards.shards)):
+            starts = shards.doc_starts(i)
+            pieces.append(shards.read_tokens(i, int(starts[0]), int(starts[-1])))
+            total += len(pieces[-1])
+            if total >= max_tokens:
+                break
+    elif data.is_file():
+        with open(data, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    pieces.append(np.append(tokenizer.encode(line.strip()), EOS))
+                    total += len(pieces[-1])
+                    if total >= max_tokens:
+                        break
+    else:
+        raise FileNotFoundError(f"{data}: neither a shard folder (manifest.json) nor a text file")
+    if not pieces:
+        raise ValueError(f"{data}: no evaluation text (a shard folder needs a valid split)")
+    return np.concatenate(pieces)[:max_tokens]
+
+
+def samples(stream: np.ndarray, length: int) -> np.ndarray:
+    """[n, length]: <s> + consecutive length-1 tokens; the incomplete tail is dropped."""
+    body = length - 1
+    n = len(stream) // body
+    if n == 0:
+        raise ValueError(f"{len(stream)} evaluation tokens do not fill one sample of length {length}")
+    # [n * body] -> [n, body], then prepend <s>
+    blocks = stream[: n * body].reshape(n, body)
+    return np.concatenate([np.full((n, 1), BOS, dtype=blocks.dtype), blocks], axis=1)
+
+
+@torch.no_grad()
+def mlm_perplexity(model, tokens: np.ndarray, tokenizer: Tokenizer, batch_size: int = 8, seed: int = 1) -> dict:
+    """Masked-token cross-entropy (nats) and perplexity over samples [n, L]."""
+    dictionary = tokenizer.dictionary
+    masker = Masker(dictionary.mask_id, dictionary.ordinary_ids(), seed=seed)
+    device = model.ctx.device
+    total, count = 0.0, 0
+    for start in range(0, len(tokens), batch_size):
+        block = tokens[start:start + batch_size]
+        masked = [masker(row, 0, start + i) for i, row in enumerate(block)]
+        inputs = torch.from_numpy(np.stack([m[0] for m in masked])).to(device)
+        targeted = torch.from_numpy(np.stack([m[1] for m in masked])).to(device)
+        logits = model(inputs, targeted)
+        total += model.loss(logits, torch.from_numpy(block).to(device)[targeted], reduction="sum").item()
+        count += int(targeted.sum())
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "masked_tokens": count, "samples": len(tokens)}
+
+
+def evaluate_lengths(checkpoint: str | Path, data: str | Path, lengths: list[int], max_tokens: int,
+                     batch_size: int = 8, ctx=None) -> list[dict]:
+    """One row per length: {"length", "ppl", ...} or {"length", "skipped": reason}."""
+    from megamlm.config import ParallelConfig
+    from megamlm.parallel import init_distributed
+    from megamlm.pretrained import load_pretrained
+
+    cfg, model = load_pretrained(checkpoint, ctx or init_distributed(ParallelConfig()))
+    tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
+    stream = token_stream(data, tokenizer, max_tokens)
+    rows = []
+    for length in lengths:
+        if cfg.model.position == "learned" and length > cfg.model.max_positions:
+            rows.append({"length": length, "skipped": f"learned position table holds {cfg.model.max_positions}"})
+            continue
+        rows.append({"length": length, **mlm_perplexity(model, samples(stream, length), tokenizer,
+                                                        max(1, batch_size * min(lengths) // length))})
+    return rows
+
+
+def extrapolation_report(results: dict[str, list[dict]], out: str | Path, train_length: int | None) -> str:
+    """results.json, a markdown table and ppl-vs-length.png (log scale) into `out`; returns the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    lengths = sorted({r["length"] for rows in results.values() for r in rows})
+    lines = ["| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in results.items():
+        by_length = {r["length"]: r for r in rows}
+        cells = [f"{by_length[n]['ppl']:.1f}" if "ppl" in by_length.get(n, {}) else
+                 f"n/a ({by_length[n]['skipped']})" if n in by_length else "–" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        points = [(r["length"], r["ppl"]) for r in rows if "ppl" in r]
+        ax.plot(*zip(*points), marker="o", label=name)
+    if train_length:
+        ax.axvline(train_length, color="grey", linestyle="--", label=f"training length {train_length}")
+    ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="MLM perplexity",
+           title="Length extrapolation")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ppl-vs-length.png", dpi=120)
+    table = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(table)
+    return table

@@ -1,0 +1,1 @@
+"""GLUE fine-tuning and evaluation."""

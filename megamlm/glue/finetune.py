@@ -1,0 +1,176 @@
+"""GLUE fine-tuning with the reference recipe (fairseq sentence_prediction, section 6 of the spec).
+
+    input     <s> A </s></s> B </s>        (fairseq ids; right-padded with 1)
+    head      <s> features -> dense -> tanh -> out_proj  (RobertaClassificationHead, pooler dropout 0)
+    loss      cross-entropy, or MSE for STS-B (labels / 5)
+    optimizer AdamW (0.9, 0.98), eps 1e-6, weight decay 0.1, dropout 0.1 / 0.1, no clipping
+    schedule  polynomial decay (power 1) to 0 after linear warm-up: the recipe's max_update and
+              warm-up for GLUE's full training set and 10 epochs, proportionally fewer otherwise
+    epochs    10, validation after each
+
+The pretrained variant's model options come from its folder's config.yaml. Data parallel over
+the running world (gradients all-reduced over the DP group); a world of one on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megamlm.config import OptimConfig
+from megamlm.data.tokenizer import BOS, EOS, Tokenizer
+from megamlm.glue.metrics import HIGHER_IS_BETTER, compute_metrics
+from megamlm.glue.tasks import Example, Task
+from megamlm.parallel import ParallelContext
+from megamlm.train.schedule import lr_at
+
+
+@dataclass
+class FinetuneOptions:
+    epochs: int = 10
+    """Passes over the training rows (the recipe: 10)."""
+    batch_size: int | None = None
+    """Sequences per update; None = the recipe's (16 or 32)."""
+    lr: float | None = None
+    """Peak learning rate; None = the recipe's."""
+    max_length: int = 512
+    """Tokens per input (fairseq task.max_positions 512, at most a learned position table's size);
+    longer pairs are truncated, the longer sentence first."""
+    weight_decay: float = 0.1
+    dropout: float = 0.1
+
+
+class ClassificationHead(nn.Module):
+    """fairseq RobertaClassificationHead; parameter names match `classification_heads.<name>.*`."""
+
+    def __init__(self, hidden_size: int, num_classes: int):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(features)))
+
+
+class SentenceClassifier(nn.Module):
+    """The pretrained encoder (its MLM head unused) + a classification head on `<s>`."""
+
+    def __init__(self, body: nn.Module, num_classes: int, seed: int):
+        super().__init__()
+        self.body = body
+        generator = torch.Generator().manual_seed(seed)
+        self.head = ClassificationHead(body.config.hidden_size, num_classes)
+        with torch.no_grad():  # BERT init, identical on every rank (seeded generator, not the global RNG)
+            for linear in (self.head.dense, self.head.out_proj):
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * body.config.init_std)
+                linear.bias.zero_()
+        self.head.to(body.ctx.device)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for name, p in self.named_parameters() if not name.startswith("body.lm_head.")]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.body.hidden_states(tokens)  # [s, b, h]
+        return self.head(hidden[0])  # <s> features [b, h] -> [b, classes]
+
+
+def encode(examples: list[Example], tokenizer: Tokenizer, max_length: int) -> list[list[int]]:
+    """`<s> A </s>` or `<s> A </s></s> B </s>`, the longer sentence truncated first when too long."""
+    out = []
+    for example in examples:
+        parts = [tokenizer.encode(text).tolist() for text in example.texts]
+        budget = max_length - (2 if len(parts) == 1 else 4)
+        while sum(map(len, parts)) > budget:
+            longest = max(range(len(parts)), key=lambda i: len(parts[i]))
+            parts[longest].pop()
+        ids = [BOS, *parts[0], EOS]
+        if len(parts) == 2:
+            ids += [EOS, *parts[1], EOS]
+        out.append(ids)
+    return out
+
+
+def collate(sequences: list[list[int]], pad: int) -> torch.Tensor:
+    tokens = torch.full((len(sequences), max(map(len, sequences))), pad, dtype=torch.long)
+    for i, ids in enumerate(sequences):
+        tokens[i, : len(ids)] = torch.tensor(ids)
+    return tokens
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:
+    """Summed over the batch (normalized by the global batch size by the caller)."""
+    if regression:
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float(), reduction="sum")
+    return F.cross_entropy(logits.float(), labels.long(), reduction="sum")
+
+
+@torch.no_grad()
+def predict(model: SentenceClassifier, sequences: list[list[int]], task: Task, batch_size: int,
+            pad: int, ctx: ParallelContext) -> np.ndarray:
+    model.eval()
+    outputs = []
+    for start in range(0, len(sequences), batch_size):
+        logits = model(collate(sequences[start:start + batch_size], pad).to(ctx.device)).float()
+        outputs.append(logits.squeeze(-1) if task.labels is None else logits.argmax(-1))
+    model.train()
+    return torch.cat(outputs).cpu().numpy()
+
+
+def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: list[Example],
+             tokenizer: Tokenizer, options: FinetuneOptions, seed: int, ctx: ParallelContext,
+             log=print) -> dict:
+    """Train with the recipe; returns {"epochs": [...], "best": {...}, "updates": n}."""
+    pad = model.body.config.pad_token_id
+    batch_size = options.batch_size or task.batch_size
+    if batch_size % ctx.dp_size:
+        raise ValueError(f"batch size {batch_size} is not divisible by data parallel {ctx.dp_size}")
+    body = model.body.config
+    max_length = min(options.max_length, body.max_positions) if body.position == "learned" else options.max_length
+    train_ids, dev_ids = (encode(x, tokenizer, max_length) for x in (train, dev))
+    train_labels = torch.tensor([x.label for x in train])
+    dev_labels = np.array([x.label for x in dev])
+    per_epoch = math.ceil(len(train) / batch_size)
+    total, warmup = task.schedule(options.epochs, per_epoch)
+    schedule = OptimConfig(lr=options.lr or task.lr, min_lr=0.0, schedule="polynomial", end_lr=0.0, power=1.0,
+                           warmup_steps=warmup, betas=(0.9, 0.98), eps=1e-6)
+    optimizer = torch.optim.AdamW(model.trainable(), lr=schedule.lr, betas=schedule.betas, eps=schedule.eps,
+                                  weight_decay=options.weight_decay)
+    generator = torch.Generator().manual_seed(seed)
+    history, update = [], 0
+    better = HIGHER_IS_BETTER[task.metrics[0]]
+    model.train()
+    for epoch in range(1, options.epochs + 1):
+        start, total_loss = time.perf_counter(), 0.0
+        order = torch.randperm(len(train), generator=generator).tolist()  # same on every rank
+        for first in range(0, len(order), batch_size):
+            batch = order[first:first + batch_size][ctx.dp_rank::ctx.dp_size]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(update, schedule, total)
+            logits = model(collate([train_ids[i] for i in batch], pad).to(ctx.device))
+            global_batch = len(order[first:first + batch_size])
+            loss = _loss(logits, train_labels[batch].to(ctx.device), task.labels is None) / global_batch
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            if ctx.dp_size > 1:
+                for param in model.trainable():
+                    if param.grad is not None:
+                        dist.all_reduce(param.grad, group=ctx.dp_group)
+            optimizer.step()
+            total_loss += loss.item()
+            update += 1
+        predictions = predict(model, dev_ids, task, batch_size * 2, pad, ctx)
+        metrics = compute_metrics(task.metrics, predictions, dev_labels)
+        history.append({"epoch": epoch, "train_loss": total_loss / per_epoch, "seconds": time.perf_counter() - start,
+                        **metrics})
+        log(f"{task.name} seed {seed} epoch {epoch}/{options.epochs}: train loss {total_loss / per_epoch:.4f} | "
+            + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" | {history[-1]['seconds']:.0f}s")
+    key = task.metrics[0]
+    best = (max if better else min)(history, key=lambda e: e[key])
+    return {"epochs": history, "best": best, "updates": update, "schedule_updates": total}

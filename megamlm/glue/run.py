@@ -1,0 +1,123 @@
+"""`megamlm glue`: fine-tune one pretrained folder on GLUE tasks × seeds; JSON + markdown report.
+
+Tasks run in sequence in this process (which may be a data-parallel world under torchrun), or in
+`parallel` spawned processes of one rank each. A task whose files are missing is reported and
+skipped. Output: <out>/results.json (every epoch's metrics) and <out>/results.md (the reference's
+table: PPL then best validation accuracy per task and best STS-B MSE; then GLUE's metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
+from megamlm.glue.tasks import TASKS, read_examples, task_files
+
+TABLE_ORDER = ("MNLI", "QNLI", "QQP", "RTE", "SST-2", "MRPC", "CoLA", "STS-B")
+
+
+def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], options: FinetuneOptions,
+             max_train: int | None, max_eval: int | None, ctx=None, log=print) -> dict:
+    """All seeds of one task; returns {"seeds": {seed: result}, "train_rows": n, "dev_rows": n}."""
+    from megamlm.config import ParallelConfig
+    from megamlm.data.tokenizer import Tokenizer
+    from megamlm.parallel import init_distributed, seed_everything
+    from megamlm.pretrained import load_pretrained
+
+    task = TASKS[name]
+    files = task_files(task, data_dir)
+    if isinstance(files, str):
+        return {"skipped": files}
+    train_all, dev = read_examples(task, files[0]), read_examples(task, files[1])
+    rng = random.Random(0)  # the same subsample for every seed and variant
+    train = rng.sample(train_all, max_train) if max_train and max_train < len(train_all) else train_all
+    dev = rng.sample(dev, max_eval) if max_eval and max_eval < len(dev) else dev
+    ctx = ctx or init_distributed(ParallelConfig())
+    overrides = [f"model.hidden_dropout={options.dropout}", f"model.attention_dropout={options.dropout}"]
+    result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev), "seeds": {}}
+    for seed in seeds:
+        seed_everything(seed, ctx)
+        cfg, body = load_pretrained(checkpoint, ctx, overrides)
+        tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
+        model = SentenceClassifier(body, task.num_classes, seed)
+        result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log)
+    return result
+
+
+def _spawned(args) -> dict:
+    torch.set_num_threads(1)
+    return run_task(*args, log=lambda text: print(text, flush=True))
+
+
+def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int], out: str,
+             options: FinetuneOptions, max_train: int | None = None, max_eval: int | None = None,
+             parallel: int = 1, ppl: float | None = None, log=print) -> dict:
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
+    jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval) for t in tasks]
+    if parallel > 1:
+        with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = dict(zip(tasks, pool.map(_spawned, jobs)))
+    else:
+        results = {t: run_task(*job, log=log) for t, job in zip(tasks, jobs)}
+    report = {"checkpoint": checkpoint, "options": asdict(options), "max_train": max_train,
+              "max_eval": max_eval, "ppl": ppl, "tasks": results}
+    for name, result in results.items():
+        if "skipped" in result:
+            log(f"{name}: skipped ({result['skipped']})")
+        else:
+            result["summary"] = summarize(result)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "results.json").write_text(json.dumps(report, indent=1))
+    (Path(out) / "results.md").write_text(markdown(report))
+    return report
+
+
+def summarize(result: dict) -> dict:
+    """Per metric: median and spread (min, max) of the best epoch over seeds."""
+    bests = [r["best"] for r in result["seeds"].values()]
+    keys = [k for k in bests[0] if k not in ("epoch", "train_loss", "seconds")]
+    return {k: {"median": statistics.median(b[k] for b in bests), "min": min(b[k] for b in bests),
+                "max": max(b[k] for b in bests)} for k in keys}
+
+
+def _cell(result: dict | None, metric: str, percent: bool) -> str:
+    if not result or "summary" not in result or metric not in result["summary"]:
+        return "–"
+    s = result["summary"][metric]
+    scale = 100 if percent else 1
+    text = f"{s['median'] * scale:.1f}" if percent else f"{s['median']:.4f}"
+    if s["max"] > s["min"]:
+        text += f" ± {(s['max'] - s['min']) * scale / 2:.{1 if percent else 4}f}"
+    return text
+
+
+def markdown(report: dict) -> str:
+    tasks = report["tasks"]
+    seeds = {len(r["seeds"]) for r in tasks.values() if "seeds" in r}
+    lines = [f"GLUE dev results of `{report['checkpoint']}` (median over {max(seeds, default=0)} seed(s), "
+             f"± half the range)", "",
+             "| PPL↓ | " + " | ".join(t if t != "STS-B" else "STS-B↓" for t in TABLE_ORDER) + " |",
+             "|" + "---|" * (len(TABLE_ORDER) + 1),
+             f"| {report['ppl']:.2f} |" if report.get("ppl") else "| – |"]
+    lines[-1] += "".join(f" {_cell(tasks.get(t), 'mse' if t == 'STS-B' else 'accuracy', t != 'STS-B')} |"
+                         for t in TABLE_ORDER)
+    lines += ["", "GLUE's own metrics (MCC for CoLA, F1 for MRPC/QQP, Pearson/Spearman for STS-B):", "",
+              "| task | metric | value |", "|---|---|---|"]
+    for name in TABLE_ORDER:
+        result = tasks.get(name)
+        if result and "summary" in result:
+            for metric in TASKS[name].metrics:
+                lines.append(f"| {name} | {metric} | {_cell(result, metric, metric != 'mse')} |")
+        elif result:
+            lines.append(f"| {name} | skipped | {result['skipped']} |")
+    return "\n".join(lines) + "\n"
