@@ -125,6 +125,7 @@ def extrapolation_report(results: dict[str, list[dict]], out: str | Path, train_
     ax.set(xscale="log", yscale="log", xlabel="evaluation length (tokens)", ylabel="MLM perplexity",
            title="Length extrapolation")
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # only the evaluated lengths
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "ppl-vs-length.png", dpi=120)

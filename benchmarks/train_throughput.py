@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Training throughput: megamlm vs Hugging Face `RobertaForMaskedLM` at identical configuration.
+
+    python benchmarks/train_throughput.py                                          # CPU: tiny, 512, fp32
+    python benchmarks/train_throughput.py --model base --seq-length 2048 --batch 8 --dtype bf16   # GPU
+
+Both models: post-LN RoBERTa (the baseline variant: learned positions, RoBERTa head), the real
+50265-symbol vocabulary, the same sequence length, batch, dropout, 15% masking and torch AdamW; one
+update = forward + backward + optimizer step. Hugging Face projects every position onto the
+vocabulary, megamlm only the masked ones. Rounds are interleaved (A B A B ...) so drift on a noisy
+machine hits both; the table gives medians, the median per-round ratio, and the model FLOP rate
+against a matmul timed in the same run (CPU) or the GPU's datasheet peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from megamlm.config import ParallelConfig, load_config
+from megamlm.model import MaskedLM
+from megamlm.parallel import init_distributed
+from megamlm.train.flops import device_peak, flops_per_token, measured_matmul_peak
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_batch(batch: int, length: int, vocab: int, mask_id: int, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, vocab - 1, (batch, length), generator=g)
+    tokens[:, 0], tokens[:, -1] = 0, 2
+    masked = torch.rand(batch, length, generator=g) < 0.15
+    inputs = tokens.masked_fill(masked, mask_id)
+    return inputs.to(device), tokens.to(device), masked.to(device)
+
+
+def megamlm_step(model, optimizer, inputs, tokens, masked, dtype):
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = model.loss(model(inputs, masked), tokens[masked])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def hf_step(model, optimizer, inputs, tokens, masked, dtype):
+    labels = tokens.masked_fill(~masked, -100)
+    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = model(input_ids=inputs, labels=labels).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def timed(step, steps: int, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", choices=("tiny", "base", "large"))
+    parser.add_argument("--seq-length", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="updates per round")
+    args = parser.parse_args()
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    cfg = load_config([ROOT / f"configs/model/{args.model}.yaml", ROOT / "configs/variants/baseline.yaml"],
+                      [f"model.max_positions={max(512, args.seq_length)}"])
+    m = cfg.model
+    ctx = init_distributed(ParallelConfig())
+    device = ctx.device
+    ours = MaskedLM(m, ctx, seed=1).train()
+    hf = RobertaForMaskedLM(RobertaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_hidden_size, hidden_act="gelu",
+        hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
+        max_position_embeddings=m.max_positions + 2, type_vocab_size=1, layer_norm_eps=m.layernorm_epsilon,
+        pad_token_id=1), attn_implementation="sdpa").to(device).train()
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6,
+                                          weight_decay=0.01) for name, model in (("megamlm", ours), ("hf", hf))}
+    inputs, tokens, masked = make_batch(args.batch, args.seq_length, m.vocab_size, m.vocab_size - 1, device)
+    steps = {"megamlm": lambda: megamlm_step(ours, optimizers["megamlm"], inputs, tokens, masked, dtype),
+             "hf": lambda: hf_step(hf, optimizers["hf"], inputs, tokens, masked, dtype)}
+    for step in steps.values():  # warm-up: allocator, kernels, optimizer state
+        step()
+    peak_source = "datasheet"
+    matmul = []
+    rates: dict[str, list[float]] = {"megamlm": [], "hf": []}
+    for _ in range(args.rounds):
+        if device.type != "cuda":
+            matmul.append(measured_matmul_peak(dtype))
+        for name, step in steps.items():
+            rates[name].append(args.batch * args.seq_length * args.steps / timed(step, args.steps, device))
+    if device.type == "cuda":
+        peak, peak_source = device_peak(device, args.dtype)
+    else:
+        peak, peak_source = statistics.median(matmul), f"CPU {args.dtype} matmul, same run (median of rounds)"
+    fraction = masked.float().mean().item()
+    model_flops = {"megamlm": flops_per_token(m, args.seq_length, fraction),
+                   "hf": flops_per_token(m, args.seq_length, 1.0)}
+    useful = flops_per_token(m, args.seq_length, fraction)  # what an MLM update needs
+    ratios = [a / b for a, b in zip(rates["megamlm"], rates["hf"])]
+    print(f"{args.model} (L={m.num_layers}, h={m.hidden_size}, V={m.vocab_size}), length {args.seq_length}, "
+          f"batch {args.batch}, {args.dtype}, {args.rounds} interleaved rounds x {args.steps} updates, "
+          f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"peak reference: {peak / 1e12:.3f} TFLOP/s ({peak_source})")
+    print(f"{'implementation':<18}{'tokens/s':>12}{'min':>10}{'max':>10}{'model TFLOP/s':>15}"
+          f"{'model/peak':>12}{'useful/peak':>13}")
+    for name in ("megamlm", "hf"):
+        tps = statistics.median(rates[name])
+        print(f"{name:<18}{tps:>12,.0f}{min(rates[name]):>10,.0f}{max(rates[name]):>10,.0f}"
+              f"{model_flops[name] * tps / 1e12:>15.3f}{model_flops[name] * tps / peak:>12.1%}"
+              f"{useful * tps / peak:>13.1%}")
+    print(f"megamlm / hf per round: median {statistics.median(ratios):.2f}x "
+          f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
