@@ -160,3 +160,33 @@ def test_perplexity_and_extrapolation_report(tiny_folder, tmp_path):
     table = extrapolation_report({"alibi": rows, "learned": capped}, tmp_path / "report", train_length=64)
     assert "| learned | " in table and "n/a (learned position table holds 64)" in table
     assert (tmp_path / "report/ppl-vs-length.png").stat().st_size > 10_000
+
+
+def _glue_on_ranks(folder, tasks):
+    from megamlm.glue.run import run_task
+
+    options = FinetuneOptions(epochs=2, batch_size=4, dropout=0.0)
+    return {t: run_task(str(folder), str(GLUE), t, [3], options, 8, None, log=lambda *a: None) for t in tasks}
+
+
+def test_data_parallel_and_parallel_processes_give_the_single_process_results(tiny_folder, tmp_path):
+    """DP=2 (gradients all-reduced, each rank half of every batch) equals one process; so do tasks
+    run in spawned processes."""
+    from tests.multiproc import run_on_ranks
+
+    tasks = ["RTE", "STS-B"]
+    one = _glue_on_ranks(tiny_folder, tasks)
+    two = run_on_ranks(_glue_on_ranks, 2, tiny_folder, tasks)
+    for task in tasks:
+        a, b = one[task]["seeds"][3]["epochs"], two[0][task]["seeds"][3]["epochs"]
+        for x, y in zip(*(r[task]["seeds"][3]["epochs"] for r in two)):  # both ranks report the same
+            assert {k: v for k, v in x.items() if k != "seconds"} == {k: v for k, v in y.items() if k != "seconds"}
+        for x, y in zip(a, b):
+            assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-5)
+            metric = TASKS[task].metrics[0]
+            assert x[metric] == pytest.approx(y[metric], rel=1e-4, abs=1e-6)
+    spawned = run_glue(str(tiny_folder), str(GLUE), tasks, [3], str(tmp_path), FinetuneOptions(
+        epochs=2, batch_size=4, dropout=0.0), max_train=8, parallel=2, log=lambda *a: None)
+    for task in tasks:
+        assert spawned["tasks"][task]["seeds"][3]["epochs"][-1]["train_loss"] == pytest.approx(
+            one[task]["seeds"][3]["epochs"][-1]["train_loss"], rel=1e-6)

@@ -158,12 +158,12 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
             loss = _loss(logits, train_labels[batch].to(ctx.device), task.labels is None) / global_batch
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
-            if ctx.dp_size > 1:
-                for param in model.trainable():
-                    if param.grad is not None:
-                        dist.all_reduce(param.grad, group=ctx.dp_group)
+            value = loss.detach()
+            if ctx.dp_size > 1:  # each rank's loss is its share of the global batch mean: sum them
+                for tensor in [value] + [p.grad for p in model.trainable() if p.grad is not None]:
+                    dist.all_reduce(tensor, group=ctx.dp_group)
             optimizer.step()
-            total_loss += loss.item()
+            total_loss += value.item()
             update += 1
         predictions = predict(model, dev_ids, task, batch_size * 2, pad, ctx)
         metrics = compute_metrics(task.metrics, predictions, dev_labels)

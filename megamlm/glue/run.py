@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.tasks import TASKS, read_examples, task_files
@@ -76,9 +77,10 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
             log(f"{name}: skipped ({result['skipped']})")
         else:
             result["summary"] = summarize(result)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "results.json").write_text(json.dumps(report, indent=1))
-    (Path(out) / "results.md").write_text(markdown(report))
+    if not dist.is_initialized() or dist.get_rank() == 0:  # data-parallel ranks hold the same results
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "results.json").write_text(json.dumps(report, indent=1))
+        (Path(out) / "results.md").write_text(markdown(report))
     return report
 
 
