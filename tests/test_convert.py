@@ -251,3 +251,18 @@ def test_alibi_and_clap_variants_export_as_remote_code_that_transformers_loads(w
     results = fill("The capital of France is <mask>.")
     assert len(results) == 3 and all(r["sequence"].startswith("The capital of France is") for r in results)
     assert abs(sum(r["score"] for r in results)) <= 1.0
+
+
+def test_the_tool_script_is_the_same_command(tmp_path):
+    import subprocess
+    import sys
+
+    src, _, dict_path = fixture_file(tmp_path, "learned-clap")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "tools/convert_checkpoint.py"), "--from", "fairseq", "--to",
+                          "megamlm", str(src), str(tmp_path / "out"), "--dict", str(dict_path), "--tp", "2"],
+                         env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "parity vs fairseq source: max |Δlogit| = " in run.stdout
+    assert sorted(p.name for p in (tmp_path / "out").glob("model*.pt")) == ["model-tp00-of-02.pt",
+                                                                             "model-tp01-of-02.pt"]
