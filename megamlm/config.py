@@ -266,6 +266,9 @@ class TrainConfig:
     """Validation micro-batches per rank (fewer if the valid split is smaller)."""
     save_interval: int = 500
     """Updates between checkpoints (also at the end and on SIGTERM/SIGUSR1)."""
+    activation_checkpointing: bool = False
+    """Recompute each encoder layer's activations in the backward pass (long sequences: less
+    memory, about one more forward of compute)."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     spike_factor: float = 3.0

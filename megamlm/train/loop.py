@@ -34,6 +34,7 @@ from megamlm.train.checkpoint import Checkpoints, TrainState
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, flops_per_token
 from megamlm.train.guard import SpikeGuard
+from megamlm.train.recompute import apply_activation_checkpointing
 
 
 class Preemption:
@@ -183,6 +184,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
     if cfg.train.init_from:
         init_from_folder(model, cfg, cfg.train.init_from)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     engine, optimizer, schedule = build_engine(model, cfg, ctx)
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last)
