@@ -100,6 +100,7 @@ def test_deepspeed_launcher_runs_the_tiny_job_from_a_generated_hostfile(tmp_path
     assert "TP=1 DP=2" in run.stdout and "no validation" not in run.stderr
     log = [json.loads(line) for line in (tmp_path / "run/log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log if e["event"] == "train"] == list(range(1, 7))
+    assert all(0 <= e["data_wait"] < 1 for e in log if e["event"] == "train")  # a fraction of step time
     valid = [e["ppl"] for e in log if e["event"] == "valid"]
     assert len(valid) == 2 and valid[1] < valid[0]
     assert (tmp_path / "run/final/model.pt").exists()

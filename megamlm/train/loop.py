@@ -224,13 +224,15 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
 
     first_valid = validate("before training" if state.step == 0 else "resumed")
     losses: list[float] = []
-    window_start, window_tokens = time.perf_counter(), 0
+    window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
     run_start, start_step = time.perf_counter(), state.step
 
     # ---- updates ---------------------------------------------------------------------------
     while state.step < cfg.train.steps:
         state.restore_rng()  # after a resume or rollback: exactly the streams of the saved run
+        fetch_start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(accumulation)]
+        window_wait += time.perf_counter() - fetch_start  # time the step waited for data
         counts = torch.tensor([sum(int(b["targets"].numel()) for b in micro_batches)],
                               dtype=torch.float64, device=ctx.device)
         dist.all_reduce(counts, group=ctx.dp_group)
@@ -269,16 +271,17 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
             values = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": schedule.get_last_lr()[0],
                       "grad_norm": _float(engine.get_global_grad_norm()),
                       "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
-                      "tokens_per_s": tokens_per_s, "mfu": mfu}
+                      "tokens_per_s": tokens_per_s, "mfu": mfu, "data_wait": window_wait / elapsed}
             if cfg.model.head == "clap":
                 values["beta"] = _float(engine.module.lm_head.beta)
             log.event("train", state.step,
                       f"update {state.step}/{cfg.train.steps} | loss {loss:.4f} | ppl {values['ppl']:.1f}"
                       f" | lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f}"
                       + (f" | beta {values['beta']:.3f}" if "beta" in values else "")
-                      + f" | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.2f}% | ETA {_duration(eta)}",
+                      + f" | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.2f}% | data wait "
+                      f"{100 * values['data_wait']:.1f}% | ETA {_duration(eta)}",
                       **values)
-            window_start, window_tokens = time.perf_counter(), 0
+            window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
 
         if state.step % cfg.train.eval_interval == 0 and state.step < cfg.train.steps:
             validate("periodic")
