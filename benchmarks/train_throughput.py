@@ -23,7 +23,7 @@ import torch
 
 from megamlm.config import ParallelConfig, load_config
 from megamlm.model import MaskedLM
-from megamlm.parallel import init_distributed
+from megamlm.parallel import init_distributed, seed_everything
 from megamlm.train.flops import device_peak, flops_per_token, measured_matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +82,7 @@ def main() -> None:
                       [f"model.max_positions={max(512, args.seq_length)}"])
     m = cfg.model
     ctx = init_distributed(ParallelConfig())
+    seed_everything(1, ctx)
     device = ctx.device
     ours = MaskedLM(m, ctx, seed=1).train()
     hf = RobertaForMaskedLM(RobertaConfig(
@@ -89,7 +90,7 @@ def main() -> None:
         num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_hidden_size, hidden_act="gelu",
         hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
         max_position_embeddings=m.max_positions + 2, type_vocab_size=1, layer_norm_eps=m.layernorm_epsilon,
-        pad_token_id=1), attn_implementation="sdpa").to(device).train()
+        pad_token_id=1, attn_implementation="sdpa")).to(device).train()
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6,
                                           weight_decay=0.01) for name, model in (("megamlm", ours), ("hf", hf))}
     inputs, tokens, masked = make_batch(args.batch, args.seq_length, m.vocab_size, m.vocab_size - 1, device)
