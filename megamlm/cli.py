@@ -182,6 +182,16 @@ def cmd_glue(args) -> int:
     from megamlm.glue.tasks import GlueDataError
 
     options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr)
+    if args.merge:
+        from megamlm.glue.run import merge_reports
+
+        try:
+            merge_reports(args.merge)
+        except FileNotFoundError as err:
+            print(f"megamlm: glue: {err}", file=sys.stderr)
+            return 2
+        print((Path(args.merge) / "results.md").read_text())
+        return 0
     try:
         report = run_glue(args.checkpoint, args.data_dir, args.tasks.split(","),
                           [int(s) for s in args.seeds.split(",")], args.out, options, args.max_train_samples,
@@ -194,8 +204,10 @@ def cmd_glue(args) -> int:
 
 
 def _add_glue_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="model folder (<run_dir>/final or converted)")
-    parser.add_argument("--data-dir", required=True, help="GLUE folder: <TASK>/train.tsv, dev.tsv")
+    parser.add_argument("--checkpoint", help="model folder (<run_dir>/final or converted)")
+    parser.add_argument("--data-dir", help="GLUE folder: <TASK>/train.tsv, dev.tsv")
+    parser.add_argument("--merge", metavar="DIR", help="instead of running: merge DIR/<TASK>/results.json "
+                                                       "(slurm/glue.sbatch's array tasks) into one table")
     parser.add_argument("--tasks", default="MNLI,QNLI,QQP,RTE,SST-2,MRPC,CoLA,STS-B")
     parser.add_argument("--seeds", default="1", help="comma-separated; several give median and spread")
     parser.add_argument("--out", default="glue-results")
@@ -351,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "convert":
         return cmd_convert(args)
     if args.verb == "glue":
+        if not args.merge and not (args.checkpoint and args.data_dir):
+            parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
         return cmd_glue(args)
     if args.verb == "eval":
         return cmd_eval(args)

@@ -60,6 +60,9 @@ def test_glue_array_script_runs_its_task_of_its_model(tmp_path):
     assert f"array task 13: RTE on {tmp_path / 'b'}" in run.stdout  # 13 = model 1, task 13 % 8 = RTE
     result = json.loads((tmp_path / "b/glue/RTE/results.json").read_text())
     assert result["tasks"]["RTE"]["seeds"]["1"]["updates"] == 2  # 8 rows / batch 4, 1 epoch
+    assert cli(["glue", "--merge", str(tmp_path / "b/glue")]) == 0  # the array's per-task results, one table
+    row = (tmp_path / "b/glue/results.md").read_text().splitlines()[4].split("|")
+    assert row[4].strip() == "–" and row[5].strip() != "–"  # QQP not run, RTE run
     env["SLURM_ARRAY_TASK_ID"] = "16"
     run = subprocess.run(["bash", str(ROOT / "slurm/glue.sbatch"), str(tmp_path / "a"), str(tmp_path / "b")],
                          env=env, capture_output=True, text=True, timeout=60)

@@ -84,6 +84,23 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
     return report
 
 
+def merge_reports(folder: str | Path) -> dict:
+    """One report from the per-task runs of a job array (<folder>/<TASK>/results.json); written to
+    <folder>/results.{json,md}."""
+    folder = Path(folder)
+    parts = sorted(folder.glob("*/results.json"))
+    if not parts:
+        raise FileNotFoundError(f"{folder}: no */results.json (the array tasks write <model>/glue/<TASK>/)")
+    report: dict = {}
+    for path in parts:
+        part = json.loads(path.read_text())
+        tasks = {**report.get("tasks", {}), **{k: v for k, v in part["tasks"].items() if "summary" in v}}
+        report = {**part, "tasks": tasks}
+    (folder / "results.json").write_text(json.dumps(report, indent=1))
+    (folder / "results.md").write_text(markdown(report))
+    return report
+
+
 def summarize(result: dict) -> dict:
     """Per metric: median and spread (min, max) of the best epoch over seeds."""
     bests = [r["best"] for r in result["seeds"].values()]
