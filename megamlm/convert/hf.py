@@ -1,4 +1,4 @@
-"""Hugging Face `RobertaForMaskedLM` <-> megamlm key table (full TP=1 tensors).
+"""Hugging Face `RobertaForMaskedLM` <-> megamlm key table (full TP=1 tensors), both directions.
 
 One declarative table maps each HF key to a megamlm key; the only non-renaming steps are
 megatron's fused QKV (per head [q_h; k_h; v_h] rows) and HF's token-type embedding (RoBERTa has a
@@ -56,13 +56,16 @@ def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Te
     return tuple(grouped[:, j].reshape(-1, *qkv.shape[1:]) for j in range(3))
 
 
+def _rename(state: dict[str, torch.Tensor], pairs, num_layers: int) -> dict[str, torch.Tensor]:
+    """Apply (source key, target key) pairs; pairs with {i} once per layer."""
+    return {dst.format(i=i): state[src.format(i=i)] for src, dst in pairs
+            for i in (range(num_layers) if "{i}" in src else [None])}
+
+
 def hf_roberta_to_megamlm(hf_state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """A RobertaForMaskedLM state dict -> full megamlm tensors for a post-LN `roberta` head model."""
-    out: dict[str, torch.Tensor] = {}
+    out = _rename(hf_state, HF_ROBERTA_KEYS, model.num_layers)
     for i in range(model.num_layers):
-        for hf_key, key in HF_ROBERTA_KEYS:
-            if "{i}" in hf_key or i == 0:
-                out[key.format(i=i)] = hf_state[hf_key.format(i=i)]
         for kind in ("weight", "bias"):
             q, k, v = (hf_state[HF_QKV.format(i=i, part=p, kind=kind)] for p in ("query", "key", "value"))
             out[MEGAMLM_QKV.format(i=i, kind=kind)] = fuse_qkv(q, k, v, model.num_attention_heads)
@@ -70,3 +73,16 @@ def hf_roberta_to_megamlm(hf_state: dict[str, torch.Tensor], model: ModelConfig)
         out["embedding.positions.weight"] = out["embedding.positions.weight"] + hf_state[HF_TOKEN_TYPE][0]
     return out
 
+
+def megamlm_to_hf_roberta(full: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse: full megamlm tensors -> RobertaForMaskedLM's state dict (tied decoder included)."""
+    out = _rename(full, [(ours, theirs) for theirs, ours in HF_ROBERTA_KEYS], model.num_layers)
+    for i in range(model.num_layers):
+        for kind in ("weight", "bias"):
+            parts = split_qkv(full[MEGAMLM_QKV.format(i=i, kind=kind)], model.num_attention_heads)
+            for name, tensor in zip(("query", "key", "value"), parts):
+                out[HF_QKV.format(i=i, part=name, kind=kind)] = tensor
+    out[HF_TOKEN_TYPE] = torch.zeros(1, model.hidden_size)  # RoBERTa's single token type, folded away
+    out["lm_head.decoder.weight"] = full["embedding.word_embeddings.weight"]
+    out["lm_head.decoder.bias"] = full["lm_head.bias"]
+    return out

@@ -12,7 +12,7 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import HF_QKV, HF_ROBERTA_KEYS, HF_TOKEN_TYPE, MEGAMLM_QKV, split_qkv
+from megamlm.convert.hf import megamlm_to_hf_roberta
 from megamlm.data.tokenizer import Tokenizer, TokenizerError
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_megamlm.py"
@@ -23,23 +23,6 @@ def is_roberta(model: ModelConfig) -> bool:
     return (model.position == "learned" and model.embedding_layernorm and model.head == "roberta"
             and model.layernorm == "post" and model.tie_embeddings and not model.scale_embeddings
             and not model.normalize_embeddings and not model.zero_mask and model.pad_token_id == 1)
-
-
-def megamlm_to_hf_roberta(full: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of convert.hf's key table (RobertaForMaskedLM names)."""
-    out: dict[str, torch.Tensor] = {}
-    for i in range(model.num_layers):
-        for hf_key, key in HF_ROBERTA_KEYS:
-            if "{i}" in hf_key or i == 0:
-                out[hf_key.format(i=i)] = full[key.format(i=i)]
-        for kind in ("weight", "bias"):
-            parts = split_qkv(full[MEGAMLM_QKV.format(i=i, kind=kind)], model.num_attention_heads)
-            for name, tensor in zip(("query", "key", "value"), parts):
-                out[HF_QKV.format(i=i, part=name, kind=kind)] = tensor
-    out[HF_TOKEN_TYPE] = torch.zeros(1, model.hidden_size)  # RoBERTa's single token type, folded away
-    out["lm_head.decoder.weight"] = full["embedding.word_embeddings.weight"]
-    out["lm_head.decoder.bias"] = full["lm_head.bias"]
-    return out
 
 
 def _roberta_config(model: ModelConfig):
