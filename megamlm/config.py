@@ -83,6 +83,9 @@ class ModelConfig:
     """Dropout on embeddings and sublayer outputs (fairseq `dropout`)."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities (fairseq `attention_dropout`)."""
+    document_mask: bool = False
+    """Attention stays within each document of a packed sample (data.block_mode=complete packs
+    several); off = fairseq's behaviour, attention spans the whole sample."""
     attention_backend: Literal["sdpa", "flex"] = "sdpa"
     """sdpa: PyTorch scaled_dot_product_attention with a cached additive bias (CPU and GPU);
     flex: FlexAttention with the ALiBi score_mod, no materialized bias (CUDA only)."""

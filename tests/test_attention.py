@@ -18,23 +18,28 @@ def _attention(backend, offset):
     return BidirectionalAttention(tcfg, 1, None, "self", backend=backend, alibi_offset=offset).eval()
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "packed"])
 @pytest.mark.parametrize("mode", ["symmetric", "offset", "learned"])
-def test_flex_score_mod_equals_sdpa_with_materialized_bias(mode):
+def test_flex_score_mod_equals_sdpa_with_materialized_bias(mode, documents):
     s, b, np_, hn = 12, 2, 4, 8
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, b, np_, hn, generator=g) for _ in range(3))
     padding = torch.zeros(b, s, dtype=torch.bool)
     padding[1, 7:] = True
+    groups = torch.zeros(b, s, dtype=torch.long).masked_fill(padding, -1)  # key groups: -1 = padding
+    if documents:
+        groups[0, 5:] = 1  # row 0 packs two documents
     before = torch.rand(np_, generator=g) + 0.1
     after = before if mode != "learned" else torch.rand(np_, generator=g) + 0.1
     offset = 0.5 if mode == "offset" else 0.0
-    # sdpa: [b, 1, 1, s] key padding + [np, s, s] bias
+    # sdpa: [b, 1, 1, s] key padding (+ [b, 1, s, s] other documents) + [np, s, s] bias
     bias = torch.zeros(b, 1, 1, s).masked_fill(padding[:, None, None, :], float("-inf"))
-    bias = bias + alibi_bias(before, after, s, s, offset)[None]
+    other = (groups[:, None, :, None] >= 0) & (groups[:, None, :, None] != groups[:, None, None, :])
+    bias = bias.masked_fill(other, float("-inf")) + alibi_bias(before, after, s, s, offset)[None]
     want = _attention("sdpa", offset)(q, k, v, None, attention_bias=bias)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
-        got = _attention("flex", offset)(q, k, v, padding, attention_bias=torch.stack([before, after]))
+        got = _attention("flex", offset)(q, k, v, groups, attention_bias=torch.stack([before, after]))
     assert got.shape == (s, b, np_ * hn)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 

@@ -97,6 +97,7 @@ def test_deepspeed_launcher_runs_the_tiny_job_from_a_generated_hostfile(tmp_path
          "--master_port", str(free_port()), "--no_local_rank", "--module", "megamlm", "train",
          "--config", str(ROOT / "configs/demo.yaml"), "model.num_layers=2", "train.steps=6",
          "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=1", "train.micro_batch_size=8",
+         "model.document_mask=true",  # the loop passes the document ids through
          f"data.shards={shards}", f"train.run_dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

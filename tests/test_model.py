@@ -154,3 +154,46 @@ def test_parameter_counts_of_presets(world, size, expected_millions):
     # identical architecture; HF also has a one-row token-type table that RoBERTa never varies
     assert count == hf_count - m.hidden_size
     assert round(count / 1e6) == expected_millions
+
+
+@pytest.mark.parametrize("variant", ["alibi", "no-positions"])
+def test_document_mask_keeps_attention_within_packed_documents(world, variant):
+    """ALiBi / no positions are shift-invariant: with model.document_mask, document B packed after
+    document A gets exactly the logits B gets alone; without it, A leaks into B."""
+    from megamlm.data.tokenizer import EOS
+
+    cfg = variant_config(variant, ["model.document_mask=true"])
+    model = MaskedLM(cfg.model, world, seed=3).eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(4, cfg.model.vocab_size, (n,), generator=g) for n in (9, 12))
+    a[-1] = b[-1] = EOS
+    packed = torch.cat([torch.tensor([0]), a, b])[None]  # <s> A </s> B </s>
+    documents = torch.cat([torch.zeros(1 + len(a), dtype=torch.long), torch.ones(len(b), dtype=torch.long)])[None]
+    with torch.no_grad():
+        together = model(packed, documents=documents)[0, 1 + len(a):]
+        alone = model(b[None], documents=torch.zeros(1, len(b), dtype=torch.long))[0]
+        leaking = model(packed)[0, 1 + len(a):]  # no documents given: attention spans the sample
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
+    assert (leaking - alone).abs().max() > 1e-3
+
+
+def test_stream_marks_documents_from_the_unmasked_text(tmp_path):
+    from megamlm.data.masking import Masker
+    from megamlm.data.shards import BuildOptions, build_shards
+    from megamlm.data.stream import MaskedBatches, ShardSet
+    from megamlm.data.tokenizer import EOS, Tokenizer
+
+    text = tmp_path / "docs.txt"
+    text.write_text("".join(f"Document number {i} says hello.\n\n" for i in range(40)))
+    tokenizer = Tokenizer.gpt2()
+    build_shards(BuildOptions([str(text)], str(tmp_path / "shards"), seq_length=64), tokenizer, progress=False)
+    masker = Masker(tokenizer.dictionary.mask_id, tokenizer.dictionary.ordinary_ids(), mask_prob=0.5)
+    batch = next(iter(MaskedBatches(ShardSet(tmp_path / "shards"), masker, seq_length=64, micro_batch=2)))
+    original = batch["tokens"].clone()
+    original[batch["masked_positions"]] = batch["targets"]  # the text before masking
+    for row in range(2):
+        docs = batch["documents"][row]
+        assert (docs >= 0).sum() == original[row].ne(1).sum() and docs.max() >= 1  # several documents
+        # a new document starts right after every </s> (also where the </s> itself was masked)
+        for end in (original[row] == EOS).nonzero().flatten()[:-1].tolist():
+            assert docs[end + 1] == docs[end] + 1

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
 from megamlm.data.masking import Masker
 from megamlm.data.shards import ShardError
-from megamlm.data.tokenizer import BOS
+from megamlm.data.tokenizer import BOS, EOS
 
 
 class CorruptShardError(ShardError):
@@ -213,14 +213,18 @@ class MaskedBatches(IterableDataset):
         tokens = np.full((self.micro_batch, width), self.pad_id, dtype=np.int64)
         inputs = tokens.copy()
         targeted = np.zeros((self.micro_batch, width), dtype=bool)
+        documents = np.full((self.micro_batch, width), -1, dtype=np.int64)
         for row, (sample, index) in enumerate(samples):
             masked_input, mask = self.masker(sample, epoch, index)
             tokens[row, : len(sample)] = sample
             inputs[row, : len(sample)] = masked_input
             targeted[row, : len(sample)] = mask
+            # document index of each position: the </s> before it counted (from the unmasked text)
+            documents[row, : len(sample)] = np.concatenate([[0], np.cumsum(sample[:-1] == EOS)])
         return {
             "tokens": torch.from_numpy(inputs),
             "masked_positions": torch.from_numpy(targeted),
+            "documents": torch.from_numpy(documents),
             "targets": torch.from_numpy(tokens[targeted]),
             "sample_ids": torch.tensor([index for _, index in samples]),
             "epoch": epoch,

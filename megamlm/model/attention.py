@@ -8,9 +8,11 @@ Backends
   sdpa  `attention_bias` is an additive float tensor broadcastable to [b, np, s, s]: the
         shard's ALiBi bias plus -inf on padded keys, built once per forward by the encoder and
         shared by every layer.
-  flex  FlexAttention: ALiBi and key padding are a `score_mod`, no bias is materialized.
-        `attention_bias` is then the [2, np] slopes (before, after) and `attention_mask` the
-        [b, s] key-padding mask. CUDA only: torch 2.13 has no FlexAttention backward on CPU.
+  flex  FlexAttention: ALiBi, key padding and document boundaries are a `score_mod`, no bias is
+        materialized. `attention_bias` is then the [2, np] slopes (before, after) and
+        `attention_mask` the [b, s] key groups: -1 on padding, else the document index (0 when
+        samples are not split into documents). CUDA only: torch 2.13 has no FlexAttention
+        backward on CPU.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class BidirectionalAttention(MegatronModule):
         # [b, np, s, hn] -> [s, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
 
-    def _flex(self, q, k, v, key_padding, slopes):
+    def _flex(self, q, k, v, groups, slopes):
         if self.training and self.dropout_p > 0:
             raise ValueError("model.attention_backend=flex has no attention dropout; "
                              "set model.attention_dropout=0 or use attention_backend=sdpa")
@@ -69,7 +71,9 @@ class BidirectionalAttention(MegatronModule):
                 before = slopes[0, h] * torch.clamp(distance, max=0)
                 after = slopes[1, h] * (distance - offset)
                 score = score + torch.where(distance > 0, -after, before).to(score.dtype)
-            return torch.where(key_padding[b, kv_idx], -float("inf"), score)
+            # padded keys never; real queries only their own document (pad queries: every real key)
+            hidden = (groups[b, kv_idx] < 0) | ((groups[b, q_idx] >= 0) & (groups[b, kv_idx] != groups[b, q_idx]))
+            return torch.where(hidden, -float("inf"), score)
 
         return _flex_attention(q.device.type)(q, k, v, score_mod=score_mod, scale=self.softmax_scale)
 

@@ -125,35 +125,44 @@ class MaskedLM(nn.Module):
             total += math.prod(shape)
         return total
 
-    def _attention_inputs(self, padding: torch.Tensor, dtype: torch.dtype):
-        """(attention_mask, attention_bias) for the core attention; see attention.py."""
+    def _attention_inputs(self, padding: torch.Tensor, dtype: torch.dtype,
+                          documents: torch.Tensor | None):
+        """(attention_mask, attention_bias) for the core attention; see attention.py.
+        documents [b, s]: document index of each position (-1 on padding) when samples pack
+        several documents and attention must stay within each (model.document_mask)."""
         b, s = padding.shape
         if self.config.attention_backend == "flex":
+            groups = documents if documents is not None else padding.long().neg()  # -1 on padding
             slopes = None if self.alibi is None else torch.stack(self.alibi.slopes_before_after())
-            return padding, slopes
+            return groups, slopes
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
         bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))
+        if documents is not None:
+            # [b, 1, s, 1] vs [b, 1, 1, s] -> [b, 1, s, s]: real queries see only their document
+            query_doc, key_doc = documents[:, None, :, None], documents[:, None, None, :]
+            bias = bias.masked_fill((query_doc >= 0) & (query_doc != key_doc), float("-inf"))
         if self.alibi is not None:
-            # [b, 1, 1, s] + [1, np, s, s] -> [b, np, s, s], shared by all layers
+            # [b, 1, s|1, s] + [1, np, s, s] -> [b, np, s, s], shared by all layers
             bias = bias + self.alibi(s, dtype)[None]
         return None, bias
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> last-layer features [s, b, h] (also used by fine-tuning heads)."""
+    def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> last-layer features [s, b, h] (also used by fine-tuning heads);
+        `documents` is used only with model.document_mask."""
         padding = tokens.eq(self.config.pad_token_id)
         x = self.embedding(tokens, padding)
-        mask, bias = self._attention_inputs(padding, x.dtype)
+        mask, bias = self._attention_inputs(padding, x.dtype, documents if self.config.document_mask else None)
         return self.encoder(hidden_states=x, attention_mask=mask, attention_bias=bias)
 
-    def forward(self, tokens: torch.Tensor,
-                masked_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, masked_positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Training: masked_positions [b, s] bool selects positions in row-major (b, s) order and the
         result is this rank's vocabulary shard [n, V_local] (padded columns -inf), ready for `loss`.
         Inference: without masked_positions, logits at every position over the whole vocabulary,
         [b, s, vocab_size] (gathered over tensor-parallel ranks; differentiable only at TP=1).
         """
-        hidden = self.hidden_states(tokens).transpose(0, 1)  # [s, b, h] -> [b, s, h]
+        hidden = self.hidden_states(tokens, documents).transpose(0, 1)  # [s, b, h] -> [b, s, h]
         if masked_positions is None:
             features = hidden.reshape(-1, hidden.size(-1))  # [b, s, h] -> [b*s, h]
         else:

@@ -144,7 +144,7 @@ def evaluate(model: MaskedLM, stream: MaskedBatches, max_batches: int, ctx: Para
         if i == max_batches:
             break
         masked = batch["masked_positions"].to(ctx.device)
-        logits = model(batch["tokens"].to(ctx.device), masked)
+        logits = model(batch["tokens"].to(ctx.device), masked, batch["documents"].to(ctx.device))
         totals[0] += model.loss(logits, batch["targets"].to(ctx.device), reduction="sum").double()
         totals[1] += masked.sum()
     dist.all_reduce(totals, group=ctx.dp_group)
@@ -240,7 +240,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in micro_batches:
             masked = batch["masked_positions"].to(ctx.device)
-            logits = engine(batch["tokens"].to(ctx.device), masked)
+            logits = engine(batch["tokens"].to(ctx.device), masked, batch["documents"].to(ctx.device))
             ce = engine.module.loss(logits, batch["targets"].to(ctx.device), reduction="sum")
             engine.backward(ce * weight)
             engine.step()
