@@ -99,6 +99,8 @@ def read_model_folder(folder: str | Path) -> tuple[Config, dict[str, torch.Tenso
                             cfg.model)
     else:
         raise FileNotFoundError(f"{folder}: neither {MODEL_FILE} nor {SHARD_FILE.format(rank=0, tp=2)}...")
+    if full.get("lm_head.beta", torch.ones(1)).dim() == 0:  # CLAP beta was 0-dim in session-1 folders
+        full["lm_head.beta"] = full["lm_head.beta"].reshape(1)
     heads = (torch.load(folder / HEADS_FILE, map_location="cpu", weights_only=True)
              if (folder / HEADS_FILE).is_file() else {})
     source = (torch.load(folder / SOURCE_FILE, map_location="cpu", weights_only=True)

@@ -83,9 +83,6 @@ class FairseqSource:
     """Keys used `decoder.*` / `emb_layer_norm` (old RoBERTa releases)."""
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     """The bookkeeping tensors of FAIRSEQ_KEYS (no megamlm counterpart) found in the file, verbatim."""
-    extra: dict = field(default_factory=dict)
-    """Top-level entries other than the model (optimizer_history, extra_state, ...) are dropped;
-    only their names are recorded here."""
 
 
 def fairseq_model_cfg(ckpt: dict) -> dict:

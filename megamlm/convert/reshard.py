@@ -63,8 +63,6 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
         raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
     for name, param in params.items():
         local = from_full(model, param, full[name].to(param.dtype))
-        if local.numel() == param.numel() == 1:  # CLAP beta was 0-dim in folders written before 0.1.0
-            local = local.reshape(param.shape)
         if local.shape != param.shape:
             raise ValueError(f"{name}: expected shard {tuple(param.shape)}, got {tuple(local.shape)}"
                              f" from full tensor {tuple(full[name].shape)}")
