@@ -8,7 +8,8 @@ Rows per length: eager (matmul + bias + softmax, the fork's way), SDPA with the 
 (megamlm's default), FlexAttention with the ALiBi score_mod (GPU; no bias tensor), and as speed
 references SDPA without any bias and, where the flash_attn package is installed, FlashAttention-2
 with its built-in symmetric ALiBi. Columns: time, achieved TFLOP/s (4·b·np·s²·hn fwd, ×3.5 fwd+bwd
-with the recomputation flash kernels do), peak memory (GPU) and max |error| of the output against an
+with the recomputation flash kernels do), peak memory (GPU: inputs, the bias where the kernel takes
+one, activations and gradients of one forward + backward) and max |error| of the output against an
 fp64 eager reference.
 """
 
@@ -61,11 +62,13 @@ def make_flash_symmetric(slopes):
     return run
 
 
+# kernels that take the materialized [1, np, s, s] bias; the others get None and never allocate it
+TAKES_BIAS = {"eager", "sdpa + cached bias"}
+
+
 def bench(fn, q, k, v, bias, repeats: int, device) -> tuple[float, float]:
     """(median seconds of forward + backward, peak memory GiB or nan)."""
     times = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     for i in range(repeats + 1):
         for t in (q, k, v):
             t.grad = None
@@ -111,8 +114,11 @@ def main() -> None:
         reference = eager(q64, k64, v64, bias64)
         flops = 4 * args.batch * args.heads * length**2 * args.head_dim * 3.5
         for name, fn in kernels.items():
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()  # counted from here: this kernel's inputs on
             q, k, v = (t.to(device, dtype).requires_grad_() for t in (q64, k64, v64))
-            bias = bias64.to(device, dtype)
+            bias = bias64.to(device, dtype) if name in TAKES_BIAS else None
             try:
                 seconds, memory = bench(fn, q, k, v, bias, args.repeats, device)
                 with torch.no_grad():
@@ -120,6 +126,8 @@ def main() -> None:
             except (RuntimeError, torch.OutOfMemoryError) as err:
                 print(f"{length:>7}  {name:<36}  failed: {str(err).splitlines()[0][:60]}")
                 continue
+            finally:
+                del q, k, v, bias  # before the next kernel's peak is counted
             if "reference" in name:
                 error = float("nan")  # no or a different bias by design: a speed reference only
             print(f"{length:>7}  {name:<36}{seconds * 1e3:>10.2f}{flops / seconds / 1e12:>10.3f}"

@@ -3,13 +3,18 @@
 
     python benchmarks/train_throughput.py                                          # CPU: tiny, 512, fp32
     python benchmarks/train_throughput.py --model base --seq-length 2048 --batch 8 --dtype bf16   # GPU
+    python benchmarks/train_throughput.py --model base --seq-length 2048 --batch 8 --dtype bf16 \
+        --variant zero-clap --set model.attention_backend=flex model.attention_dropout=0
 
 Both models: post-LN RoBERTa (the baseline variant: learned positions, RoBERTa head), the real
 50265-symbol vocabulary, the same sequence length, batch, dropout, 15% masking and torch AdamW; one
 update = forward + backward + optimizer step. Hugging Face projects every position onto the
 vocabulary, megamlm only the masked ones. Rounds are interleaved (A B A B ...) so drift on a noisy
 machine hits both; the table gives medians, the median per-round ratio, and the model FLOP rate
-against a matmul timed in the same run (CPU) or the GPU's datasheet peak.
+against a matmul timed in the same run (CPU) or the GPU's datasheet peak. `--variant` (and `--set`
+overrides) changes megamlm's model only: Hugging Face has no ALiBi or CLAP, so its row then stays
+the baseline, a reference rather than a like-for-like pair. `--compile` compiles every
+transformer layer of both models (torch.compile).
 """
 
 from __future__ import annotations
@@ -74,26 +79,36 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="updates per round")
+    parser.add_argument("--variant", default="baseline", help="configs/variants/<name>.yaml for megamlm")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="megamlm config overrides")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
+    parser.add_argument("--profile", action="store_true", help="also print megamlm's top kernels (torch.profiler)")
     args = parser.parse_args()
     from transformers import RobertaConfig, RobertaForMaskedLM
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cfg = load_config([ROOT / f"configs/model/{args.model}.yaml", ROOT / "configs/variants/baseline.yaml"],
-                      [f"model.max_positions={max(512, args.seq_length)}"])
-    m = cfg.model
+    sizes = [f"model.max_positions={max(512, args.seq_length)}"]
+    m = load_config([ROOT / f"configs/model/{args.model}.yaml", ROOT / "configs/variants/baseline.yaml"], sizes).model
+    ours_cfg = load_config([ROOT / f"configs/model/{args.model}.yaml", ROOT / f"configs/variants/{args.variant}.yaml"],
+                           sizes + args.set).model
     ctx = init_distributed(ParallelConfig())
     seed_everything(1, ctx)
     device = ctx.device
-    ours = MaskedLM(m, ctx, seed=1).train()
+    ours = MaskedLM(ours_cfg, ctx, seed=1).train()
     hf = RobertaForMaskedLM(RobertaConfig(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_hidden_size, hidden_act="gelu",
         hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
         max_position_embeddings=m.max_positions + 2, type_vocab_size=1, layer_norm_eps=m.layernorm_epsilon,
         pad_token_id=1, attn_implementation="sdpa")).to(device).train()
+    if args.compile:
+        for layer in (*ours.encoder.layers, *hf.roberta.encoder.layer):
+            layer.compile()
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6,
-                                          weight_decay=0.01) for name, model in (("megamlm", ours), ("hf", hf))}
-    inputs, tokens, masked = make_batch(args.batch, args.seq_length, m.vocab_size, m.vocab_size - 1, device)
+                                          weight_decay=0.01, fused=device.type == "cuda")
+                  for name, model in (("megamlm", ours), ("hf", hf))}
+    vocab = min(m.vocab_size, ours_cfg.vocab_size)  # zero-clap has 50262 rows, its mask id is 50262
+    inputs, tokens, masked = make_batch(args.batch, args.seq_length, vocab, vocab - 1, device)
     steps = {"megamlm": lambda: megamlm_step(ours, optimizers["megamlm"], inputs, tokens, masked, dtype),
              "hf": lambda: hf_step(hf, optimizers["hf"], inputs, tokens, masked, dtype)}
     for step in steps.values():  # warm-up: allocator, kernels, optimizer state
@@ -111,11 +126,13 @@ def main() -> None:
     else:
         peak, peak_source = statistics.median(matmul), f"CPU {args.dtype} matmul, same run (median of rounds)"
     fraction = masked.float().mean().item()
-    model_flops = {"megamlm": flops_per_token(m, args.seq_length, fraction),
+    model_flops = {"megamlm": flops_per_token(ours_cfg, args.seq_length, fraction),
                    "hf": flops_per_token(m, args.seq_length, 1.0)}
-    useful = flops_per_token(m, args.seq_length, fraction)  # what an MLM update needs
+    useful = {"megamlm": model_flops["megamlm"],  # what an MLM update of each model needs
+              "hf": flops_per_token(m, args.seq_length, fraction)}
     ratios = [a / b for a, b in zip(rates["megamlm"], rates["hf"])]
-    print(f"{args.model} (L={m.num_layers}, h={m.hidden_size}, V={m.vocab_size}), length {args.seq_length}, "
+    print(f"{args.model} (L={m.num_layers}, h={m.hidden_size}, V={m.vocab_size}), megamlm {args.variant} "
+          f"{' '.join(args.set)}{', compiled' if args.compile else ''}, length {args.seq_length}, "
           f"batch {args.batch}, {args.dtype}, {args.rounds} interleaved rounds x {args.steps} updates, "
           f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"{torch.get_num_threads()} threads")
@@ -126,9 +143,23 @@ def main() -> None:
         tps = statistics.median(rates[name])
         print(f"{name:<18}{tps:>12,.0f}{min(rates[name]):>10,.0f}{max(rates[name]):>10,.0f}"
               f"{model_flops[name] * tps / 1e12:>15.3f}{model_flops[name] * tps / peak:>12.1%}"
-              f"{useful * tps / peak:>13.1%}")
+              f"{useful[name] * tps / peak:>13.1%}")
     print(f"megamlm / hf per round: median {statistics.median(ratios):.2f}x "
           f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+    if args.profile:
+        profile(steps["megamlm"], device)
+
+
+def profile(step, device) -> None:
+    """Where one megamlm update spends its time, by operator (self time, device time on GPU)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        timed(step, 2, device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ class ModelConfig:
     several); off = fairseq's behaviour, attention spans the whole sample."""
     attention_backend: Literal["sdpa", "flex"] = "sdpa"
     """sdpa: PyTorch scaled_dot_product_attention with a cached additive bias (CPU and GPU);
-    flex: FlexAttention with the ALiBi score_mod, no materialized bias (CUDA only)."""
+    flex: FlexAttention with the ALiBi score_mod, no materialized bias, memory linear in length
+    (CUDA only; batches are padded to data.seq_length so the compiled kernel sees one shape)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization (BERT's init)."""
 
@@ -272,6 +273,11 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each encoder layer's activations in the backward pass (long sequences: less
     memory, about one more forward of compute)."""
+    compile: bool = False
+    """torch.compile each encoder layer (fuses its elementwise chain: bias, dropout, residual,
+    LayerNorm, GELU); batches are then padded to data.seq_length so that every batch has one
+    shape. On an H100 it did not pay for roberta.base at 2048 in the training loop (BENCHMARKS.md);
+    measure before turning it on. The first updates are slower while it compiles."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     spike_factor: float = 3.0

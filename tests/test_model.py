@@ -197,3 +197,23 @@ def test_stream_marks_documents_from_the_unmasked_text(tmp_path):
         # a new document starts right after every </s> (also where the </s> itself was masked)
         for end in (original[row] == EOS).nonzero().flatten()[:-1].tolist():
             assert docs[end + 1] == docs[end] + 1
+
+
+def test_compiled_layers_give_the_eager_outputs_and_gradients(world):
+    from megamlm.train.layers import compile_layers
+
+    cfg = variant_config("alibi", ["model.num_layers=1"])
+    tokens, masked = batch(cfg.model.vocab_size)
+    results = []
+    for compiled in (False, True):
+        model = MaskedLM(cfg.model, world, seed=3)
+        if compiled:
+            compile_layers(model)
+        loss = model.loss(model(tokens, masked), tokens[masked])
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)

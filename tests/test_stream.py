@@ -125,6 +125,25 @@ def test_batches_are_padded_to_a_multiple_of_8_and_start_with_bos(shard_dir):
     assert not batch["masked_positions"][batch["tokens"] == 1].any()
 
 
+def test_compiled_runs_get_one_batch_width_with_the_same_content(shard_dir):
+    from megamlm.config import load_config
+    from megamlm.train.loop import _pad_multiple
+
+    def widths_and_samples(pad_multiple):
+        # one sample per batch: the width follows each sample's length
+        batches = [b for _, b in zip(range(12), stream(shard_dir, micro_batch=1, pad_multiple=pad_multiple))]
+        return {b["tokens"].shape[1] for b in batches}, [originals(b) for b in batches]
+
+    dynamic, samples = widths_and_samples(8)
+    static, static_samples = widths_and_samples(128)
+    assert len(dynamic) > 1 and static == {128}
+    assert static_samples == samples  # padding only: same samples, same masks
+    demo = ROOT / "configs/demo.yaml"
+    assert _pad_multiple(load_config([demo])) == 8
+    for override in ("train.compile=true", "model.attention_backend=flex"):
+        assert _pad_multiple(load_config([demo], [override])) == 128
+
+
 def test_masking_statistics_follow_the_reference():
     m = masker()
     rng = np.random.default_rng(0)

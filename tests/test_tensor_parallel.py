@@ -74,7 +74,7 @@ def test_tp2_equals_tp1_for_every_variant():
 
 
 def _grads_with_and_without_recompute():
-    from megamlm.train.recompute import apply_activation_checkpointing
+    from megamlm.train.layers import apply_activation_checkpointing
 
     ctx = init_distributed(ParallelConfig(tensor_parallel=2))
     cfg = variant_config("alibi", ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"])

@@ -161,8 +161,11 @@ class MaskedBatches(IterableDataset):
     def __init__(self, shards: ShardSet, masker: Masker, *, seq_length: int, micro_batch: int,
                  accumulation: int = 1, block_mode: str = "complete", seed: int = 1,
                  dp_rank: int = 0, dp_size: int = 1, shuffle_window: int = 1000, pad_id: int = 1,
-                 epochs: int | None = None, position: StreamPosition | None = None):
+                 epochs: int | None = None, position: StreamPosition | None = None, pad_multiple: int = 8):
         self.shards, self.masker = shards, masker
+        # batches are padded to a multiple of this (capped at seq_length); = seq_length gives every
+        # batch one shape, which compiled layers need to avoid recompiling per batch width
+        self.pad_multiple = pad_multiple
         self.seq_length, self.micro_batch, self.block_mode = seq_length, micro_batch, block_mode
         self.accumulation, self.seed, self.dp_rank, self.dp_size = accumulation, seed, dp_rank, dp_size
         self.shuffle_window, self.pad_id, self.epochs = shuffle_window, pad_id, epochs
@@ -209,7 +212,7 @@ class MaskedBatches(IterableDataset):
         while len(samples) < self.micro_batch:  # same batch shape, same step count on every rank
             samples.append(readable[len(samples) % len(readable)])
         longest = max(len(s) for s, _ in samples)
-        width = min(math.ceil(longest / 8) * 8, max(self.seq_length, longest))
+        width = min(math.ceil(longest / self.pad_multiple) * self.pad_multiple, max(self.seq_length, longest))
         tokens = np.full((self.micro_batch, width), self.pad_id, dtype=np.int64)
         inputs = tokens.copy()
         targeted = np.zeros((self.micro_batch, width), dtype=bool)

@@ -98,7 +98,8 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext):
         raise ConfigError("train.precision=fp16 needs a GPU; allowed on CPU: fp32, bf16")
     optim = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
-                                  eps=optim.eps, weight_decay=optim.weight_decay)
+                                  eps=optim.eps, weight_decay=optim.weight_decay,
+                                  fused=ctx.device.type == "cuda")  # one kernel per step on GPU
     if cfg.train.zero_stage == 3:
         # the tied embedding is used by the head outside the embedding's own forward
         deepspeed.zero.register_external_parameter(model.lm_head, model.embedding.word_embeddings.weight)

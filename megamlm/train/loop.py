@@ -34,7 +34,7 @@ from megamlm.train.checkpoint import Checkpoints, TrainState
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, flops_per_token
 from megamlm.train.guard import SpikeGuard
-from megamlm.train.recompute import apply_activation_checkpointing
+from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 
 
 class Preemption:
@@ -115,7 +115,16 @@ def _stream(cfg: Config, ctx: ParallelContext, data: Data, split: str, seed: int
                          dataclasses.replace(data.masker, seed=seed), seq_length=cfg.data.seq_length,
                          micro_batch=cfg.train.micro_batch_size, block_mode=cfg.data.block_mode,
                          seed=seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                         pad_id=cfg.model.pad_token_id, **options)
+                         pad_id=cfg.model.pad_token_id, pad_multiple=_pad_multiple(cfg), **options)
+
+
+def _pad_multiple(cfg: Config) -> int:
+    """Batch widths are rounded up to a multiple of this. Compiled code (train.compile, and
+    FlexAttention, which is always compiled) gets one width, data.seq_length: with a width per batch
+    it recompiles and then runs dynamic-shape kernels (H100, base zero-clap at 8192 on Flex:
+    55k tokens/s with per-batch widths, 88k with one width; BENCHMARKS.md)."""
+    static = cfg.train.compile or cfg.model.attention_backend == "flex"
+    return cfg.data.seq_length if static else 8
 
 
 def train_stream(cfg: Config, ctx: ParallelContext, data: Data, state: TrainState) -> MaskedBatches:
@@ -186,6 +195,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
         init_from_folder(model, cfg, cfg.train.init_from)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if cfg.train.compile:
+        compile_layers(model)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     engine, optimizer, schedule = build_engine(model, cfg, ctx)
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last)

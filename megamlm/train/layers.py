@@ -1,10 +1,12 @@
-"""Activation checkpointing, applied to a built model (the model itself knows nothing about it).
+"""Per-layer transforms applied to a built model (the model itself knows nothing about them):
+activation checkpointing and compilation.
 
-Each encoder layer keeps only its input during the forward pass and recomputes its activations in
-the backward pass: activation memory per layer drops from O(b·s·(h + f) + b·np·s²) to O(b·s·h), at
-the cost of one more layer forward. Recomputation must draw the same dropout masks as the forward:
-the default CPU/CUDA generators are replayed by torch.utils.checkpoint, and the tensor-parallel
-stream (attention dropout) is replayed here from the state it had when the layer first ran.
+Activation checkpointing: each encoder layer keeps only its input during the forward pass and
+recomputes its activations in the backward pass: activation memory per layer drops from
+O(b·s·(h + f) + b·np·s²) to O(b·s·h), at the cost of one more layer forward. Recomputation must
+draw the same dropout masks as the forward: the default CPU/CUDA generators are replayed by
+torch.utils.checkpoint, and the tensor-parallel stream (attention dropout) is replayed here from
+the state it had when the layer first ran.
 """
 
 from __future__ import annotations
@@ -40,3 +42,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     for layer in model.encoder.layers:
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward,
                                           use_reentrant=False, context_fn=_replay_tensor_parallel_rng)
+
+
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile every layer of `model.encoder.layers` in place (parameter names and the state
+    dict are unchanged). The embedding and head stay eager: boolean indexing of the masked positions
+    has a data-dependent shape."""
+    for layer in model.encoder.layers:
+        layer.compile()

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU benchmark set behind BENCHMARKS.md's GPU tables, in one run on one GPU:
+#   bash benchmarks/gpu.sh [LOG_DIR] [STEP ...]      # default: every step, logs in benchmarks/results/gpu
+# Steps: throughput (roberta.base at 2048: baseline vs Hugging Face, zero-clap = ALiBi-offset + CLAP
+# with SDPA + bias and with FlexAttention), compiled (the same with torch.compile per layer), large
+# (roberta.large at 2048), attention (ALiBi kernels 512..8192), profile (megamlm base's top
+# kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention dropout
+# on SDPA, eager and compiled, and at 8192 on FlexAttention, bf16, WikiText-103). Each step has its own time limit and log
+# file; a failed step is reported and the next one runs.
+# shellcheck disable=SC2086  # the command variables are meant to split into words
+set -u
+LOG_DIR=${1:-benchmarks/results/gpu}
+shift || true
+STEPS=${*:-throughput compiled large attention profile loop}
+mkdir -p "$LOG_DIR"
+PY=${PYTHON:-python3}
+TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
+FLEX="model.attention_backend=flex model.attention_dropout=0"
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
+    local rc=$?
+    grep -v "^\[\|Warning\|warn(" "$LOG_DIR/$name.log" | tail -n 8
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
+}
+
+train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES: base zero-clap, 2 micro-batches per update
+    local name=$1 length=$2 micro=$3 extra=$4 updates=$5
+    step "$name" 420 $PY -m megamlm train --config configs/pile/base-zero-clap.yaml $extra \
+        "data.build_from=[data/wikitext-103/valid.txt,data/wikitext-103/test.txt]" \
+        data.shards=cache/wikitext-103-s$length data.seq_length=$length model.max_positions=$length \
+        data.long_docs=split data.valid_fraction=0.02 train.precision=bf16 \
+        train.micro_batch_size=$micro train.global_batch_size=$((2 * micro)) train.steps=$updates \
+        optim.warmup_steps=10 optim.period_steps=$updates train.log_interval=10 train.eval_interval=$updates \
+        train.eval_batches=4 train.save_interval=100000 train.run_dir=runs/$name
+}
+
+for s in $STEPS; do
+    case $s in
+    throughput)
+        step base-baseline 240 $TP --model base --batch 8
+        step base-zero-clap-sdpa 240 $TP --model base --batch 8 --variant zero-clap
+        step base-zero-clap-flex 300 $TP --model base --batch 8 --variant zero-clap --set $FLEX ;;
+    compiled)
+        step base-baseline-compiled 360 $TP --model base --batch 8 --compile
+        step base-zero-clap-flex-compiled 360 $TP --model base --batch 8 --variant zero-clap --set $FLEX --compile ;;
+    large)
+        step large-baseline 300 $TP --model large --batch 8
+        step large-zero-clap-flex 300 $TP --model large --batch 8 --variant zero-clap --set $FLEX ;;
+    attention)
+        step attention 300 $PY benchmarks/attention.py --lengths 512,1024,2048,4096,8192 --dtype bf16 \
+            --heads 12 --batch 2 ;;
+    profile)
+        step profile-base-baseline 240 $TP --model base --batch 8 --rounds 1 --profile ;;
+    loop)
+        train_run loop-2048 2048 8 "" 60
+        train_run loop-2048-compiled 2048 8 "train.compile=true" 60
+        train_run loop-8192 8192 2 "$FLEX train.compile=true" 40 ;;
+    *) echo "unknown step $s (throughput compiled large attention profile loop)"; exit 2 ;;
+    esac
+done
