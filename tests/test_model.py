@@ -50,6 +50,10 @@ def test_baseline_matches_huggingface_roberta(world):
         got = ours.gather_logits(ours(tokens, masked))
     assert got.shape == want.shape == (int(masked.sum()), m.vocab_size)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # the loader's flat (b, s) indices select the same positions in the same order
+    with torch.no_grad():
+        by_index = ours.gather_logits(ours(tokens, masked.flatten().nonzero().squeeze(1)))
+    torch.testing.assert_close(by_index, want, rtol=0, atol=1e-5)
     # the loss is the standard cross-entropy over the real vocabulary
     with torch.no_grad():
         loss = ours.loss(ours(tokens, masked), tokens[masked])

@@ -122,6 +122,7 @@ def test_batches_are_padded_to_a_multiple_of_8_and_start_with_bos(shard_dir):
     assert batch["tokens"].shape[1] % 8 == 0 and batch["tokens"].shape[1] <= 128
     assert (batch["tokens"][:, 0] == 0).sum() + batch["masked_positions"][:, 0].sum() >= 8
     assert batch["targets"].numel() == batch["masked_positions"].sum()
+    assert torch.equal(batch["masked_index"], batch["masked_positions"].flatten().nonzero().squeeze(1))
     assert not batch["masked_positions"][batch["tokens"] == 1].any()
 
 

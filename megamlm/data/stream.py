@@ -227,6 +227,7 @@ class MaskedBatches(IterableDataset):
         return {
             "tokens": torch.from_numpy(inputs),
             "masked_positions": torch.from_numpy(targeted),
+            "masked_index": torch.from_numpy(np.flatnonzero(targeted)),  # the same, as flat (b, s) indices
             "documents": torch.from_numpy(documents),
             "targets": torch.from_numpy(tokens[targeted]),
             "sample_ids": torch.tensor([index for _, index in samples]),

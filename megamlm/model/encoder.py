@@ -157,16 +157,21 @@ class MaskedLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, masked_positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Training: masked_positions [b, s] bool selects positions in row-major (b, s) order and the
-        result is this rank's vocabulary shard [n, V_local] (padded columns -inf), ready for `loss`.
+        """Training: masked_positions selects positions in row-major (b, s) order, either as a
+        [b, s] bool mask or as the [n] flat indices b_i * s + s_i (what the loader provides: selecting
+        by a mask has to wait for the device to count it, a host sync in the middle of the forward);
+        the result is this rank's vocabulary shard [n, V_local] (padded columns -inf), ready for `loss`.
         Inference: without masked_positions, logits at every position over the whole vocabulary,
         [b, s, vocab_size] (gathered over tensor-parallel ranks; differentiable only at TP=1).
         """
-        hidden = self.hidden_states(tokens, documents).transpose(0, 1)  # [s, b, h] -> [b, s, h]
+        hidden = self.hidden_states(tokens, documents)  # [s, b, h]
         if masked_positions is None:
-            features = hidden.reshape(-1, hidden.size(-1))  # [b, s, h] -> [b*s, h]
+            features = hidden.transpose(0, 1).reshape(-1, hidden.size(-1))  # [s, b, h] -> [b*s, h]
         else:
-            features = hidden[masked_positions]  # [n, h]
+            if masked_positions.dtype == torch.bool:
+                masked_positions = masked_positions.flatten().nonzero().squeeze(1)
+            s = tokens.size(1)
+            features = hidden[masked_positions % s, masked_positions // s]  # [n, h]
         logits = self.lm_head(features, self.embedding.word_embeddings.weight)
         logits = logits.masked_fill(self.padded_columns, float("-inf"))
         if masked_positions is None:

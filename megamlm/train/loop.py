@@ -250,7 +250,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
         weight = ctx.dp_size * accumulation / max(counts.item(), 1.0)  # DeepSpeed averages over both
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in micro_batches:
-            masked = batch["masked_positions"].to(ctx.device)
+            masked = batch["masked_index"].to(ctx.device)  # indices, not the mask: no host sync
             logits = engine(batch["tokens"].to(ctx.device), masked, batch["documents"].to(ctx.device))
             ce = engine.module.loss(logits, batch["targets"].to(ctx.device), reduction="sum")
             engine.backward(ce * weight)
