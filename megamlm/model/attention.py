@@ -84,8 +84,8 @@ def _flex_attention(device_type: str):
     check the score_mod against the materialized bias."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    # shapes are not static: samples are padded to the longest of their batch. The default (automatic
-    # dynamic shapes after the first recompile) avoids hitting dynamo's recompile limit, past which
-    # FlexAttention silently falls back to an eager path that materializes the scores (seen on H100:
-    # base at 8192 tokens ran at 1% MFU with dynamic=False).
+    # the training loader pads to one width under Flex, but evaluation, fine-tuning and inference
+    # pass any width. The default (automatic dynamic shapes after the first recompile) avoids dynamo's
+    # recompile limit, past which FlexAttention silently falls back to an eager path that
+    # materializes the scores (seen on an H100: base at 8192 ran at 1% MFU with dynamic=False).
     return torch.compile(flex_attention) if device_type == "cuda" else flex_attention

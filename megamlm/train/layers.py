@@ -46,7 +46,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def compile_layers(model: nn.Module) -> None:
     """torch.compile every layer of `model.encoder.layers` in place (parameter names and the state
-    dict are unchanged). The embedding and head stay eager: boolean indexing of the masked positions
-    has a data-dependent shape."""
+    dict are unchanged). The embedding and head stay eager: the number of masked positions the head
+    projects changes with every batch."""
     for layer in model.encoder.layers:
         layer.compile()
