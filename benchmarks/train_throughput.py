@@ -43,9 +43,10 @@ def make_batch(batch: int, length: int, vocab: int, mask_id: int, device, seed: 
     return inputs.to(device), tokens.to(device), masked.to(device)
 
 
-def megamlm_step(model, optimizer, inputs, tokens, masked, dtype):
+def megamlm_step(model, optimizer, inputs, masked_index, targets, dtype):
+    # as the training loop: flat indices and targets prepared by the loader (no host sync)
     with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        loss = model.loss(model(inputs, masked), tokens[masked])
+        loss = model.loss(model(inputs, masked_index), targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -109,7 +110,8 @@ def main() -> None:
                   for name, model in (("megamlm", ours), ("hf", hf))}
     vocab = min(m.vocab_size, ours_cfg.vocab_size)  # zero-clap has 50262 rows, its mask id is 50262
     inputs, tokens, masked = make_batch(args.batch, args.seq_length, vocab, vocab - 1, device)
-    steps = {"megamlm": lambda: megamlm_step(ours, optimizers["megamlm"], inputs, tokens, masked, dtype),
+    masked_index, targets = masked.flatten().nonzero().squeeze(1), tokens[masked]
+    steps = {"megamlm": lambda: megamlm_step(ours, optimizers["megamlm"], inputs, masked_index, targets, dtype),
              "hf": lambda: hf_step(hf, optimizers["hf"], inputs, tokens, masked, dtype)}
     for step in steps.values():  # warm-up: allocator, kernels, optimizer state
         step()
