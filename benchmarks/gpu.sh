@@ -4,9 +4,9 @@
 # Steps: throughput (roberta.base at 2048: baseline vs Hugging Face, zero-clap = ALiBi-offset + CLAP
 # with SDPA + bias and with FlexAttention), compiled (the same with torch.compile per layer), large
 # (roberta.large at 2048), attention (ALiBi kernels 512..8192), profile (megamlm base's top
-# kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention dropout
-# on SDPA, eager and compiled, and at 8192 on FlexAttention, bf16, WikiText-103). Each step has its own time limit and log
-# file; a failed step is reported and the next one runs.
+# kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention
+# dropout on SDPA, eager and compiled, and at 8192 on FlexAttention, bf16, WikiText-103). Each step
+# has its own time limit and log file; a failed step is reported and the next one runs.
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}

@@ -30,6 +30,7 @@ from megamlm.config import ParallelConfig, load_config
 from megamlm.model import MaskedLM
 from megamlm.parallel import init_distributed, seed_everything
 from megamlm.train.flops import device_peak, flops_per_token, measured_matmul_peak
+from megamlm.train.layers import compile_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +104,8 @@ def main() -> None:
         max_position_embeddings=m.max_positions + 2, type_vocab_size=1, layer_norm_eps=m.layernorm_epsilon,
         pad_token_id=1, attn_implementation="sdpa")).to(device).train()
     if args.compile:
-        for layer in (*ours.encoder.layers, *hf.roberta.encoder.layer):
+        compile_layers(ours)  # what train.compile does
+        for layer in hf.roberta.encoder.layer:
             layer.compile()
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6,
                                           weight_decay=0.01, fused=device.type == "cuda")

@@ -152,10 +152,10 @@ def evaluate(model: MaskedLM, stream: MaskedBatches, max_batches: int, ctx: Para
     for i, batch in enumerate(stream):
         if i == max_batches:
             break
-        masked = batch["masked_positions"].to(ctx.device)
+        masked = batch["masked_index"].to(ctx.device)  # as in training: indices, no host sync
         logits = model(batch["tokens"].to(ctx.device), masked, batch["documents"].to(ctx.device))
         totals[0] += model.loss(logits, batch["targets"].to(ctx.device), reduction="sum").double()
-        totals[1] += masked.sum()
+        totals[1] += masked.numel()
     dist.all_reduce(totals, group=ctx.dp_group)
     model.train(was_training)
     loss = (totals[0] / totals[1]).item()
