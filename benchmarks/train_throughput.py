@@ -108,7 +108,7 @@ def main() -> None:
         for layer in hf.roberta.encoder.layer:
             layer.compile()
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6,
-                                          weight_decay=0.01, fused=device.type == "cuda")
+                                          weight_decay=0.01, fused=True)
                   for name, model in (("megamlm", ours), ("hf", hf))}
     vocab = min(m.vocab_size, ours_cfg.vocab_size)  # zero-clap has 50262 rows, its mask id is 50262
     inputs, tokens, masked = make_batch(args.batch, args.seq_length, vocab, vocab - 1, device)

@@ -141,7 +141,7 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     schedule = OptimConfig(lr=options.lr or task.lr, min_lr=0.0, schedule="polynomial", end_lr=0.0, power=1.0,
                            warmup_steps=warmup, betas=(0.9, 0.98), eps=1e-6)
     optimizer = torch.optim.AdamW(model.trainable(), lr=schedule.lr, betas=schedule.betas, eps=schedule.eps,
-                                  weight_decay=options.weight_decay)
+                                  weight_decay=options.weight_decay, fused=True)
     generator = torch.Generator().manual_seed(seed)
     history, update = [], 0
     better = HIGHER_IS_BETTER[task.metrics[0]]

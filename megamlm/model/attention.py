@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from megamlm.model.dropout import dropout
 from megamlm.parallel import tensor_parallel_rng
 
 
@@ -45,19 +46,28 @@ class BidirectionalAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.backend == "flex":
             out = self._flex(q, k, v, attention_mask, attention_bias)
+        elif self.training and self.dropout_p > 0:
+            # heads are sharded: each TP rank needs its own dropout stream
+            with tensor_parallel_rng.fork(q.device):
+                out = self._sdpa_with_dropout(q, k, v, attention_bias)
         else:
-            dropout_p = self.dropout_p if self.training else 0.0
-            if dropout_p > 0:
-                # heads are sharded: each TP rank needs its own dropout stream
-                with tensor_parallel_rng.fork(q.device):
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias,
-                                                         dropout_p=dropout_p,
-                                                         scale=self.softmax_scale)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias,
-                                                     scale=self.softmax_scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias, scale=self.softmax_scale)
         # [b, np, s, hn] -> [s, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
+
+    def _sdpa_with_dropout(self, q, k, v, bias):
+        if q.device.type != "cpu":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.dropout_p,
+                                                  scale=self.softmax_scale)
+        # On CPU, SDPA with dropout runs this same unfused math, with torch's slow dropout mask
+        scale = self.softmax_scale if self.softmax_scale is not None else q.size(-1) ** -0.5
+        # [b, np, s, hn] x [b, np, hn, s] -> [b, np, s, s]
+        scores = torch.matmul(q * scale, k.transpose(-2, -1))
+        if bias is not None:
+            scores.add_(bias)  # in place: a fresh [b, np, s, s] buffer costs more than the add
+        probs = dropout(torch.softmax(scores, dim=-1), self.dropout_p, training=True)
+        # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
+        return torch.matmul(probs, v)
 
     def _flex(self, q, k, v, groups, slopes):
         if self.training and self.dropout_p > 0:

@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from torch import nn
 
 from megamlm.config import ModelConfig
+from megamlm.model.dropout import dropout
 from megamlm.model.positions import LearnedPositions, SinusoidalPositions
 
 
@@ -38,7 +39,6 @@ class TokenEmbedding(nn.Module):
         self.layernorm = (nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
                           if model.embedding_layernorm else None)
         self.scale = math.sqrt(model.hidden_size) if model.scale_embeddings else 1.0
-        self.dropout = nn.Dropout(model.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
         """tokens, padding [b, s] -> embeddings [s, b, h] (zero at padded positions)."""
@@ -56,6 +56,6 @@ class TokenEmbedding(nn.Module):
             x = x + self.positions(tokens)
         if self.layernorm is not None:
             x = self.layernorm(x)
-        x = self.dropout(x) * ~padding[..., None]
+        x = dropout(x, model.hidden_dropout, self.training) * ~padding[..., None]
         # [b, s, h] -> [s, b, h]
         return x.transpose(0, 1).contiguous()

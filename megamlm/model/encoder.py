@@ -105,10 +105,11 @@ class MaskedLM(nn.Module):
         vocab_local = self.padded_vocab_size // ctx.tp_size
         self.lm_head = (ClapHead(model, ctx.tp_group) if model.head == "clap"
                         else RobertaLMHead(model, vocab_local, ctx.tp_group))
-        # columns of this rank that are vocabulary padding: they must never take probability mass
+        # columns of this rank that are vocabulary padding must never take probability mass: -inf
         first = self.embedding.word_embeddings.vocab_start_index
-        columns = torch.arange(first, first + vocab_local)
-        self.register_buffer("padded_columns", columns >= model.vocab_size, persistent=False)
+        padded = torch.arange(first, first + vocab_local) >= model.vocab_size
+        self.register_buffer("column_bias", torch.zeros(vocab_local).masked_fill(padded, float("-inf")),
+                             persistent=False)
         _mark_megatron_weights(self)
         init_parameters(self, model, seed, ctx.tp_rank, ctx.tp_size)
         self.to(device=ctx.device, dtype=params_dtype)
@@ -172,8 +173,7 @@ class MaskedLM(nn.Module):
                 masked_positions = masked_positions.flatten().nonzero().squeeze(1)
             s = tokens.size(1)
             features = hidden[masked_positions % s, masked_positions // s]  # [n, h]
-        logits = self.lm_head(features, self.embedding.word_embeddings.weight)
-        logits = logits.masked_fill(self.padded_columns, float("-inf"))
+        logits = self.lm_head(features, self.embedding.word_embeddings.weight, self.column_bias)
         if masked_positions is None:
             # [b*s, V] -> [b, s, V]
             return self.gather_logits(logits).view(*tokens.shape, -1)

@@ -4,6 +4,8 @@ Both heads get features [n, h] (n = number of masked positions) that are identic
 tensor-parallel rank, and return this rank's logit columns [n, V_local]. Before the vocabulary
 projection the features pass `copy_to_tensor_model_parallel_region` (identity forward, all-reduce
 backward) so that the replicated parameters below receive the gradient of the whole vocabulary.
+`column_bias` [V_local] (0, or -inf on vocabulary-padding columns) is added inside the projection's
+addmm: masking the [n, V_local] logits afterwards would cost a pass over them forward and backward.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ class RobertaLMHead(nn.Module):
         self.weight = (None if model.tie_embeddings else
                        mark_vocab_parallel(nn.Parameter(torch.empty(vocab_local, model.hidden_size))))
 
-    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor,
+                column_bias: torch.Tensor) -> torch.Tensor:
         x = self.layernorm(F.gelu(self.dense(features)))
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         weight = embedding_weight if self.weight is None else self.weight
-        return F.linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias + column_bias)
 
 
 class ClapHead(nn.Module):
@@ -58,7 +61,9 @@ class ClapHead(nn.Module):
         # which a 0-dim tensor cannot do (the converters reshape)
         self.beta = nn.Parameter(torch.full((1,), float(model.clap_initial_beta)))
 
-    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor,
+                column_bias: torch.Tensor) -> torch.Tensor:
         x = copy_to_tensor_model_parallel_region(features, group=self.tp_group)
         beta = copy_to_tensor_model_parallel_region(self.beta, group=self.tp_group)
-        return beta * F.linear(x, F.normalize(embedding_weight, dim=-1))
+        # beta * (h · E_v) computed as (beta * h) · E_v: scales [n, h], not the [n, V_local] logits
+        return F.linear(beta * x, F.normalize(embedding_weight, dim=-1), column_bias)

@@ -14,7 +14,6 @@ import functools
 
 import torch
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -29,6 +28,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megamlm.config import ModelConfig
 from megamlm.model.attention import BidirectionalAttention
+from megamlm.model.dropout import dropout
 
 
 @dataclasses.dataclass
@@ -55,6 +55,20 @@ class PostLNTransformerLayer(TransformerLayer):
 
     def _forward_post_mlp(self, mlp_output_with_bias, residual):
         return self.post_mlp_layernorm(super()._forward_post_mlp(mlp_output_with_bias, residual))
+
+
+def bias_dropout_add(training: bool, fused: bool):
+    """The layer's bias-dropout-add slot (megatron's get_bias_dropout_add signature) with our
+    dropout, which is 3-8x cheaper on CPU: residual + dropout(x + bias)."""
+
+    def apply(x_with_bias, residual, prob):
+        x, bias = x_with_bias
+        if bias is not None:
+            x = x + bias
+        # under autocast x is half precision and the residual fp32; the stream stays in x's dtype
+        return residual.to(x.dtype) + dropout(x, prob, training)
+
+    return apply
 
 
 def layer_norm_impl() -> type:
@@ -88,10 +102,10 @@ def encoder_layer_spec(model: ModelConfig) -> ModuleSpec:
             module=PostLNTransformerLayer,
             submodules=PostLNTransformerLayerSubmodules(
                 self_attention=self_attention,
-                self_attn_bda=get_bias_dropout_add,
+                self_attn_bda=bias_dropout_add,
                 post_attention_layernorm=norm,
                 mlp=mlp,
-                mlp_bda=get_bias_dropout_add,
+                mlp_bda=bias_dropout_add,
                 post_mlp_layernorm=norm,
             ),
         )
@@ -100,9 +114,9 @@ def encoder_layer_spec(model: ModelConfig) -> ModuleSpec:
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=self_attention,
-            self_attn_bda=get_bias_dropout_add,
+            self_attn_bda=bias_dropout_add,
             pre_mlp_layernorm=norm,
             mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
+            mlp_bda=bias_dropout_add,
         ),
     )

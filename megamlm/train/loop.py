@@ -244,10 +244,12 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
         fetch_start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(accumulation)]
         window_wait += time.perf_counter() - fetch_start  # time the step waited for data
-        counts = torch.tensor([sum(int(b["targets"].numel()) for b in micro_batches)],
+        counts = torch.tensor(sum(int(b["targets"].numel()) for b in micro_batches),
                               dtype=torch.float64, device=ctx.device)
         dist.all_reduce(counts, group=ctx.dp_group)
-        weight = ctx.dp_size * accumulation / max(counts.item(), 1.0)  # DeepSpeed averages over both
+        counts = counts.clamp(min=1.0)
+        # stays on the device (no sync before the forward); DeepSpeed averages over DP and accumulation
+        weight = (ctx.dp_size * accumulation / counts).float()
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in micro_batches:
             masked = batch["masked_index"].to(ctx.device)  # indices, not the mask: no host sync
@@ -258,7 +260,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
             loss_sum += ce.detach().double()
             window_tokens += int(batch["tokens"].ne(cfg.model.pad_token_id).sum()) * ctx.dp_size
         dist.all_reduce(loss_sum, group=ctx.dp_group)
-        loss = loss_sum.item() / max(counts.item(), 1.0)
+        loss = (loss_sum / counts).item()  # the update's one host sync (spike guard, logs)
         state.step += 1
         for batch in micro_batches:
             state.position = advance(state.position, batch, stream.batches_per_epoch())

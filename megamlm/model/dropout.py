@@ -1,0 +1,53 @@
+"""Dropout whose random mask is cheap on CPU; torch's dropout on every other device.
+
+On CPU torch draws one Mersenne-Twister number per element (`bernoulli_`, one thread): measured on
+the development machine, 26 ms for a [4, 4, 512, 512] attention-probability tensor, 17% of a tiny
+training step. Here one 64-bit draw gives four 16-bit lanes and an element is kept when its lane is
+at or above a threshold: 3 ms for the same tensor. The drop probability becomes round(p · 65536) /
+65536 (0.1 -> 0.100006) and the kept values are scaled by the exact inverse of the keep probability,
+so the expectation is unchanged. GPUs keep torch's fused Philox dropout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_LANES = 4  # int16 lanes per int64 draw
+_LEVELS = 2**16
+
+
+class _KeepAndScale(torch.autograd.Function):
+    """x * keep * scale; backward the same on the gradient, saving only the bool mask."""
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return _keep_and_scale(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return _keep_and_scale(grad, keep, ctx.scale), None, None
+
+
+def _keep_and_scale(x, keep, scale):
+    # two passes without a float copy of the mask (aten's dropout backward converts it first)
+    return (x * keep).mul_(scale)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """F.dropout(x, p, training), with a 16-bit-resolution mask on CPU (see the module docstring)."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu":
+        return F.dropout(x, p, training=True)
+    dropped_levels = round(p * _LEVELS)
+    if dropped_levels >= _LEVELS:
+        return x * 0.0  # stays in the graph (zero gradient), as F.dropout with p=1
+    words = torch.empty(-(-x.numel() // _LANES), dtype=torch.int64)
+    # from=int64 min with no upper bound: every draw is 64 uniform bits
+    lanes = words.random_(-(2**63), None).view(torch.int16)[: x.numel()].view(x.shape)
+    keep = lanes >= dropped_levels - _LEVELS // 2  # int16 lanes are uniform over [-2^15, 2^15)
+    return _KeepAndScale.apply(x, keep, _LEVELS / (_LEVELS - dropped_levels))

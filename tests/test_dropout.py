@@ -1,0 +1,79 @@
+"""Dropout with the cheap CPU mask: the drop rate, the scale, the mask reused by backward, no bias
+between the 16-bit lanes of one draw, reproducibility; and the CPU attention path that uses it."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megamlm.model.attention import BidirectionalAttention
+from megamlm.model.dropout import dropout
+from megamlm.model.encoder import transformer_config
+from megamlm.parallel import tensor_parallel_rng
+from tests.variants import variant_config
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_drop_rate_and_scale_in_every_lane(p):
+    torch.manual_seed(0)
+    n = 1 << 20
+    y = dropout(torch.ones(n), p, training=True)
+    dropped = y.eq(0)
+    kept_value = round(p * 65536) / 65536
+    assert torch.allclose(y[~dropped], torch.tensor(1 / (1 - kept_value)))
+    # 4 binomial standard deviations of the drop fraction, per lane of the int64 draw (each lane
+    # is every 4th element): a lane with a fixed bit would drop at another rate
+    tolerance = 4 * (p * (1 - p) / (n / 4)) ** 0.5
+    for lane in range(4):
+        assert abs(dropped.view(-1, 4)[:, lane].float().mean().item() - p) < tolerance
+    assert abs(y.mean().item() - 1.0) < 4 * (p / (1 - p) / n) ** 0.5  # expectation preserved
+
+
+def test_backward_uses_the_forward_mask():
+    torch.manual_seed(0)
+    x = torch.randn(3, 1000, requires_grad=True)
+    y = dropout(x, 0.3, training=True)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    kept = y.ne(0)
+    scale = 65536 / (65536 - round(0.3 * 65536))
+    torch.testing.assert_close(x.grad, grad * kept * scale)
+    torch.testing.assert_close(y, x.detach() * kept * scale)
+
+
+def test_reproducible_from_the_seed_and_identity_when_off():
+    x = torch.randn(257)  # not a multiple of the 4 lanes
+    torch.manual_seed(5)
+    a = dropout(x, 0.1, training=True)
+    torch.manual_seed(5)
+    assert torch.equal(dropout(x, 0.1, training=True), a)
+    assert not torch.equal(dropout(x, 0.1, training=True), a)  # the stream advanced
+    assert dropout(x, 0.1, training=False) is x
+    assert dropout(x, 0.0, training=True) is x
+    assert torch.equal(dropout(x, 1.0, training=True), torch.zeros_like(x))
+
+
+def _attention(dropout_p):
+    model = variant_config("alibi").model
+    tcfg = transformer_config(dataclasses.replace(model, attention_dropout=dropout_p), tp_size=1)
+    return BidirectionalAttention(tcfg, 1, None, "self")
+
+
+def test_cpu_attention_dropout_path_matches_sdpa_in_expectation():
+    s, b, np_, hn = 6, 2, 4, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, b, np_, hn, generator=g) for _ in range(3))
+    bias = torch.randn(b, np_, s, s, generator=g)
+    bias[1, :, :, 4:] = float("-inf")  # padded keys of sample 1
+    attention = _attention(0.1)
+    tensor_parallel_rng.seed(0)
+    want = attention.eval()(q, k, v, None, attention_bias=bias)  # SDPA, no dropout
+    # a drop probability below 1/65536 keeps everything: the explicit math path alone equals SDPA
+    attention.dropout_p = 1e-6
+    torch.testing.assert_close(attention.train()(q, k, v, None, attention_bias=bias), want)
+    # with dropout, the average over draws converges to the output without it
+    attention.dropout_p = 0.1
+    tensor_parallel_rng.seed(0)  # attention dropout draws from the tensor-parallel stream
+    draws = torch.stack([attention(q, k, v, None, attention_bias=bias) for _ in range(2000)])
+    assert not torch.allclose(draws[0], want, atol=1e-3)
+    torch.testing.assert_close(draws.mean(0), want, rtol=0, atol=0.05)
