@@ -5,7 +5,8 @@
 # with SDPA + bias and with FlexAttention), compiled (the same with torch.compile per layer), large
 # (roberta.large at 2048), attention (ALiBi kernels 512..8192), profile (megamlm base's top
 # kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention
-# dropout on SDPA, eager and compiled, and at 8192 on FlexAttention, bf16, WikiText-103). Each step
+# dropout on SDPA, eager and compiled, and at 8192 on FlexAttention, also with attention kept within
+# each packed document (the BlockMask skips the other documents' blocks), bf16, WikiText-103). Each step
 # has its own time limit and log file; a failed step is reported and the next one runs.
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
@@ -59,7 +60,8 @@ for s in $STEPS; do
     loop)
         train_run loop-2048 2048 8 "" 60
         train_run loop-2048-compiled 2048 8 "train.compile=true" 60
-        train_run loop-8192 8192 2 "$FLEX train.compile=true" 40 ;;
+        train_run loop-8192 8192 2 "$FLEX train.compile=true" 40
+        train_run loop-8192-documents 8192 2 "$FLEX train.compile=true model.document_mask=true" 40 ;;
     *) echo "unknown step $s (throughput compiled large attention profile loop)"; exit 2 ;;
     esac
 done

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from megamlm.model.attention import BidirectionalAttention
+from megamlm.model.attention import BidirectionalAttention, flex_block_mask
 from megamlm.model.encoder import transformer_config
 from megamlm.model.positions import alibi_bias
 from megamlm.parallel import TensorParallelRNG
@@ -39,7 +39,8 @@ def test_flex_score_mod_equals_sdpa_with_materialized_bias(mode, documents):
     want = _attention("sdpa", offset)(q, k, v, None, attention_bias=bias)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
-        got = _attention("flex", offset)(q, k, v, groups, attention_bias=torch.stack([before, after]))
+        got = _attention("flex", offset)(q, k, v, flex_block_mask(groups),
+                                         attention_bias=torch.stack([before, after]))
     assert got.shape == (s, b, np_ * hn)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -66,3 +67,17 @@ def test_tensor_parallel_rng_is_a_separate_reproducible_stream():
     rng.load_state_dict(state)
     with rng.fork(torch.device("cpu")):
         assert torch.equal(torch.rand(3), next_value)
+
+
+def test_flex_block_mask_skips_padding_and_other_documents():
+    s, block = 512, 128
+    groups = torch.zeros(3, s, dtype=torch.long)
+    groups[1, 200:] = -1  # 200 real tokens, then padding
+    groups[2, 256:] = 1  # two documents of 256 tokens
+    mask = flex_block_mask(groups)
+    # key blocks each query block visits (partial + full): [b, 1, q_blocks]
+    visited = mask.kv_num_blocks + mask.full_kv_num_blocks
+    assert visited[0, 0].tolist() == [4, 4, 4, 4]
+    assert visited[1, 0].tolist() == [2, 2, 2, 2]  # key blocks 2 and 3 are padding only
+    assert visited[2, 0].tolist() == [2, 2, 2, 2]  # each query block stays in its document's 2 blocks
+    assert mask.BLOCK_SIZE == (block, block)

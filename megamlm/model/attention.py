@@ -8,11 +8,11 @@ Backends
   sdpa  `attention_bias` is an additive float tensor broadcastable to [b, np, s, s]: the
         shard's ALiBi bias plus -inf on padded keys, built once per forward by the encoder and
         shared by every layer.
-  flex  FlexAttention: ALiBi, key padding and document boundaries are a `score_mod`, no bias is
-        materialized. `attention_bias` is then the [2, np] slopes (before, after) and
-        `attention_mask` the [b, s] key groups: -1 on padding, else the document index (0 when
-        samples are not split into documents). CUDA only: torch 2.13 has no FlexAttention
-        backward on CPU.
+  flex  FlexAttention: ALiBi is a `score_mod` and key padding / document boundaries a BlockMask,
+        no bias is materialized and key blocks a query block cannot see are skipped.
+        `attention_bias` is then the [2, np] slopes (before, after) or None, and `attention_mask`
+        the BlockMask from `flex_block_mask`, built once per forward and shared by every layer.
+        CUDA only for training: torch 2.13 has no FlexAttention backward on CPU.
 """
 
 from __future__ import annotations
@@ -69,23 +69,37 @@ class BidirectionalAttention(MegatronModule):
         # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
         return torch.matmul(probs, v)
 
-    def _flex(self, q, k, v, groups, slopes):
+    def _flex(self, q, k, v, block_mask, slopes):
         if self.training and self.dropout_p > 0:
             raise ValueError("model.attention_backend=flex has no attention dropout; "
                              "set model.attention_dropout=0 or use attention_backend=sdpa")
         offset = self.alibi_offset
 
-        def score_mod(score, b, h, q_idx, kv_idx):
-            if slopes is not None:
-                distance = kv_idx - q_idx
-                before = slopes[0, h] * torch.clamp(distance, max=0)
-                after = slopes[1, h] * (distance - offset)
-                score = score + torch.where(distance > 0, -after, before).to(score.dtype)
-            # padded keys never; real queries only their own document (pad queries: every real key)
-            hidden = (groups[b, kv_idx] < 0) | ((groups[b, q_idx] >= 0) & (groups[b, kv_idx] != groups[b, q_idx]))
-            return torch.where(hidden, -float("inf"), score)
+        def alibi(score, b, h, q_idx, kv_idx):
+            distance = kv_idx - q_idx
+            before = slopes[0, h] * torch.clamp(distance, max=0)
+            after = slopes[1, h] * (distance - offset)
+            return score + torch.where(distance > 0, -after, before).to(score.dtype)
 
-        return _flex_attention(q.device.type)(q, k, v, score_mod=score_mod, scale=self.softmax_scale)
+        return _flex_attention(q.device.type)(q, k, v, score_mod=None if slopes is None else alibi,
+                                              block_mask=block_mask, scale=self.softmax_scale)
+
+
+def flex_block_mask(groups: torch.Tensor):
+    """[b, s] key groups (-1 on padding, else the document index; 0 when samples are not split into
+    documents) -> the FlexAttention BlockMask: real queries see the real keys of their own
+    document, padding queries every real key (as on the SDPA path, so no row is empty). The kernel
+    skips key blocks that are all padding or all another document."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, q_idx, kv_idx):
+        query, key = groups[b, q_idx], groups[b, kv_idx]
+        return (key >= 0) & ((query < 0) | (key == query))
+
+    b, s = groups.shape
+    # compiled on GPU: the eager construction materializes [b, s, s] index tensors (GiBs at 8192)
+    return create_block_mask(visible, b, None, s, s, device=groups.device,
+                             _compile=groups.device.type == "cuda")
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from megamlm.config import ModelConfig
+from megamlm.model.attention import flex_block_mask
 from megamlm.model.embedding import TokenEmbedding
 from megamlm.model.heads import ClapHead, RobertaLMHead, mark_vocab_parallel
 from megamlm.model.init import init_parameters
@@ -135,7 +136,7 @@ class MaskedLM(nn.Module):
         if self.config.attention_backend == "flex":
             groups = documents if documents is not None else padding.long().neg()  # -1 on padding
             slopes = None if self.alibi is None else torch.stack(self.alibi.slopes_before_after())
-            return groups, slopes
+            return flex_block_mask(groups), slopes
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
         bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))
