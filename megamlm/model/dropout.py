@@ -33,8 +33,8 @@ class _KeepAndScale(torch.autograd.Function):
 
 
 def _keep_and_scale(x, keep, scale):
-    # two passes without a float copy of the mask (aten's dropout backward converts it first)
-    return (x * keep).mul_(scale)
+    # where + in-place scale: `x * keep` (and aten's dropout backward) first copy the mask to floats
+    return torch.where(keep, x, 0.0).mul_(scale)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
