@@ -17,6 +17,7 @@ Backends
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -44,21 +45,21 @@ class BidirectionalAttention(MegatronModule):
         s, b, np_local, hn = query.shape
         # [s, b, np, hn] -> [b, np, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
         if self.backend == "flex":
             out = self._flex(q, k, v, attention_mask, attention_bias)
-        elif self.training and self.dropout_p > 0:
-            # heads are sharded: each TP rank needs its own dropout stream
-            with tensor_parallel_rng.fork(q.device):
-                out = self._sdpa_with_dropout(q, k, v, attention_bias)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias, scale=self.softmax_scale)
+            # heads are sharded: each TP rank needs its own dropout stream
+            with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
+                if dropout_p > 0 and q.device.type == "cpu":
+                    out = self._cpu_attention_with_dropout(q, k, v, attention_bias)
+                else:
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias, dropout_p=dropout_p,
+                                                         scale=self.softmax_scale)
         # [b, np, s, hn] -> [s, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
 
-    def _sdpa_with_dropout(self, q, k, v, bias):
-        if q.device.type != "cpu":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.dropout_p,
-                                                  scale=self.softmax_scale)
+    def _cpu_attention_with_dropout(self, q, k, v, bias):
         # On CPU, SDPA with dropout runs this same unfused math, with torch's slow dropout mask
         scale = self.softmax_scale if self.softmax_scale is not None else q.size(-1) ** -0.5
         # [b, np, s, hn] x [b, np, hn, s] -> [b, np, s, s]
