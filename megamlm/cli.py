@@ -8,9 +8,12 @@ import argparse
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 from megamlm.config import Config, ConfigError, load_config
+from megamlm.errors import MegamlmError
+from megamlm.files import check_writable
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -46,24 +49,19 @@ def cmd_params(cfg: Config, args) -> int:
 
 
 def cmd_shards(args) -> int:
-    from megamlm.data.shards import BuildOptions, ShardError, build_shards, summary_table
-    from megamlm.data.tokenizer import Tokenizer, TokenizerError
+    from megamlm.data.shards import BuildOptions, build_shards, summary_table
+    from megamlm.data.tokenizer import Tokenizer
 
-    try:
-        if args.shards_verb == "train-bpe":
-            out = Tokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size)
-            print(f"wrote {out}/encoder.json, vocab.bpe, dict.txt; build shards with --tokenizer {out}")
-            return 0
-        tokenizer = Tokenizer.load(args.tokenizer)
-        options = BuildOptions(inputs=args.inputs, out_dir=args.out, seq_length=args.seq_length,
-                               long_docs=args.long_docs, text_mode=args.text_mode,
-                               valid_fraction=args.valid_fraction, shard_tokens=args.shard_tokens,
-                               workers=args.workers, seed=args.seed, strict=args.strict)
-        manifest = build_shards(options, tokenizer)
-    except (ShardError, TokenizerError) as err:
-        print(f"megamlm: error: {err}", file=sys.stderr)
-        return 2
-    print(summary_table(manifest))
+    if args.shards_verb == "train-bpe":
+        out = Tokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size)
+        print(f"wrote {out}/encoder.json, vocab.bpe, dict.txt; build shards with --tokenizer {out}")
+        return 0
+    tokenizer = Tokenizer.load(args.tokenizer)
+    options = BuildOptions(inputs=args.inputs, out_dir=args.out, seq_length=args.seq_length,
+                           long_docs=args.long_docs, text_mode=args.text_mode,
+                           valid_fraction=args.valid_fraction, shard_tokens=args.shard_tokens,
+                           workers=args.workers, seed=args.seed, strict=args.strict)
+    print(summary_table(build_shards(options, tokenizer)))
     return 0
 
 
@@ -96,17 +94,13 @@ def _add_shards_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(cfg: Config, args) -> int:
-    from megamlm.data.shards import ShardError
     from megamlm.parallel import destroy_distributed
     from megamlm.train.loop import train
 
     try:
-        summary = train(cfg, resume=args.resume)
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
         if args.fill_mask and not summary.get("preempted"):
             print_fill_mask(summary["model_dir"], args.fill_mask, topk=3)
-    except ShardError as err:
-        print(f"megamlm: data error: {err}", file=sys.stderr)
-        return 2
     except RuntimeError as err:
         if "training diverged" not in str(err):
             raise
@@ -114,7 +108,7 @@ def cmd_train(cfg: Config, args) -> int:
         return 1
     finally:
         destroy_distributed()
-    return 0
+    return 130 if summary.get("signal") == "SIGINT" else 0  # Ctrl-C: saved, but not finished
 
 
 def print_fill_mask(model_dir: str, text: str, topk: int) -> None:
@@ -127,6 +121,8 @@ def print_fill_mask(model_dir: str, text: str, topk: int) -> None:
     ctx = init_distributed(load_config([]).parallel)
     cfg, model = load_pretrained(model_dir, ctx)
     tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
+    if not 1 <= topk <= cfg.model.vocab_size:
+        raise MegamlmError(f"--topk {topk}: must be between 1 and the vocabulary size {cfg.model.vocab_size}")
     results = fill_mask(model, tokenizer, text, topk)
     if ctx.tp_rank == 0 and ctx.dp_rank == 0:
         print(f"fill-mask: {text}")
@@ -139,26 +135,17 @@ def cmd_fill_mask(args) -> int:
 
     try:
         print_fill_mask(args.model_dir, args.text, args.topk)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"megamlm: error: {err}", file=sys.stderr)
-        return 2
     finally:
         destroy_distributed()
     return 0
 
 
 def cmd_convert(args) -> int:
-    from megamlm.convert.fairseq import ConversionError
     from megamlm.convert.pipeline import convert
-    from megamlm.convert.safe_load import UnsafeCheckpointError
 
     # the world of one it sets up is left as is: converting is the whole process (or a caller's step)
-    try:
-        convert(args.source, args.target, args.src, args.out, dict_path=args.dict, tp=args.tp,
-                tolerance=args.tolerance)
-    except (ConversionError, UnsafeCheckpointError, ConfigError, FileNotFoundError) as err:
-        print(f"megamlm: convert: {err}", file=sys.stderr)
-        return 2
+    convert(args.source, args.target, args.src, args.out, dict_path=args.dict, tp=args.tp,
+            tolerance=args.tolerance, overwrite=args.overwrite)
     return 0
 
 
@@ -174,31 +161,24 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards of a megamlm output")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="max |logit difference| allowed, relative to max(1, |logit|)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output megamlm wrote (a folder holding anyone "
+                             "else's files is always refused)")
 
 
 def cmd_glue(args) -> int:
     from megamlm.glue.finetune import FinetuneOptions
-    from megamlm.glue.run import run_glue
-    from megamlm.glue.tasks import GlueDataError
+    from megamlm.glue.run import merge_reports, run_glue
 
     options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr)
     if args.merge:
-        from megamlm.glue.run import merge_reports
-
-        try:
-            merge_reports(args.merge)
-        except FileNotFoundError as err:
-            print(f"megamlm: glue: {err}", file=sys.stderr)
-            return 2
+        merge_reports(args.merge)
         print((Path(args.merge) / "results.md").read_text())
         return 0
-    try:
-        report = run_glue(args.checkpoint, args.data_dir, args.tasks.split(","),
-                          [int(s) for s in args.seeds.split(",")], args.out, options, args.max_train_samples,
-                          args.max_eval_samples, args.parallel, args.ppl)
-    except (GlueDataError, FileNotFoundError, ValueError, ConfigError) as err:
-        print(f"megamlm: glue: {err}", file=sys.stderr)
-        return 2
+    check_writable(args.out, "--out")  # before hours of fine-tuning
+    report = run_glue(args.checkpoint, args.data_dir, args.tasks.split(","),
+                      [int(s) for s in args.seeds.split(",")], args.out, options, args.max_train_samples,
+                      args.max_eval_samples, args.parallel, args.ppl)
     print((Path(args.out) / "results.md").read_text())
     return 0 if any("summary" in r for r in report["tasks"].values()) else 1
 
@@ -224,23 +204,20 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
 def cmd_eval(args) -> int:
     from megamlm.evaluate import evaluate_lengths, extrapolation_report
 
-    try:
-        if args.what == "ppl":
-            row = evaluate_lengths(args.checkpoint[0], args.data, [args.seq_length], args.max_tokens,
-                                   args.batch_size)[0]
-            if "skipped" in row:
-                raise ValueError(f"length {args.seq_length}: {row['skipped']}")
-            print(f"{args.checkpoint[0]}: MLM loss {row['loss']:.4f} nats | perplexity {row['ppl']:.2f} | "
-                  f"{row['masked_tokens']:,} masked tokens in {row['samples']} samples of {args.seq_length}")
-            return 0
-        lengths = [int(n) for n in args.lengths.split(",")]
-        results = {Path(c).parent.name if Path(c).name == "final" else Path(c).name:
-                   evaluate_lengths(c, args.data, lengths, args.max_tokens, args.batch_size) for c in args.checkpoint}
-        print(extrapolation_report(results, args.out, args.train_length), end="")
-        print(f"plot: {Path(args.out) / 'ppl-vs-length.png'}")
-    except (FileNotFoundError, ValueError, ConfigError) as err:
-        print(f"megamlm: eval: {err}", file=sys.stderr)
-        return 2
+    if args.what == "ppl":
+        row = evaluate_lengths(args.checkpoint[0], args.data, [args.seq_length], args.max_tokens,
+                               args.batch_size)[0]
+        if "skipped" in row:
+            raise MegamlmError(f"length {args.seq_length}: {row['skipped']}")
+        print(f"{args.checkpoint[0]}: MLM loss {row['loss']:.4f} nats | perplexity {row['ppl']:.2f} | "
+              f"{row['masked_tokens']:,} masked tokens in {row['samples']} samples of {args.seq_length}")
+        return 0
+    check_writable(args.out, "--out")  # before evaluating every model at every length
+    lengths = [int(n) for n in args.lengths.split(",")]
+    results = {Path(c).parent.name if Path(c).name == "final" else Path(c).name:
+               evaluate_lengths(c, args.data, lengths, args.max_tokens, args.batch_size) for c in args.checkpoint}
+    print(extrapolation_report(results, args.out, args.train_length), end="")
+    print(f"plot: {Path(args.out) / 'ppl-vs-length.png'}")
     return 0
 
 
@@ -270,7 +247,11 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                         help="processes on this machine (relaunches under torchrun); the layout is "
                              "parallel.tensor_parallel x data parallel")
     parser.add_argument("--resume", default=None, metavar="auto|TAG",
-                        help="auto: continue from the newest complete checkpoint of train.run_dir (if any)")
+                        help="auto: continue from the newest complete, verified checkpoint of "
+                             "train.run_dir (if any); TAG: that checkpoint (stepNNNNNNNN)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="train.run_dir holds a run: start over, moving the old run aside "
+                             "(to <run_dir>.replaced-<time>)")
     parser.add_argument("--fill-mask", default=None, metavar="TEXT",
                         help="after training, print the top-3 fills of TEXT's <mask>")
 
@@ -308,8 +289,7 @@ def cmd_hostfile(args) -> int:
         hosts = args.hosts.split(",") if args.hosts else slurm_hosts()
         text = hostfile_text(hosts, args.slots)
     except (ValueError, OSError, subprocess.CalledProcessError) as err:
-        print(f"megamlm: error: {err}", file=sys.stderr)
-        return 2
+        raise MegamlmError(str(err)) from None
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -329,51 +309,80 @@ VERBS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megamlm", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error (also: MEGAMLM_DEBUG=1)")
+    parser = argparse.ArgumentParser(prog="megamlm", description=__doc__, parents=[debug])
     sub = parser.add_subparsers(dest="verb", required=True)
     for name, (_, help_text, add_args) in VERBS.items():
-        verb = sub.add_parser(name, help=help_text, description=help_text)
+        verb = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
         _add_config_args(verb)
         if add_args is not None:
             add_args(verb)
-    _add_shards_args(sub.add_parser("shards", help="build and inspect token shards"))
-    hostfile = sub.add_parser("hostfile", help="write a DeepSpeed hostfile (SLURM allocation or --hosts)")
+    _add_shards_args(sub.add_parser("shards", help="build and inspect token shards", parents=[debug]))
+    hostfile = sub.add_parser("hostfile", help="write a DeepSpeed hostfile (SLURM allocation or --hosts)",
+                              parents=[debug])
     hostfile.add_argument("--hosts", default=None, help="comma-separated hosts (default: the SLURM allocation)")
     hostfile.add_argument("--slots", type=int, default=8, help="processes (GPUs) per host")
     hostfile.add_argument("--out", default=None, help="file to write (default: stdout)")
-    fill = sub.add_parser("fill-mask", help="top-k fills of the first <mask> with a trained model")
+    fill = sub.add_parser("fill-mask", help="top-k fills of the first <mask> with a trained model", parents=[debug])
     fill.add_argument("model_dir", help="exported model folder (<run_dir>/final)")
     fill.add_argument("text", help='e.g. "The capital of China is <mask>."')
     fill.add_argument("--topk", type=int, default=5)
     _add_convert_args(sub.add_parser("convert", help="convert checkpoints: fairseq, megamlm, ZeRO, "
-                                                     "Hugging Face (checked on a probe batch)"))
-    _add_glue_args(sub.add_parser("glue", help="fine-tune and evaluate on GLUE tasks (reference recipe)"))
-    _add_eval_args(sub.add_parser("eval", help="MLM perplexity (fixed masking) and length extrapolation"))
+                                                     "Hugging Face (checked on a probe batch)", parents=[debug]))
+    _add_glue_args(sub.add_parser("glue", help="fine-tune and evaluate on GLUE tasks (reference recipe)",
+                                  parents=[debug]))
+    _add_eval_args(sub.add_parser("eval", help="MLM perplexity (fixed masking) and length extrapolation",
+                                  parents=[debug]))
+    return parser
+
+
+COMMANDS = {"shards": cmd_shards, "hostfile": cmd_hostfile, "fill-mask": cmd_fill_mask,
+            "convert": cmd_convert, "glue": cmd_glue, "eval": cmd_eval}
+"""Verbs with their own arguments; the VERBS above read a config first."""
+
+
+def _error_line(err: BaseException) -> str:
+    """One line for a user's error: OSErrors as "<file>: <reason>", others by their message."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    return " ".join(text.split()) or type(err).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    debug = getattr(args, "debug", False) or os.environ.get("MEGAMLM_DEBUG", "") not in ("", "0")
     if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
         relaunch_with_torchrun(args.nproc, argv)
-    if args.verb == "shards":
-        return cmd_shards(args)
-    if args.verb == "hostfile":
-        return cmd_hostfile(args)
-    if args.verb == "fill-mask":
-        return cmd_fill_mask(args)
-    if args.verb == "convert":
-        return cmd_convert(args)
-    if args.verb == "glue":
-        if not args.merge and not (args.checkpoint and args.data_dir):
-            parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
-        return cmd_glue(args)
-    if args.verb == "eval":
-        return cmd_eval(args)
+    if args.verb == "glue" and not args.merge and not (args.checkpoint and args.data_dir):
+        parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
+    # one error path for every verb: a user's mistake is one line and exit 2, a bug one line and
+    # exit 1 (tracebacks with --debug), Ctrl-C outside training exit 130
     try:
+        if args.verb in COMMANDS:
+            return COMMANDS[args.verb](args)
         cfg = load_config(args.config, args.overrides)
         return VERBS[args.verb][0](cfg, args)
-    except ConfigError as err:
-        print(f"megamlm: config error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"megamlm: {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    except (MegamlmError, OSError) as err:
+        if debug:
+            traceback.print_exc()
+        kind = "config error" if isinstance(err, ConfigError) else args.verb
+        print(f"megamlm: {kind}: {_error_line(err)}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if debug:
+            raise
+        print(f"megamlm: {args.verb}: internal error: {type(err).__name__}: {_error_line(err)} "
+              f"(rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

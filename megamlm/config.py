@@ -21,8 +21,11 @@ from typing import Any, Literal
 
 import yaml
 
+from megamlm.errors import MegamlmError
+from megamlm.files import read_text
 
-class ConfigError(ValueError):
+
+class ConfigError(MegamlmError):
     """A configuration mistake, reported as one line that names the key."""
 
 
@@ -441,15 +444,31 @@ _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_TYPES = typing.get_type_hints(Config)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]:
     """Flatten a YAML file (and its includes) to {"section.key": (value, origin)}."""
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file not found: {path}")
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
+        doc = yaml.load(read_text(path, "config file"), Loader=_UniqueKeyLoader) or {}
+    except MegamlmError as err:
+        raise ConfigError(str(err)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""

@@ -18,6 +18,8 @@ import torch
 
 from megamlm.data.masking import Masker
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
+from megamlm.errors import MegamlmError
+from megamlm.files import read_text
 
 
 def token_stream(data: str | Path, tokenizer: Tokenizer, max_tokens: int) -> np.ndarray:
@@ -36,17 +38,16 @@ def token_stream(data: str | Path, tokenizer: Tokenizer, max_tokens: int) -> np.
             if total >= max_tokens:
                 break
     elif data.is_file():
-        with open(data, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    pieces.append(np.append(tokenizer.encode(line.strip()), EOS))
-                    total += len(pieces[-1])
-                    if total >= max_tokens:
-                        break
+        for line in read_text(data, "evaluation text").splitlines():
+            if line.strip():
+                pieces.append(np.append(tokenizer.encode(line.strip()), EOS))
+                total += len(pieces[-1])
+                if total >= max_tokens:
+                    break
     else:
-        raise FileNotFoundError(f"{data}: neither a shard folder (manifest.json) nor a text file")
+        raise MegamlmError(f"--data {data}: neither a shard folder (manifest.json) nor a text file")
     if not pieces:
-        raise ValueError(f"{data}: no evaluation text (a shard folder needs a valid split)")
+        raise MegamlmError(f"{data}: no evaluation text (a shard folder needs a valid split)")
     return np.concatenate(pieces)[:max_tokens]
 
 
@@ -55,7 +56,7 @@ def samples(stream: np.ndarray, length: int) -> np.ndarray:
     body = length - 1
     n = len(stream) // body
     if n == 0:
-        raise ValueError(f"{len(stream)} evaluation tokens do not fill one sample of length {length}")
+        raise MegamlmError(f"{len(stream)} evaluation tokens do not fill one sample of length {length}")
     # [n * body] -> [n, body], then prepend <s>
     blocks = stream[: n * body].reshape(n, body)
     return np.concatenate([np.full((n, 1), BOS, dtype=blocks.dtype), blocks], axis=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
+from megamlm.errors import MegamlmError
 
 MASK_TEXT = "<mask>"
 
@@ -13,7 +14,7 @@ def encode_masked(text: str, tokenizer: Tokenizer) -> torch.Tensor:
     """`<s> ... <mask> ... </s>` ids [1, s]; as fairseq, each span before a mask drops its trailing
     whitespace, so the mask stands for a token with its leading space (" Beijing")."""
     if MASK_TEXT not in text:
-        raise ValueError(f"the text has no {MASK_TEXT}: {text!r}")
+        raise MegamlmError(f"the text has no {MASK_TEXT}: {text!r}")
     spans = text.split(MASK_TEXT)
     ids = [BOS]
     for i, span in enumerate(spans):

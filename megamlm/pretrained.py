@@ -7,15 +7,16 @@
     fairseq_source.pt                optional: what a fairseq source held besides weights (cfg, dtype,
                                      key style), so that the way back is exact
 
+    megamlm-files.json               every file above with its size and sha256 (verified on load)
+
 Folders are written to a temporary sibling and renamed into place: a failed write leaves nothing.
+An existing folder is replaced only when it is megamlm's and the caller allows it (files.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ import torch.distributed as dist
 from megamlm.config import Config, load_config, replace_config
 from megamlm.convert.reshard import full_state_dict, load_full_state_dict
 from megamlm.convert.tp import merge_shards, split_full
+from megamlm.errors import CorruptFileError
+from megamlm.files import staged_output, verify_record
 from megamlm.parallel import ParallelContext
 
 MODEL_FILE = "model.pt"
@@ -33,32 +36,14 @@ SOURCE_FILE = "fairseq_source.pt"
 
 
 @contextlib.contextmanager
-def staged_folder(folder: str | Path):
-    """Yield a temporary folder beside `folder`; on success it replaces `folder`, on error it is removed."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = folder.with_name(f".{folder.name}.old")
-    if folder.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        folder.rename(old)
-    tmp.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
 def staged_write(folder: str | Path, cfg: Config, full: dict[str, torch.Tensor], tp: int = 1,
-                 heads: dict[str, torch.Tensor] | None = None, source=None):
+                 heads: dict[str, torch.Tensor] | None = None, source=None, overwrite: bool = False):
     """Write a model folder into a staging folder and yield it (for checks and extra files); it
-    replaces `folder` when the block ends without an error. Tensors: model.pt, or `tp` shard files."""
+    takes `folder`'s place when the block ends without an error (an existing model folder only with
+    `overwrite`). Tensors: model.pt, or `tp` shard files."""
     full = {k: v.detach().float().contiguous() for k, v in full.items()}
     cfg = replace_config(cfg, [f"parallel.tensor_parallel={tp}"])
-    with staged_folder(folder) as tmp:
+    with staged_output(folder, "model", overwrite) as tmp:
         if tp == 1:
             torch.save(full, tmp / MODEL_FILE)
         else:
@@ -73,8 +58,8 @@ def staged_write(folder: str | Path, cfg: Config, full: dict[str, torch.Tensor],
 
 
 def write_model_folder(folder: str | Path, cfg: Config, full: dict[str, torch.Tensor], tp: int = 1,
-                       heads: dict[str, torch.Tensor] | None = None, source=None) -> Path:
-    with staged_write(folder, cfg, full, tp, heads, source):
+                       heads: dict[str, torch.Tensor] | None = None, source=None, overwrite: bool = False) -> Path:
+    with staged_write(folder, cfg, full, tp, heads, source, overwrite):
         pass
     return Path(folder)
 
@@ -85,27 +70,32 @@ def read_model_folder(folder: str | Path) -> tuple[Config, dict[str, torch.Tenso
     if not (folder / "config.yaml").is_file():
         raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder "
                                 f"(training writes one to <run_dir>/final; `megamlm convert` writes others)")
+    verify_record(folder)  # every file as written (folders from before records: unverified)
     cfg = load_config([folder / "config.yaml"])
     shards = sorted(folder.glob("model-tp*-of-*.pt"))
     if (folder / MODEL_FILE).is_file():
-        full = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=True)
+        full = _load_tensors(folder / MODEL_FILE)
     elif shards:
         tp = int(shards[0].stem.rsplit("-of-", 1)[1])
         expected = [folder / SHARD_FILE.format(rank=r, tp=tp) for r in range(tp)]
         if sorted(expected) != shards:
             raise FileNotFoundError(f"{folder}: expected shard files {[p.name for p in expected]}, "
                                     f"found {[p.name for p in shards]}")
-        full = merge_shards([torch.load(p, map_location="cpu", weights_only=True) for p in expected],
-                            cfg.model)
+        full = merge_shards([_load_tensors(p) for p in expected], cfg.model)
     else:
         raise FileNotFoundError(f"{folder}: neither {MODEL_FILE} nor {SHARD_FILE.format(rank=0, tp=2)}...")
     if full.get("lm_head.beta", torch.ones(1)).dim() == 0:  # CLAP beta was 0-dim in session-1 folders
         full["lm_head.beta"] = full["lm_head.beta"].reshape(1)
-    heads = (torch.load(folder / HEADS_FILE, map_location="cpu", weights_only=True)
-             if (folder / HEADS_FILE).is_file() else {})
-    source = (torch.load(folder / SOURCE_FILE, map_location="cpu", weights_only=True)
-              if (folder / SOURCE_FILE).is_file() else None)
+    heads = _load_tensors(folder / HEADS_FILE) if (folder / HEADS_FILE).is_file() else {}
+    source = _load_tensors(folder / SOURCE_FILE) if (folder / SOURCE_FILE).is_file() else None
     return cfg, full, heads, source
+
+
+def _load_tensors(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types on damaged zip archives
+        raise CorruptFileError(f"{path} cannot be read ({str(err).splitlines()[0]})") from None
 
 
 def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
@@ -120,7 +110,7 @@ def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
     with gather:
         full = full_state_dict(model)
     if dist.get_rank() == 0:
-        write_model_folder(folder, cfg, full)
+        write_model_folder(folder, cfg, full, overwrite=True)  # <run_dir>/final: this run's own
     dist.barrier()
     return folder
 

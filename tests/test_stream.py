@@ -189,7 +189,7 @@ def test_truncated_shard_is_skipped_and_garbage_is_replaced(shard_dir, tmp_path)
         f.truncate(5000)
     index = np.load(copy / names[1].replace(".tar", ".idx.npy"))
     with open(copy / names[1], "r+b") as f:  # garbage over every document of the second shard
-        for offset, size, _ in index:
+        for offset, size, *_ in index:
             f.seek(offset)
             f.write(b"\x93NUMPY garbage" + b"\xff" * (size - 14))
     with pytest.warns(UserWarning, match=f"skipping shard .*{names[0]}: truncated"):

@@ -23,14 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("train") / "shards"
-    text = tmp_path_factory.getbasetemp() / "corpus.txt"
+def tiny_shards(tmp_path_factory, name: str) -> Path:
+    """Shards of 300k characters of WikiText at length 64, with a valid split (the tiny runs' data)."""
+    folder = tmp_path_factory.mktemp(name) / "shards"
+    text = tmp_path_factory.getbasetemp() / f"{name}-corpus.txt"
     text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:300_000])
     build_shards(BuildOptions([str(text)], str(folder), seq_length=64, long_docs="split",
                               valid_fraction=0.1, shard_tokens=8_000), Tokenizer.gpt2(), progress=False)
     return folder
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return tiny_shards(tmp_path_factory, "train")
 
 
 def config(shards, run_dir, *overrides):

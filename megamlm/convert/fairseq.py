@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megamlm.errors import MegamlmError
 from megamlm.config import ModelConfig
 from megamlm.convert.hf import fuse_qkv, split_qkv
 
 
-class ConversionError(ValueError):
+class ConversionError(MegamlmError):
     """A checkpoint that cannot be converted faithfully; the message says which key or knob."""
 
 

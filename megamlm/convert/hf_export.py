@@ -14,6 +14,7 @@ from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import megamlm_to_hf_roberta
 from megamlm.data.tokenizer import Tokenizer, TokenizerError
+from megamlm.files import staged_output
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_megamlm.py"
 
@@ -61,16 +62,16 @@ def write_tokenizer(spec: str, zero_mask: bool, folder: Path) -> bool:
     return True
 
 
-def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, tolerance: float, report: dict) -> None:
+def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, tolerance: float, report: dict,
+             overwrite: bool = False) -> None:
     """Write `model` (a pipeline.Model) as a transformers folder, load it back, compare logits."""
     from transformers import AutoModelForMaskedLM, RobertaForMaskedLM
     from safetensors.torch import save_file
 
     from megamlm.convert.pipeline import compare
-    from megamlm.pretrained import staged_folder
 
     cfg = model.cfg.model
-    with staged_folder(out) as tmp:
+    with staged_output(out, "hf", overwrite) as tmp:
         if is_roberta(cfg):
             hf = RobertaForMaskedLM(_roberta_config(cfg))
             missing, unexpected = hf.load_state_dict(megamlm_to_hf_roberta(model.full, cfg), strict=False)

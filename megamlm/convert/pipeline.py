@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
 from megamlm.convert.safe_load import load_untrusted
 from megamlm.data.tokenizer import Dictionary, Tokenizer
+from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
 
 SOURCES = ("fairseq", "megamlm", "zero")
 TARGETS = ("megamlm", "fairseq", "hf")
@@ -140,11 +142,13 @@ def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Ten
 
 
 def convert(source: str, target: str, src: str | Path, out: str | Path, dict_path=None, tp: int = 1,
-            tolerance: float = 1e-4, log=print) -> dict:
-    """Run one conversion; returns a report {max_diff: {check: value}, out: path}."""
+            tolerance: float = 1e-4, log=print, overwrite: bool = False) -> dict:
+    """Run one conversion; returns a report {max_diff: {check: value}, out: path}. An existing output
+    is replaced only with `overwrite` (and a folder only when megamlm wrote everything in it)."""
     if source not in SOURCES or target not in TARGETS:
         raise fs.ConversionError(f"--from {source} --to {target}: allowed --from {', '.join(SOURCES)}; "
                                  f"--to {', '.join(TARGETS)}")
+    check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
              "zero": lambda: read_zero(src)}[source]()
     cfg, out = model.cfg, Path(out)
@@ -156,9 +160,9 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
         report["max_diff"][f"{source} source"] = compare(ours, model.reference(tokens), tokens, pad,
                                                          f"the {source} source (reference forward)", tolerance)
     if target == "megamlm":
-        _write_megamlm(model, out, tp, tokens, ours, tolerance, report)
+        _write_megamlm(model, out, tp, tokens, ours, tolerance, report, overwrite)
     elif target == "fairseq":
-        _write_fairseq(model, out, tokens, ours, tolerance, report)
+        _write_fairseq(model, out, tokens, ours, tolerance, report, overwrite)
     else:
         try:
             import transformers  # noqa: F401
@@ -166,7 +170,7 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
             raise fs.ConversionError("--to hf needs transformers: pip install 'megamlm[hf]'") from None
         from megamlm.convert.hf_export import write_hf
 
-        write_hf(model, out, tokens, ours, tolerance, report)
+        write_hf(model, out, tokens, ours, tolerance, report, overwrite)
     for check, diff in report["max_diff"].items():
         log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {int(tokens.ne(pad).sum())} positions × "
             f"{cfg.model.vocab_size} symbols (tolerance {tolerance:g})")
@@ -174,13 +178,26 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
     return report
 
 
-def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, report) -> None:
+def check_output(target: str, out: Path, overwrite: bool) -> None:
+    """Folders (megamlm, hf): files.check_output_folder; a fairseq file: not a folder, and an
+    existing file only with `overwrite`."""
+    if target != "fairseq":
+        check_output_folder(out, overwrite)
+        return
+    if out.is_dir():
+        raise OutputError(f"output {out} is a directory; --to fairseq writes a file (e.g. {out}/checkpoint.pt)")
+    if out.exists() and not overwrite:
+        raise OutputError(f"output {out} exists; pass --overwrite to replace it")
+    check_writable(out.parent)
+
+
+def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, report, overwrite) -> None:
     from megamlm.pretrained import read_model_folder, staged_write
 
     cfg = model.cfg
     if model.dictionary is not None:
         cfg = config_from_dict(cfg.to_dict(), [f"data.tokenizer={out.resolve() / 'tokenizer'}"])
-    with staged_write(out, cfg, model.full, tp, model.heads, model.source) as tmp:
+    with staged_write(out, cfg, model.full, tp, model.heads, model.source, overwrite) as tmp:
         if model.dictionary is not None:
             (tmp / "tokenizer").mkdir()
             (tmp / "tokenizer/dict.txt").write_text("\n".join(model.dictionary) + "\n")
@@ -190,13 +207,16 @@ def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, re
             f"the written folder {out}", tolerance)
 
 
-def _write_fairseq(model: Model, out: Path, tokens, ours, tolerance, report) -> None:
+def _write_fairseq(model: Model, out: Path, tokens, ours, tolerance, report, overwrite) -> None:
     cfg = model.cfg
     source = model.source or fs.FairseqSource(cfg=fs.fairseq_cfg_for(cfg.model),
                                               constants={"sentence_encoder.version": torch.tensor([3.0])})
     state = fs.megamlm_to_fairseq(model.full, cfg.model, source, model.heads)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.staging-", dir=out.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    os.chmod(tmp, 0o666 & ~current_umask())
     try:
         torch.save(fs.fairseq_checkpoint(state, source.cfg), tmp)
         written = load_untrusted(tmp)
@@ -204,6 +224,7 @@ def _write_fairseq(model: Model, out: Path, tokens, ours, tolerance, report) -> 
         report["max_diff"]["written fairseq checkpoint"] = compare(
             fairseq_logits(written_state, fs.fairseq_model_cfg(written), tokens), ours, tokens,
             cfg.model.pad_token_id, f"the written fairseq checkpoint {out}", tolerance)
+        check_output("fairseq", out, overwrite)  # again: nothing appeared there meanwhile
         os.replace(tmp, out)
     finally:
         if tmp.exists():

@@ -13,6 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megamlm.errors import MegamlmError
+
+
+class StateDictMismatch(MegamlmError):
+    """Weights (a model folder, a checkpoint) whose names are not the model's parameters."""
+
 
 def _is_sharded(param: nn.Parameter) -> bool:
     return getattr(param, "tensor_model_parallel", False)
@@ -60,10 +66,11 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
     missing = sorted(set(params) - set(full))
     unexpected = sorted(set(full) - set(params))
     if missing or unexpected:
-        raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        raise StateDictMismatch(f"the weights do not match the model: missing {', '.join(missing) or 'none'}; "
+                                f"unexpected {', '.join(unexpected) or 'none'}")
     for name, param in params.items():
         local = from_full(model, param, full[name].to(param.dtype))
         if local.shape != param.shape:
-            raise ValueError(f"{name}: expected shard {tuple(param.shape)}, got {tuple(local.shape)}"
-                             f" from full tensor {tuple(full[name].shape)}")
+            raise StateDictMismatch(f"{name}: expected shard {tuple(param.shape)}, got {tuple(local.shape)}"
+                                    f" from full tensor {tuple(full[name].shape)}")
         param.copy_(local)

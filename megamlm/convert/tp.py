@@ -14,6 +14,7 @@ import re
 import torch
 
 from megamlm.config import ModelConfig
+from megamlm.errors import MegamlmError
 
 # (megamlm parameter name pattern, partition dim, vocab-parallel rows)
 SHARD_RULES: list[tuple[str, int, bool]] = [
@@ -58,7 +59,7 @@ def merge_shards(shards: list[dict[str, torch.Tensor]], model: ModelConfig) -> d
         if dim is None:
             for rank, shard in enumerate(shards[1:], 1):
                 if not torch.equal(shard[name], first):
-                    raise ValueError(f"{name}: replicated parameter differs between TP rank 0 and {rank}")
+                    raise MegamlmError(f"{name}: replicated parameter differs between TP rank 0 and {rank}")
             tensor = first
         else:
             tensor = torch.cat([shard[name] for shard in shards], dim=dim)

@@ -18,6 +18,7 @@ import torch
 
 from megamlm.config import Config, config_from_dict
 from megamlm.convert.tp import merge_shards
+from megamlm.files import verify_files
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -57,6 +58,7 @@ def consolidate(path: str | Path) -> tuple[Config, dict[str, torch.Tensor], Path
     """(the run's config, full fp32 tensors by parameter name, the step folder used)."""
     folder = resolve_checkpoint(path)
     meta = json.loads((folder / "megamlm.json").read_text())
+    verify_files(folder, meta.get("files", {}), source=str(folder / "megamlm.json"))  # names a damaged file
     cfg = config_from_dict(meta["config"], origin=str(folder / "megamlm.json"))
     tp = cfg.parallel.tensor_parallel
     shards = [_tp_rank_state(folder, rank, cfg.train.zero_stage) for rank in range(tp)]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megamlm.errors import MegamlmError
+
 BLOCK_MODES = ("complete", "contiguous")
 
 
@@ -25,7 +27,7 @@ def plan_blocks(lengths: np.ndarray, seq_length: int, mode: str) -> np.ndarray:
         starts = np.arange(0, total, capacity, dtype=np.int64)
         return np.stack([starts, np.minimum(starts + capacity, total)], axis=1)
     if mode != "complete":
-        raise ValueError(f"block mode {mode!r}; allowed: {', '.join(BLOCK_MODES)}")
+        raise MegamlmError(f"block mode {mode!r}; allowed: {', '.join(BLOCK_MODES)}")
     bounds, start, current = [], 0, 0
     for end, length in zip(ends.tolist(), np.asarray(lengths).tolist()):
         if current and current + length > capacity:

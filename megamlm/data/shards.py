@@ -4,10 +4,15 @@ Output folder:
   train-000000.tar ...   webdataset tar: per document `<key>.ids.npy` (uint16 ids, or int32 for
                          dictionaries above 65535 symbols, `</s>` included) and `<key>.json`
                          (source file, line, Pile subset, tokens, long-document action)
-  train-000000.idx.npy   [n_docs, 3] int64: data offset and size of each ids member, token count;
-                         lets readers plan epochs and seek without scanning the tar
+  train-000000.idx.npy   [n_docs, 4] int64: data offset and size of each ids member, token count,
+                         CRC-32 of the member's bytes; lets readers plan epochs, seek without
+                         scanning the tar and detect damaged documents (format 1: 3 columns, no CRC)
   valid-*.tar ...        with --valid-fraction
-  manifest.json          written last: its absence means the build did not finish
+  manifest.json          per shard its size and the index's sha256; written last
+
+The build happens in a hidden sibling folder that is renamed to the output folder when it is
+complete, so an interrupted build leaves the output folder as it was. The output folder must be new
+or empty: the builder never deletes or overwrites anything it did not write.
 
 Documents longer than a sample (`n + 1 > seq_length - 1` with `</s>`; the reference keeps
 n <= 2046 at 2048) are dropped (the reference), truncated or split, and counted per Pile subset.
@@ -16,110 +21,34 @@ Malformed lines, missing "text", empty documents and invalid UTF-8 are counted, 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import shutil
+import socket
 import sys
 import tarfile
-from collections import Counter, defaultdict, deque
-from dataclasses import asdict, dataclass, field
+import tempfile
+import zlib
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from collections.abc import Iterator
 
 import numpy as np
 
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
+from megamlm.data.documents import BuildStats, Document, ShardError, read_documents
 from megamlm.data.tokenizer import EOS, Tokenizer
+from megamlm.files import check_writable, current_umask
+
+__all__ = ["BuildOptions", "ShardError", "build_shards", "ensure_shards", "summary_table"]
 
 LONG_DOC_POLICIES = ("drop", "truncate", "split")
-FORMAT_VERSION = 1
-
-
-class ShardError(ValueError):
-    """Bad input for the shard builder or reader (message names the file and line)."""
-
-
-@dataclass
-class Document:
-    text: str
-    source: str
-    line: int
-    subset: str
-
-
-@dataclass
-class BuildStats:
-    documents: Counter = field(default_factory=Counter)  # per split
-    tokens: Counter = field(default_factory=Counter)     # per split
-    per_subset: dict = field(default_factory=lambda: defaultdict(Counter))
-    skipped: Counter = field(default_factory=Counter)    # malformed_json, missing_text, empty, invalid_utf8
-
-
-# ------------------------------------------------------------------------------------------------
-# Reading inputs
-# ------------------------------------------------------------------------------------------------
-
-
-def _binary_lines(path: Path) -> Iterator[bytes]:
-    if path.name.endswith(".zst"):
-        import zstandard
-
-        with open(path, "rb") as raw:
-            reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
-            yield from reader
-    else:
-        with open(path, "rb") as f:
-            yield from f
-
-
-def read_documents(path: Path, text_mode: str, stats: BuildStats, strict: bool) -> Iterator[Document]:
-    """Documents of one input file; problems are counted (or fatal with strict)."""
-
-    def problem(kind: str, line: int, detail: str) -> None:
-        stats.skipped[kind] += 1
-        if strict:
-            raise ShardError(f"{path}:{line}: {detail}")
-
-    is_json = ".jsonl" in path.name or ".json" in path.suffixes
-    paragraph: list[str] = []
-    paragraph_line = 1
-    for number, raw in enumerate(_binary_lines(path), 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            problem("invalid_utf8", number, f"invalid UTF-8 ({err.reason} at byte {err.start})")
-            continue
-        if is_json:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                problem("malformed_json", number, f"malformed JSON ({err.msg}, column {err.colno})")
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                problem("missing_text", number, "no string 'text' field")
-                continue
-            if not record["text"].strip():
-                stats.skipped["empty"] += 1
-                continue
-            meta = record.get("meta") or {}
-            subset = meta.get("pile_set_name", "unknown") if isinstance(meta, dict) else "unknown"
-            yield Document(record["text"], str(path), number, subset)
-        elif text_mode == "lines":
-            if line.strip():
-                yield Document(line.rstrip("\n"), str(path), number, "text")
-        else:  # paragraphs: blank-line-separated blocks
-            if line.strip():
-                if not paragraph:
-                    paragraph_line = number
-                paragraph.append(line)
-            elif paragraph:
-                yield Document("".join(paragraph).rstrip("\n"), str(path), paragraph_line, "text")
-                paragraph = []
-    if paragraph:
-        yield Document("".join(paragraph).rstrip("\n"), str(path), paragraph_line, "text")
+FORMAT_VERSION = 2
+STAGING_MARKER = ".megamlm-building"  # in a staging folder: "<host> <pid>" of the builder
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +106,7 @@ class ShardWriter:
         name = f"{self.split}-{len(self.shards):06d}"
         self._name, self._tmp = name, self.out_dir / f"{name}.tar.tmp"
         self._tar = tarfile.open(self._tmp, "w", format=tarfile.USTAR_FORMAT)
-        self._index: list[tuple[int, int, int]] = []
+        self._index: list[tuple[int, int, int, int]] = []
         self._tokens = 0
 
     def _member(self, name: str, payload: bytes) -> int:
@@ -195,7 +124,7 @@ class ShardWriter:
         payload = buf.getvalue()
         offset = self._member(f"{key}.ids.npy", payload)
         self._member(f"{key}.json", json.dumps(meta, sort_keys=True).encode())
-        self._index.append((offset, len(payload), len(ids)))
+        self._index.append((offset, len(payload), len(ids), zlib.crc32(payload)))
         self._tokens += len(ids)
         if self._tokens >= self.max_tokens:
             self.close()
@@ -204,12 +133,14 @@ class ShardWriter:
         if self._tar is None:
             return
         self._tar.close()
-        index = np.asarray(self._index, dtype=np.int64).reshape(-1, 3)
-        np.save(self.out_dir / f"{self._name}.idx.npy", index)
+        index = np.asarray(self._index, dtype=np.int64).reshape(-1, 4)
+        index_path = self.out_dir / f"{self._name}.idx.npy"
+        np.save(index_path, index)
         path = self.out_dir / f"{self._name}.tar"
         os.replace(self._tmp, path)
         self.shards.append({"name": path.name, "documents": len(index),
-                            "tokens": int(index[:, 2].sum()), "bytes": path.stat().st_size})
+                            "tokens": int(index[:, 2].sum()), "bytes": path.stat().st_size,
+                            "index_sha256": hashlib.sha256(index_path.read_bytes()).hexdigest()})
         self._tar = None
 
 
@@ -235,19 +166,54 @@ class BuildOptions:
             raise ShardError(f"--valid-fraction {self.valid_fraction} must be in [0, 1)")
         if self.seq_length < 3:
             raise ShardError(f"--seq-length {self.seq_length} must be >= 3")
+        out = Path(self.out_dir).absolute()
         for path in self.inputs:
+            if Path(path).is_dir():
+                raise ShardError(f"input {path} is a directory; pass the files in it")
             if not Path(path).is_file():
                 raise ShardError(f"input not found: {path}")
+            if out in Path(path).absolute().parents:
+                raise ShardError(f"input {path} is inside the output folder {self.out_dir}: the shards "
+                                 f"need a folder of their own (e.g. {self.out_dir}-shards)")
 
 
 def build_shards(options: BuildOptions, tokenizer: Tokenizer, progress: bool = True) -> dict:
     """Tokenize the inputs into shards under out_dir; returns the manifest."""
+    final = Path(options.out_dir)
+    _check_shard_folder(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
+    (out / STAGING_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}")
+    try:
+        manifest = _build(options, tokenizer, out, progress)
+        _check_shard_folder(final)  # again: nothing appeared there meanwhile
+        (out / STAGING_MARKER).unlink()
+        os.chmod(out, 0o777 & ~current_umask())  # mkdtemp's 0700 would outlive the rename
+        os.replace(out, final)  # onto a missing or empty folder
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_shard_folder(folder: Path) -> None:
+    """The shard builder writes only into a new or empty folder."""
+    if folder.exists() and not folder.is_dir():
+        raise ShardError(f"output {folder} is a file, not a folder")
+    if (folder / "manifest.json").exists():
+        raise ShardError(f"{folder} already holds shards (manifest.json); choose an empty folder")
+    if folder.is_dir() and any(folder.iterdir()):
+        names = sorted(p.name for p in folder.iterdir())
+        raise ShardError(f"{folder} is not empty and holds no finished shard build ({', '.join(names[:5])}"
+                         f"{f' and {len(names) - 5} more' if len(names) > 5 else ''}); choose a new or "
+                         f"empty folder (megamlm never deletes files it did not write)")
+    check_writable(folder, "shard folder")
+
+
+def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: bool) -> dict:
+    """Tokenize and write every shard and the manifest into `out`."""
     from tqdm import tqdm
 
-    out = Path(options.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "manifest.json").exists():
-        raise ShardError(f"{out} already holds shards (manifest.json); choose an empty folder")
     dtype = np.uint16 if len(tokenizer.dictionary) <= np.iinfo(np.uint16).max + 1 else np.int32
     writers = {s: ShardWriter(out, s, options.shard_tokens, dtype) for s in ("train", "valid")}
     stats = BuildStats()
@@ -293,15 +259,19 @@ def build_shards(options: BuildOptions, tokenizer: Tokenizer, progress: bool = T
             pool.terminate()
     for writer in writers.values():
         writer.close()
-    manifest = _manifest(options, tokenizer, writers, stats)
+    if not sum(stats.documents.values()):
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats.skipped.items())) or "none"
+        raise ShardError(f"no documents in {', '.join(options.inputs)} (skipped lines: {skipped}); "
+                         f"nothing to write")
+    manifest = _manifest(options, tokenizer, writers, stats, out)
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / "manifest.json")
     return manifest
 
 
-def _manifest(options: BuildOptions, tokenizer: Tokenizer, writers: dict, stats: BuildStats) -> dict:
-    out = Path(options.out_dir)
+def _manifest(options: BuildOptions, tokenizer: Tokenizer, writers: dict, stats: BuildStats,
+              out: Path) -> dict:
     splits = {}
     for split, writer in writers.items():
         for shard in writer.shards:
@@ -353,12 +323,28 @@ def ensure_shards(data, tokenizer: Tokenizer, progress: bool = True) -> Path:
     if not data.build_from:
         raise ShardError(f"{folder}/manifest.json not found and data.build_from is empty: build the "
                          f"shards with `megamlm shards build ... --out {folder}`")
-    if folder.exists():  # leftovers of an interrupted build
-        for leftover in folder.glob("*"):
-            leftover.unlink()
+    remove_stale_staging(folder)
     manifest = build_shards(BuildOptions(inputs=list(data.build_from), out_dir=str(folder),
                                          seq_length=data.seq_length, long_docs=data.long_docs,
                                          text_mode=data.text_mode, valid_fraction=data.valid_fraction),
                             tokenizer, progress=progress)
     print(summary_table(manifest))
     return folder
+
+
+def remove_stale_staging(folder: Path) -> None:
+    """Remove staging folders of builds of `folder` that were killed (their builder process, on
+    this host, no longer exists). Only folders carrying our marker are touched."""
+    for staging in folder.parent.glob(f".{folder.name}.building-*"):
+        try:
+            host, pid = (staging / STAGING_MARKER).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if host != socket.gethostname():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(staging, ignore_errors=True)
+        except OSError:
+            pass

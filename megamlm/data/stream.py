@@ -22,10 +22,12 @@ independent of ranks, workers and restarts.
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
 import math
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +54,13 @@ class ShardSet:
         if not manifest_path.is_file():
             raise ShardError(f"{manifest_path} not found: not a shard folder, or its build did not "
                              f"finish (build with `megamlm shards build`)")
-        self.manifest = json.loads(manifest_path.read_text())
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+            self.manifest["splits"], self.manifest["dictionary_sha256"]  # noqa: B018 (required keys)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ShardError(f"{manifest_path} is corrupt ({type(err).__name__}: {err}); rebuild the "
+                             f"shards (`megamlm shards build`)") from None
+        self.vocab_size = int(self.manifest.get("dictionary_size", 2**31))
         if dictionary_sha256 is not None and self.manifest["dictionary_sha256"] != dictionary_sha256:
             raise ShardError(
                 f"{self.folder} was built with another dictionary ({self.manifest['dictionary_size']} "
@@ -85,8 +93,21 @@ class ShardSet:
 
     @functools.lru_cache(maxsize=64)
     def index(self, shard: int) -> np.ndarray:
-        """[n_docs, 3] (data offset, data size, tokens) of one shard."""
-        return np.load(self.shards[shard]["path"].with_suffix(".idx.npy"))
+        """[n_docs, 3 or 4] (data offset, data size, tokens[, CRC-32]) of one shard, checked against
+        the sha256 the manifest recorded (format 2)."""
+        path = self.shards[shard]["path"].with_suffix(".idx.npy")
+        data = path.read_bytes()
+        expected = self.shards[shard].get("index_sha256")
+        if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+            raise CorruptShardError(f"{path}: index differs from the manifest's sha256 (damaged)")
+        try:
+            index = np.load(io.BytesIO(data), allow_pickle=False)
+        except Exception as err:  # numpy raises several types on garbage bytes
+            raise CorruptShardError(f"{path}: unreadable index ({err})") from None
+        if index.ndim != 2 or index.shape[1] not in (3, 4) or len(index) != self.shards[shard]["documents"]:
+            raise CorruptShardError(f"{path}: index of shape {index.shape}, manifest says "
+                                    f"{self.shards[shard]['documents']} documents")
+        return index
 
     @functools.lru_cache(maxsize=64)
     def doc_starts(self, shard: int) -> np.ndarray:
@@ -109,14 +130,21 @@ class ShardSet:
         path = self.shards[shard]["path"]
         with open(path, "rb") as f:
             for doc in range(first, last):
-                offset, size, count = index[doc]
+                offset, size, count = index[doc, :3]
                 f.seek(offset)
+                payload = f.read(size)
                 try:
-                    ids = np.load(io.BytesIO(f.read(size)), allow_pickle=False)
+                    ids = np.load(io.BytesIO(payload), allow_pickle=False)
                 except Exception as err:  # numpy raises several types on garbage bytes
                     raise CorruptShardError(f"{path}: document {doc} unreadable ({err})") from None
+                if index.shape[1] == 4 and zlib.crc32(payload) != index[doc, 3]:
+                    raise CorruptShardError(f"{path}: document {doc} fails its checksum (damaged bytes)")
                 if len(ids) != count:
                     raise CorruptShardError(f"{path}: document {doc} has {len(ids)} tokens, index says {count}")
+                outside = ids[(ids >= self.vocab_size) | (ids < 0)]
+                if len(outside):  # never fed to the embedding: an id outside the dictionary is damage
+                    raise CorruptShardError(f"{path}: document {doc} holds token id {int(outside[0])}, "
+                                            f"outside the dictionary of {self.vocab_size} symbols")
                 pieces.append(ids)
         stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
         return stream[start - starts[first]: end - starts[first]].astype(np.int64)

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megamlm.errors import MegamlmError
+from megamlm.files import read_text
+
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 BOS, PAD, EOS, UNK = range(4)
 MASK_SYMBOL = "<mask>"
@@ -31,7 +34,7 @@ GPT2_SHA256 = {
 }
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MegamlmError):
     """A tokenizer or dictionary file is missing, corrupt or inconsistent."""
 
 
@@ -56,7 +59,7 @@ class Dictionary:
         zero-clap checkpoints were trained without the last two madeupwords)."""
         path = Path(path)
         symbols = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(read_text(path, "dictionary").splitlines(), 1):
             parts = line.rstrip().split(" ")
             if parts[-1] == "#fairseq:overwrite":
                 parts = parts[:-1]

@@ -26,6 +26,7 @@ from torch import nn
 
 from megamlm.config import OptimConfig
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
+from megamlm.errors import MegamlmError
 from megamlm.glue.metrics import HIGHER_IS_BETTER, compute_metrics
 from megamlm.glue.tasks import Example, Task
 from megamlm.parallel import ParallelContext
@@ -130,7 +131,7 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     pad = model.body.config.pad_token_id
     batch_size = options.batch_size or task.batch_size
     if batch_size % ctx.dp_size:
-        raise ValueError(f"batch size {batch_size} is not divisible by data parallel {ctx.dp_size}")
+        raise MegamlmError(f"batch size {batch_size} is not divisible by data parallel {ctx.dp_size}")
     body = model.body.config
     max_length = min(options.max_length, body.max_positions) if body.position == "learned" else options.max_length
     train_ids, dev_ids = (encode(x, tokenizer, max_length) for x in (train, dev))

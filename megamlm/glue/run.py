@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
-from megamlm.glue.tasks import TASKS, read_examples, task_files
+from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, task_files
 
 TABLE_ORDER = ("MNLI", "QNLI", "QQP", "RTE", "SST-2", "MRPC", "CoLA", "STS-B")
 
@@ -63,7 +63,7 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
              parallel: int = 1, ppl: float | None = None, log=print) -> dict:
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
-        raise ValueError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
+        raise GlueDataError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
     jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval) for t in tasks]
     if parallel > 1:
         with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:

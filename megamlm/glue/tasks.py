@@ -12,8 +12,10 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from megamlm.errors import MegamlmError
 
-class GlueDataError(ValueError):
+
+class GlueDataError(MegamlmError):
     """A GLUE file that does not have its task's layout; the message names file and line."""
 
 

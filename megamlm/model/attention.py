@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from megamlm.config import ConfigError
 from megamlm.model.dropout import dropout
 from megamlm.parallel import tensor_parallel_rng
 
@@ -72,8 +73,8 @@ class BidirectionalAttention(MegatronModule):
 
     def _flex(self, q, k, v, block_mask, slopes):
         if self.training and self.dropout_p > 0:
-            raise ValueError("model.attention_backend=flex has no attention dropout; "
-                             "set model.attention_dropout=0 or use attention_backend=sdpa")
+            raise ConfigError("model.attention_backend=flex has no attention dropout; "
+                              "set model.attention_dropout=0 or use attention_backend=sdpa")
         offset = self.alibi_offset
 
         def alibi(score, b, h, q_idx, kv_idx):

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from megamlm.config import ModelConfig
+from megamlm.config import ConfigError, ModelConfig
 from megamlm.model.attention import flex_block_mask
 from megamlm.model.embedding import TokenEmbedding
 from megamlm.model.heads import ClapHead, RobertaLMHead, mark_vocab_parallel
@@ -87,12 +87,19 @@ def _mark_megatron_weights(module: nn.Module) -> None:
 class MaskedLM(nn.Module):
     """A RoBERTa-style encoder with an MLM head, tensor-parallel over `ctx.tp_group`."""
 
+    @staticmethod
+    def unsupported_here(model: ModelConfig) -> str | None:
+        """Why this machine cannot run `model` (checked by training before any long work), or None."""
+        if model.attention_backend == "flex" and not torch.cuda.is_available():
+            return ("model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
+                    "backward on CPU); use model.attention_backend=sdpa")
+        return None
+
     def __init__(self, model: ModelConfig, ctx: ParallelContext, seed: int = 1,
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
-        if model.attention_backend == "flex" and not torch.cuda.is_available():
-            raise ValueError("model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no "
-                             "FlexAttention backward on CPU); use model.attention_backend=sdpa")
+        if (problem := MaskedLM.unsupported_here(model)) is not None:
+            raise ConfigError(problem)
         self.config = model
         self.ctx = ctx
         tcfg = transformer_config(model, ctx.tp_size, params_dtype)

@@ -20,6 +20,8 @@ import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
+from megamlm.errors import MegamlmError
+
 
 def fairseq_position_ids(tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """[b, s] token ids -> [b, s] position ids; pads get pad_token_id, real tokens pad_id+1, +2, ..."""
@@ -38,7 +40,7 @@ class LearnedPositions(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.size(1) > self.max_positions:
-            raise ValueError(
+            raise MegamlmError(
                 f"sequence length {tokens.size(1)} exceeds the learned position table "
                 f"(max_positions={self.max_positions}); learned positions cannot extrapolate"
             )

@@ -3,18 +3,28 @@
 Layout under <run_dir>/checkpoints/:
   step00000500/                    DeepSpeed's files (model, optimizer/ZeRO shards, schedule)
   step00000500/rank00000.pt        this rank's RNG states (CPU, CUDA, tensor-parallel stream)
-  step00000500/megamlm.json        step, data position, data seed, rollbacks, config
-  step00000500/complete            written by rank 0 after every rank finished writing
+  step00000500/megamlm.json        step, data position, data seed, rollbacks, config, and the size
+                                   and sha256 of every other file of the folder
+  step00000500/complete            written by rank 0 after every rank finished writing: the sha256
+                                   of megamlm.json
   latest                           name of the newest complete checkpoint, replaced atomically
 
-A checkpoint without `complete` (interrupted while writing) is never chosen by resume.
+A checkpoint without `complete` (interrupted while writing) is never chosen by resume; one whose
+files differ from their recorded hashes (damaged on disk) is skipped by `--resume auto` with a
+warning, and refused when named explicitly. Hashing is spread over the ranks (file i: rank i mod
+world size), as is verification.
+
+The run directory belongs to one run: `prepare_run_dir` refuses to start a new run over an old one
+(unless asked to move it aside) and never touches files it did not write.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +33,15 @@ import torch.distributed as dist
 
 from megamlm.config import Config
 from megamlm.data.stream import StreamPosition
+from megamlm.errors import CorruptFileError, MegamlmError
+from megamlm.files import check_writable, sha256_file, verify_files
 from megamlm.parallel import tensor_parallel_rng
+
+META_FILE, COMPLETE_FILE = "megamlm.json", "complete"
+
+
+class RunDirError(MegamlmError):
+    """train.run_dir cannot be used as asked (it holds another run, or files of a user's)."""
 
 
 @dataclass
@@ -81,16 +99,74 @@ class Checkpoints:
         torch.save(rng_state(), folder / f"rank{self.rank:05d}.pt.tmp")
         os.replace(folder / f"rank{self.rank:05d}.pt.tmp", folder / f"rank{self.rank:05d}.pt")
         dist.barrier()
+        files = self._hash_files(folder)
         if self.rank == 0:
             meta = {"step": state.step, "position": state.position.state_dict(),
                     "data_seed": state.data_seed, "rollbacks": state.rollbacks,
-                    "world_size": dist.get_world_size(), "config": cfg.to_dict()}
-            _atomic_write(folder / "megamlm.json", json.dumps(meta, indent=1, default=list))
-            _atomic_write(folder / "complete", "")
+                    "world_size": dist.get_world_size(), "config": cfg.to_dict(), "files": files}
+            text = json.dumps(meta, indent=1, default=list)
+            _atomic_write(folder / META_FILE, text)
+            _atomic_write(folder / COMPLETE_FILE, hashlib.sha256(text.encode()).hexdigest())
             _atomic_write(self.root / "latest", tag)
             self._prune()
         dist.barrier()
         return folder
+
+    def _mine(self, names: list[str]) -> list[str]:
+        """This rank's share of a folder's files (hashing and verifying are spread over the ranks)."""
+        return names[self.rank::dist.get_world_size()]
+
+    def _hash_files(self, folder: Path) -> dict:
+        """Collective: {file: {bytes, sha256}} of every file in the folder, on rank 0."""
+        names = sorted(p.name for p in folder.iterdir() if p.is_file())
+        mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256_file(folder / n)}
+                for n in self._mine(names)}
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return {name: part[name] for part in parts for name in part}
+
+    def verify(self, tag: str) -> str | None:
+        """Collective: None if the checkpoint's files are as written (or it predates hashes), else
+        one line naming the first damaged file."""
+        folder = self.root / tag
+        problem = None
+        try:
+            text = (folder / META_FILE).read_text()
+            expected = (folder / COMPLETE_FILE).read_text().strip()
+            if expected and hashlib.sha256(text.encode()).hexdigest() != expected:
+                raise CorruptFileError(f"{folder / META_FILE} differs from the hash in {COMPLETE_FILE}")
+            files = json.loads(text).get("files", {})
+            verify_files(folder, files, self._mine(sorted(files)), source=str(folder / META_FILE))
+        except (OSError, ValueError) as err:  # CorruptFileError, unreadable or invalid JSON
+            problem = str(err) if isinstance(err, CorruptFileError) else f"{folder / META_FILE}: {err}"
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        return next((p for p in problems if p), None)
+
+    def newest_verified(self) -> tuple[str | None, list[str]]:
+        """Collective: (the newest complete checkpoint whose files verify, a line per newer one that
+        did not)."""
+        skipped = []
+        newest = self.newest()
+        for tag in ([newest] if newest else []) + [t for t in reversed(self.complete_tags()) if t != newest]:
+            problem = self.verify(tag)
+            if problem is None:
+                return tag, skipped
+            skipped.append(f"checkpoint {tag} is damaged: {problem}")
+        return None, skipped
+
+    def set_aside_after(self, tag: str) -> Path | None:
+        """Rank 0: move complete checkpoints newer than `tag` (a resume from an older one) into
+        checkpoints/abandoned-<time>/, so that `latest` and keep-last see only this timeline."""
+        newer = [t for t in self.complete_tags() if t > tag]
+        if self.rank != 0 or not newer:
+            return None
+        target = self.root / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.mkdir()
+        for t in newer:
+            os.replace(self.root / t, target / t)
+        _atomic_write(self.root / "latest", tag)
+        return target
 
     def _prune(self) -> None:
         complete = self.complete_tags()
@@ -98,7 +174,7 @@ class Checkpoints:
             shutil.rmtree(self.root / tag, ignore_errors=True)
 
     def complete_tags(self) -> list[str]:
-        return sorted(p.name for p in self.root.glob("step*") if (p / "complete").exists())
+        return sorted(p.name for p in self.root.glob("step*") if (p / COMPLETE_FILE).exists())
 
     def newest(self) -> str | None:
         """The `latest` checkpoint if complete, else the newest complete one, else None."""
@@ -110,19 +186,75 @@ class Checkpoints:
         complete = self.complete_tags()
         return complete[-1] if complete else None
 
+    def require_complete(self, tag: str) -> Path:
+        if not (self.root / tag / COMPLETE_FILE).exists():
+            available = ", ".join(self.complete_tags()) or "none"
+            raise RunDirError(f"no complete checkpoint {tag} in {self.root} (complete ones: {available}; "
+                              f"or --resume auto)")
+        return self.root / tag
+
     def load(self, engine, tag: str) -> TrainState:
         """Collective: restore the engine and the loop state (RNG states included, applied by
         `TrainState.restore_rng` so nothing in between can advance them)."""
-        folder = self.root / tag
-        if not (folder / "complete").exists():
-            raise FileNotFoundError(f"{folder} is not a complete checkpoint")
-        meta = json.loads((folder / "megamlm.json").read_text())
+        folder = self.require_complete(tag)
+        meta = json.loads((folder / META_FILE).read_text())
         if meta["world_size"] != dist.get_world_size():
-            raise ValueError(f"{folder} was written by {meta['world_size']} processes, this run has "
-                             f"{dist.get_world_size()}; resume with the same layout")
+            raise RunDirError(f"{folder} was written by {meta['world_size']} processes, this run has "
+                              f"{dist.get_world_size()}; resume with the same layout")
         engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
                                load_lr_scheduler_states=True)
         return TrainState(step=meta["step"], position=StreamPosition(**meta["position"]),
                           data_seed=meta["data_seed"], rollbacks=meta["rollbacks"],
                           rng=torch.load(folder / f"rank{self.rank:05d}.pt", weights_only=False))
 
+
+
+def run_at(run_dir: Path) -> int | None:
+    """The update a run directory's run has reached (newest complete checkpoint, else its log), or
+    None when it holds no run."""
+    root = run_dir / "checkpoints"
+    tags = sorted(p.name for p in root.glob("step*") if (p / COMPLETE_FILE).exists()) if root.is_dir() else []
+    if tags:
+        return int(tags[-1].removeprefix("step"))
+    log = run_dir / "log.jsonl"
+    if not log.is_file():
+        return None
+    steps = [0]
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return max(steps)
+
+
+RUN_FILES = ("log.jsonl", "config.yaml", "checkpoints", "tensorboard", "final")
+"""What training writes into train.run_dir."""
+
+
+def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, rank: int) -> Path | None:
+    """Before any work: refuse a run dir that holds another run (unless `overwrite`: rank 0 moves it
+    aside, returning where) or a user's files where training would write; check it is writable."""
+    if resume is not None and overwrite:
+        raise RunDirError("--resume and --overwrite exclude each other")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"train.run_dir={run_dir} is a file, not a folder")
+    step = run_at(run_dir)
+    moved = None
+    if step is not None and resume is None:
+        if not overwrite:
+            raise RunDirError(f"train.run_dir={run_dir} holds a run at update {step}; pass --resume auto "
+                              f"to continue it, --overwrite to start over (the old run is moved aside), "
+                              f"or choose another train.run_dir")
+        if rank == 0:
+            moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(run_dir, moved)
+    elif step is None:
+        users = [name for name in RUN_FILES if (run_dir / name).exists()]
+        if users:
+            raise RunDirError(f"train.run_dir={run_dir} holds {', '.join(users)} but no megamlm run "
+                              f"(no log.jsonl): megamlm would write there; choose another train.run_dir")
+    check_writable(run_dir, "train.run_dir")
+    if (run_dir / "checkpoints").is_dir():
+        check_writable(run_dir / "checkpoints", "checkpoint folder")
+    return moved

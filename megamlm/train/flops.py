@@ -32,6 +32,13 @@ def flops_per_token(model: ModelConfig, seq_length: int, head_fraction: float) -
     return 6 * body + 12 * L * seq_length * h + 6 * head * head_fraction
 
 
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float, devices: int) -> float | None:
+    """Model FLOPs utilization, or None where it cannot be true: above 1 means the peak was measured
+    low (a CPU busy with something else while timing it), and a made-up number is worse than none."""
+    value = flops_per_token * tokens_per_s / (peak * devices)
+    return value if 0 < value <= 1 else None
+
+
 def measured_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
     """FLOP/s of a square matmul on this CPU (the reference for MFU on machines without a table)."""
     generator = torch.Generator().manual_seed(0)  # leave the training RNG streams alone

@@ -11,9 +11,7 @@ their number, so results do not depend on how the global batch is split.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,59 +28,14 @@ from megamlm.data.tokenizer import Tokenizer
 from megamlm.model import MaskedLM
 from megamlm.parallel import ParallelContext, init_distributed, seed_everything
 from megamlm.pretrained import export_pretrained
-from megamlm.train.checkpoint import Checkpoints, TrainState
+from megamlm.errors import CorruptFileError
+from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
 from megamlm.train.engine import build_engine
-from megamlm.train.flops import device_peak, flops_per_token
+from megamlm.train.flops import device_peak, flops_per_token, mfu
 from megamlm.train.guard import SpikeGuard
+from megamlm.train.log import Log
+from megamlm.train.signals import Preemption
 from megamlm.train.layers import apply_activation_checkpointing, compile_layers
-
-
-class Preemption:
-    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) only raise a flag: the loop
-    finishes its update, saves and exits 0. Further signals while saving change nothing."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def any_rank(self, device) -> bool:
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-class Log:
-    """Human lines on stdout and JSON lines in run_dir/log.jsonl (rank 0), TensorBoard scalars."""
-
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.enabled = enabled
-        self.tb = None
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(run_dir / "log.jsonl", "a")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-
-    def event(self, kind: str, step: int, text: str | None = None, **values) -> None:
-        if not self.enabled:
-            return
-        self.jsonl.write(json.dumps({"event": kind, "step": step, "time": time.time(), **values}) + "\n")
-        self.jsonl.flush()
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.tb.add_scalar(f"{kind}/{key}", value, step)
-        if text:
-            print(text, flush=True)
-
-    def close(self) -> None:
-        if self.enabled:
-            self.jsonl.close()
-            self.tb.close()
 
 
 @dataclass
@@ -167,6 +120,8 @@ def init_from_folder(model: MaskedLM, cfg: Config, folder: str) -> None:
     from megamlm.convert.reshard import load_full_state_dict
     from megamlm.pretrained import read_model_folder
 
+    if not Path(folder).is_dir():
+        raise ConfigError(f"train.init_from={folder}: no such model folder")
     source, full, _, _ = read_model_folder(folder)
     shape_keys = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                   "position", "alibi_mode", "layernorm", "embedding_layernorm", "head", "tie_embeddings",
@@ -179,14 +134,19 @@ def init_from_folder(model: MaskedLM, cfg: Config, folder: str) -> None:
     load_full_state_dict(model, full)
 
 
-def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
+def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: bool = False) -> dict:
     """Run (or continue) the experiment; returns the summary. `loss_hook(step, loss) -> loss` lets
-    tests inject spikes."""
+    tests inject spikes. `overwrite` starts over in a run dir that holds a run (moved aside)."""
     # ---- setup -----------------------------------------------------------------------------
     ctx = init_distributed(cfg.parallel)
     rank0 = dist.get_rank() == 0
     run_dir = Path(cfg.train.run_dir)
+    check_before_work(cfg, ctx)
+    moved = prepare_run_dir(run_dir, resume, overwrite, dist.get_rank())
+    dist.barrier()  # rank 0 may have moved the old run aside
     log = Log(run_dir, rank0)
+    if moved is not None:
+        log.event("overwrite", 0, f"--overwrite: the run that was in {run_dir} is now {moved}")
     seed_everything(cfg.train.seed, ctx)
     accumulation = cfg.train.accumulation_steps(ctx.dp_size)
     data = prepare_data(cfg, ctx)
@@ -202,12 +162,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last)
     state = TrainState(data_seed=cfg.train.seed)
     if resume is not None:
-        tag = checkpoints.newest() if resume == "auto" else resume
-        if tag is not None:
-            state = checkpoints.load(engine, tag)
-            log.event("resume", state.step, f"resumed from {checkpoints.root / tag} at update {state.step}")
-        elif resume != "auto":
-            raise FileNotFoundError(f"no checkpoint {resume} in {checkpoints.root}")
+        state = _resume(cfg, checkpoints, engine, resume, log) or state
     if rank0:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
@@ -237,6 +192,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     losses: list[float] = []
     window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
     run_start, start_step = time.perf_counter(), state.step
+    corrupt = torch.zeros((), dtype=torch.float64, device=ctx.device)  # samples skipped as damaged
 
     # ---- updates ---------------------------------------------------------------------------
     while state.step < cfg.train.steps:
@@ -244,10 +200,12 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
         fetch_start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(accumulation)]
         window_wait += time.perf_counter() - fetch_start  # time the step waited for data
-        counts = torch.tensor(sum(int(b["targets"].numel()) for b in micro_batches),
-                              dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(counts, group=ctx.dp_group)
-        counts = counts.clamp(min=1.0)
+        # masked tokens and corrupt samples (replaced by the loader) of the update, all DP ranks
+        totals = torch.tensor([sum(int(b["targets"].numel()) for b in micro_batches),
+                               sum(b["corrupt"] for b in micro_batches)], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(totals, group=ctx.dp_group)
+        counts = totals[0].clamp(min=1.0)
+        corrupt += totals[1]
         # stays on the device (no sync before the forward); DeepSpeed averages over DP and accumulation
         weight = (ctx.dp_size * accumulation / counts).float()
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -277,22 +235,26 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
         if state.step % cfg.train.log_interval == 0 or state.step == cfg.train.steps:
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_tokens / elapsed
-            mfu = (flops_per_token(cfg.model, cfg.data.seq_length, cfg.data.mask_prob)
-                   * tokens_per_s / (peak * ctx.tp_size * ctx.dp_size))
+            utilization = mfu(flops_per_token(cfg.model, cfg.data.seq_length, cfg.data.mask_prob),
+                              tokens_per_s, peak, ctx.tp_size * ctx.dp_size)
             done = state.step - start_step
             eta = (time.perf_counter() - run_start) / done * (cfg.train.steps - state.step)
             values = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": schedule.get_last_lr()[0],
                       "grad_norm": _float(engine.get_global_grad_norm()),
                       "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
-                      "tokens_per_s": tokens_per_s, "mfu": mfu, "data_wait": window_wait / elapsed}
+                      "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
+                      "corrupt_samples": int(corrupt.item())}
             if cfg.model.head == "clap":
                 values["beta"] = _float(engine.module.lm_head.beta)
             log.event("train", state.step,
                       f"update {state.step}/{cfg.train.steps} | loss {loss:.4f} | ppl {values['ppl']:.1f}"
                       f" | lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f}"
                       + (f" | beta {values['beta']:.3f}" if "beta" in values else "")
-                      + f" | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.2f}% | data wait "
-                      f"{100 * values['data_wait']:.1f}% | ETA {_duration(eta)}",
+                      + f" | {tokens_per_s:,.0f} tok/s | MFU "
+                      + (f"{100 * utilization:.2f}%" if utilization is not None else "n/a")
+                      + f" | data wait {100 * values['data_wait']:.1f}%"
+                      + (f" | corrupt samples skipped {values['corrupt_samples']}" if values["corrupt_samples"] else "")
+                      + f" | ETA {_duration(eta)}",
                       **values)
             window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
 
@@ -300,9 +262,10 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
             validate("periodic")
         if preemption.any_rank(ctx.device):
             checkpoints.save(engine, state, cfg)
-            log.event("preempted", state.step, f"signal received: saved update {state.step}, exiting 0")
+            log.event("preempted", state.step, f"signal received: saved update {state.step} "
+                      f"({preemption.signal}); continue with --resume auto", signal=preemption.signal)
             log.close()
-            return {"preempted": True, "step": state.step, "losses": losses}
+            return {"preempted": True, "signal": preemption.signal, "step": state.step, "losses": losses}
         if state.step % cfg.train.save_interval == 0 and state.step < cfg.train.steps:
             checkpoints.save(engine, state, cfg)
 
@@ -312,20 +275,60 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None) -> dict:
     final_dir = export_pretrained(engine.module, cfg, run_dir / "final", cfg.train.zero_stage)
     summary = {"steps": state.step, "rollbacks": state.rollbacks, "losses": losses,
                "valid_before": first_valid, "valid_after": final_valid, "model_dir": str(final_dir),
-               "minutes": (time.perf_counter() - run_start) / 60}
-    text = f"done: {state.step} updates in {summary['minutes']:.1f} min, {state.rollbacks} rollbacks"
+               "minutes": (time.perf_counter() - run_start) / 60, "corrupt_samples": int(corrupt.item())}
+    text = (f"done: {state.step} updates in {summary['minutes']:.1f} min, {state.rollbacks} rollbacks, "
+            f"{summary['corrupt_samples']} corrupt samples skipped")
     if first_valid and final_valid:
         text += (f" | valid ppl {first_valid['ppl']:.1f} -> {final_valid['ppl']:.1f}")
     log.event("summary", state.step, text + f" | model: {final_dir}",
-              rollbacks=state.rollbacks, minutes=summary["minutes"])
+              rollbacks=state.rollbacks, minutes=summary["minutes"], corrupt_samples=summary["corrupt_samples"])
     log.close()
     return summary
+
+
+def check_before_work(cfg: Config, ctx: ParallelContext) -> None:
+    """What would otherwise fail minutes in (or with a confusing message): one line now."""
+    if (problem := MaskedLM.unsupported_here(cfg.model)) is not None:
+        raise ConfigError(problem)
+    if cfg.train.init_from and not (Path(cfg.train.init_from) / "config.yaml").is_file():
+        raise ConfigError(f"train.init_from={cfg.train.init_from}: not a model folder (no config.yaml)")
+
+
+def _resume(cfg: Config, checkpoints: Checkpoints, engine, resume: str, log: Log) -> TrainState | None:
+    """Load `resume` (a tag, or `auto`: the newest checkpoint whose files verify); None when `auto`
+    finds none. Checkpoints newer than the one loaded are set aside; log lines after it dropped."""
+    if resume == "auto":
+        tag, skipped = checkpoints.newest_verified()
+        for line in skipped:
+            log.event("warning", 0, f"warning: {line}; resuming from the previous one", message=line)
+        if tag is None:
+            log.drop_after(0)
+            return None
+    else:
+        tag = resume
+        checkpoints.require_complete(tag)
+        problem = checkpoints.verify(tag)
+        if problem is not None:
+            raise CorruptFileError(f"--resume {tag}: {problem}")
+    state = checkpoints.load(engine, tag)
+    if state.step > cfg.train.steps:
+        raise ConfigError(f"train.steps={cfg.train.steps} but {tag} is at update {state.step}: raise "
+                          f"train.steps to continue the run")
+    moved = checkpoints.set_aside_after(tag)
+    log.drop_after(state.step)
+    if moved is not None:
+        log.event("warning", state.step, f"warning: checkpoints newer than {tag} moved to {moved}",
+                  message=f"checkpoints newer than {tag} moved to {moved}")
+    log.event("resume", state.step, f"resumed from {checkpoints.root / tag} at update {state.step}")
+    return state
 
 
 def _roll_back(cfg, ctx, data, engine, checkpoints, state, log, reason):
     """Reload the last good checkpoint, change the data seed, continue (or give up)."""
     rollbacks = state.rollbacks + 1
-    tag = checkpoints.newest()
+    tag, skipped = checkpoints.newest_verified()
+    for line in skipped:
+        log.event("warning", state.step, f"warning: {line}; rolling back to an older one", message=line)
     if rollbacks > cfg.train.max_rollbacks or tag is None:
         why = ("no checkpoint to roll back to (lower train.save_interval)" if tag is None
                else f"gave up after {cfg.train.max_rollbacks} rollbacks (train.max_rollbacks)")

@@ -1,0 +1,61 @@
+"""The run's log: a human line per event on stdout, JSON lines in <run_dir>/log.jsonl, TensorBoard
+scalars (rank 0 writes; other ranks' calls do nothing)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+
+class Log:
+    """Human lines on stdout and JSON lines in run_dir/log.jsonl (rank 0), TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(run_dir / "log.jsonl", "a")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def event(self, kind: str, step: int, text: str | None = None, **values) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"event": kind, "step": step, "time": time.time(), **values}) + "\n")
+        self.jsonl.flush()
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.tb.add_scalar(f"{kind}/{key}", value, step)
+        if text:
+            print(text, flush=True)
+
+    def drop_after(self, step: int) -> None:
+        """After a resume from `step`: drop the lines of updates after it (they are redone), so that
+        log.jsonl holds each update once."""
+        if not self.enabled:
+            return
+        self.jsonl.close()
+        path = Path(self.jsonl.name)
+        kept = [line for line in path.read_text().splitlines(keepends=True)
+                if _step_of(line) is None or _step_of(line) <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        self.jsonl = open(path, "a")
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            self.tb.close()
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

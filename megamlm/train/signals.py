@@ -1,0 +1,30 @@
+"""How a training run is asked to stop: SLURM's signals and Ctrl-C become a flag the loop checks
+after each update, so every stop ends with a complete checkpoint."""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) and a first Ctrl-C (SIGINT) only
+    raise a flag: the loop finishes its update, saves and exits (0 for SIGTERM / SIGUSR1, 130 for
+    Ctrl-C). A second Ctrl-C aborts at once; further SIGTERMs while saving change nothing."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = self.signal or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second one interrupts
+
+    def any_rank(self, device) -> bool:
+        flag = torch.tensor([float(self.signal is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
