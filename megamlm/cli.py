@@ -116,7 +116,7 @@ def print_fill_mask(model_dir: str, text: str, topk: int) -> None:
     from megamlm.data.tokenizer import Tokenizer
     from megamlm.fill_mask import fill_mask
     from megamlm.parallel import init_distributed
-    from megamlm.pretrained import load_pretrained
+    from megamlm.model.folder import load_pretrained
 
     ctx = init_distributed(load_config([]).parallel)
     cfg, model = load_pretrained(model_dir, ctx)

@@ -16,16 +16,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megamlm.config import ParallelConfig
 from megamlm.data.masking import Masker
+from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError
 from megamlm.files import read_text
+from megamlm.model.folder import load_pretrained
+from megamlm.parallel import init_distributed
 
 
 def token_stream(data: str | Path, tokenizer: Tokenizer, max_tokens: int) -> np.ndarray:
     """Up to `max_tokens` ids: a shard folder's valid split (documents end with </s>) or a text file
     (each non-empty line a document)."""
-    from megamlm.data.stream import ShardSet
 
     data = Path(data)
     pieces, total = [], 0
@@ -84,9 +87,6 @@ def mlm_perplexity(model, tokens: np.ndarray, tokenizer: Tokenizer, batch_size: 
 def evaluate_lengths(checkpoint: str | Path, data: str | Path, lengths: list[int], max_tokens: int,
                      batch_size: int = 8, ctx=None) -> list[dict]:
     """One row per length: {"length", "ppl", ...} or {"length", "skipped": reason}."""
-    from megamlm.config import ParallelConfig
-    from megamlm.parallel import init_distributed
-    from megamlm.pretrained import load_pretrained
 
     cfg, model = load_pretrained(checkpoint, ctx or init_distributed(ParallelConfig()))
     tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)

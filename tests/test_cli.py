@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,6 +16,7 @@ def megamlm(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_main_job_trains_lowers_validation_perplexity_and_fills_masks(tmp_path):
     run = megamlm("train", "--config", "configs/demo.yaml", "train.steps=60", "train.eval_interval=1000",
                   f"train.run_dir={tmp_path / 'run'}", f"data.shards={tmp_path / 'shards'}",

@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamlm import MaskedLM
+from megamlm import MaskedLM, from_pretrained
 from megamlm.cli import main as cli
 from megamlm.config import ConfigError
 from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
-from megamlm.convert.pipeline import convert, probe_tokens, read_megamlm
+from megamlm.convert.parity import probe_tokens
+from megamlm.convert.pipeline import convert, read_megamlm
 from megamlm.convert.safe_load import UnsafeCheckpointError, load_untrusted
-from megamlm.convert.tp import shard_rule
-from megamlm.pretrained import SHARD_FILE
+from megamlm.model.folder import SHARD_FILE
+from megamlm.model.tp import shard_rule
 from tests.fairseq_fixtures import VARIANT_KNOBS, fairseq_checkpoint
 from tests.variants import VARIANTS, variant_config
 
@@ -55,7 +56,7 @@ def test_fairseq_round_trip_is_bit_exact_and_logits_match_fairseq(world, tmp_pat
         assert (written[prefix + "lm_head.weight"].data_ptr()
                 == written[prefix + "sentence_encoder.embed_tokens.weight"].data_ptr())
     # the documented Python API on the converted folder: every position, the whole vocabulary
-    model = MaskedLM.from_pretrained(tmp_path / "megamlm", world)
+    model = from_pretrained(tmp_path / "megamlm", world)
     tokens = probe_tokens(model_cfg := read_megamlm(tmp_path / "megamlm").cfg)
     state, _ = fs.normalize_names(original)
     want = fairseq_logits(state, fs.fairseq_model_cfg(ckpt), tokens)
@@ -88,9 +89,9 @@ def test_fairseq_knobs_map_to_the_model_config(tmp_path):
 
 
 def _full_state(model_cfg):
-    from megamlm.convert.reshard import full_state_dict
-    from megamlm.parallel import init_distributed
     from megamlm.config import ParallelConfig
+    from megamlm.model.reshard import full_state_dict
+    from megamlm.parallel import init_distributed
 
     return full_state_dict(MaskedLM(model_cfg, init_distributed(ParallelConfig())))
 
@@ -183,6 +184,7 @@ def _train_run(cfg):
     return train(cfg)["steps"]
 
 
+@pytest.mark.slow
 def test_zero2_dp2_tp2_checkpoint_consolidates_to_the_training_model(tmp_path):
     from megamlm.config import load_config
     from megamlm.data.shards import BuildOptions, build_shards
@@ -208,13 +210,13 @@ def test_zero2_dp2_tp2_checkpoint_consolidates_to_the_training_model(tmp_path):
     for name, value in trained.full.items():  # fp32 master weights == the training model's weights
         assert torch.equal(consolidated.full[name], value), name
     tokens = probe_tokens(trained.cfg)
-    from megamlm.parallel import init_distributed
     from megamlm.config import ParallelConfig
+    from megamlm.parallel import init_distributed
 
     ctx = init_distributed(ParallelConfig())
     with torch.no_grad():
-        want = MaskedLM.from_pretrained(tmp_path / "run/final", ctx)(tokens)
-        got = MaskedLM.from_pretrained(tmp_path / "consolidated", ctx)(tokens)
+        want = from_pretrained(tmp_path / "run/final", ctx)(tokens)
+        got = from_pretrained(tmp_path / "consolidated", ctx)(tokens)
     assert torch.equal(got, want)
     # a converted folder starts a new run (train.init_from): with lr 1e-30 the run's export is that folder
     from megamlm.config import replace_config
@@ -235,8 +237,8 @@ def test_alibi_and_clap_variants_export_as_remote_code_that_transformers_loads(w
                                                                                 monkeypatch):
     from transformers import AutoModelForMaskedLM, pipeline
 
-    from megamlm.convert.reshard import full_state_dict
-    from megamlm.pretrained import write_model_folder
+    from megamlm.model.folder import write_model_folder
+    from megamlm.model.reshard import full_state_dict
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = variant_config(variant, ["model.vocab_size=50262" if variant == "zero-clap" else "model.vocab_size=50265",

@@ -91,6 +91,7 @@ def run(shards, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_shard_build_refuses_inputs_inside_its_folder_and_leaves_it_untouched(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
@@ -158,6 +159,7 @@ def test_convert_never_replaces_a_users_folder_and_replaces_its_own_only_when_as
                                f"file (e.g. {tmp_path}/checkpoint.pt)")
 
 
+@pytest.mark.slow
 def test_train_refuses_a_run_dir_holding_a_run_and_overwrite_moves_it_aside(run, shards, tmp_path):
     copy = tmp_path / "run"
     copy.mkdir()
@@ -209,6 +211,7 @@ def _straight_then_resume(cfg_straight, cfg_killed):
     return _train(cfg_straight), _train(cfg_killed, resume="auto")
 
 
+@pytest.mark.slow
 def test_resume_skips_a_damaged_checkpoint_and_reproduces_the_uninterrupted_losses(shards, tmp_path, capsys):
     steps = ["train.steps=6", "train.save_interval=2", "model.hidden_dropout=0.1"]
     killed = config(shards, tmp_path / "killed", *steps)
@@ -238,6 +241,7 @@ def test_resume_skips_a_damaged_checkpoint_and_reproduces_the_uninterrupted_loss
         f"mp_rank_00_model_states.pt is corrupt: its sha256 differs from the one recorded when it was written")
 
 
+@pytest.mark.slow
 def test_damaged_documents_are_skipped_counted_and_logged(shards, tmp_path):
     copy = tmp_path / "shards"
     copy.mkdir()
@@ -338,6 +342,7 @@ def _start_training(shards, run_dir):
     return proc
 
 
+@pytest.mark.slow
 def test_ctrl_c_finishes_the_update_saves_and_exits_130(shards, tmp_path):
     proc = _start_training(shards, tmp_path / "run")
     proc.send_signal(signal.SIGINT)
@@ -377,6 +382,7 @@ def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where a folder should be")

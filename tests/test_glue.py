@@ -71,10 +71,10 @@ def test_metrics_equal_hand_computed_values():
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from megamlm.convert.reshard import full_state_dict
+    from megamlm.model.reshard import full_state_dict
     from megamlm.config import ParallelConfig
     from megamlm.parallel import init_distributed
-    from megamlm.pretrained import write_model_folder
+    from megamlm.model.folder import write_model_folder
 
     cfg = variant_config("alibi", ["model.vocab_size=50265", "model.hidden_size=32", "model.ffn_hidden_size=64",
                                    "model.num_layers=1"])
@@ -148,10 +148,10 @@ def test_perplexity_and_extrapolation_report(tiny_folder, tmp_path):
     assert all(0.12 < r["masked_tokens"] / (r["samples"] * r["length"]) < 0.18 for r in rows)
     assert all(50265 / 10 < r["ppl"] < 50265 * 10 for r in rows)  # a random model: about uniform
     learned = variant_config("baseline", ["model.vocab_size=50265", "model.max_positions=64"])
-    from megamlm.convert.reshard import full_state_dict
+    from megamlm.model.reshard import full_state_dict
     from megamlm.config import ParallelConfig
     from megamlm.parallel import init_distributed
-    from megamlm.pretrained import write_model_folder
+    from megamlm.model.folder import write_model_folder
 
     write_model_folder(tmp_path / "learned", learned,
                        full_state_dict(MaskedLM(learned.model, init_distributed(ParallelConfig()))))
@@ -169,6 +169,7 @@ def _glue_on_ranks(folder, tasks):
     return {t: run_task(str(folder), str(GLUE), t, [3], options, 8, None, log=lambda *a: None) for t in tasks}
 
 
+@pytest.mark.slow
 def test_data_parallel_and_parallel_processes_give_the_single_process_results(tiny_folder, tmp_path):
     """DP=2 (gradients all-reduced, each rank half of every batch) equals one process; so do tasks
     run in spawned processes."""

@@ -43,9 +43,9 @@ def test_deepspeed_json_is_printed_from_the_config(capsys):
 def test_glue_array_script_runs_its_task_of_its_model(tmp_path):
     from megamlm import MaskedLM
     from megamlm.config import ParallelConfig
-    from megamlm.convert.reshard import full_state_dict
+    from megamlm.model.reshard import full_state_dict
     from megamlm.parallel import init_distributed
-    from megamlm.pretrained import write_model_folder
+    from megamlm.model.folder import write_model_folder
     from tests.variants import variant_config
 
     cfg = variant_config("baseline", ["model.vocab_size=50265", "model.hidden_size=32", "model.num_layers=1"])
@@ -81,6 +81,7 @@ def test_shellcheck_passes_on_every_slurm_script():
     assert run.returncode == 0, run.stdout
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_runs_the_tiny_job_from_a_generated_hostfile(tmp_path):
     """The documented `deepspeed --hostfile` command on localhost (2 slots -> DP=2). DeepSpeed checks
     passwordless ssh for any hostfile, even for one local host; `--no_ssh_check` skips only that check

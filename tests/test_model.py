@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from megamlm.config import load_config
 from megamlm.convert.hf import hf_roberta_to_megamlm
-from megamlm.convert.reshard import load_full_state_dict
+from megamlm.model.reshard import load_full_state_dict
 from megamlm.model import MaskedLM
 from tests.variants import CONFIGS, VARIANTS, variant_config
 

@@ -17,6 +17,7 @@ import pytest
 from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.data.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm/local-cluster.sh"
 STATE = "/tmp/megamlm-slurm-test"

@@ -62,6 +62,7 @@ def _both_layouts(folder):
     return _rank_epoch(folder, 1, 2), _rank_epoch(folder, 2, 2)
 
 
+@pytest.mark.slow
 def test_data_parallel_ranks_partition_the_epoch_and_tp_peers_agree(shard_dir):
     single = stream(shard_dir, epochs=1, micro_batch=1)
     everything = {}
@@ -91,6 +92,7 @@ def _resume_in_new_process(folder, position, count):
     return [next(loader) for _ in range(count)]
 
 
+@pytest.mark.slow
 def test_resume_continues_with_the_next_batch_across_epochs(tmp_path):
     small = tmp_path / "small"
     text = (ROOT / "data/wikitext-103/valid.txt").read_text()[:40_000]

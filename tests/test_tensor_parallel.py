@@ -7,7 +7,7 @@ then at TP=2, from the same seed; the comparison runs in the test process.
 import torch
 
 from megamlm.config import ParallelConfig
-from megamlm.convert.reshard import full_state_dict
+from megamlm.model.reshard import full_state_dict
 from megamlm.model import MaskedLM
 from megamlm.parallel import init_distributed, seed_everything
 from tests.multiproc import run_on_ranks

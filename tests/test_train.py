@@ -70,6 +70,7 @@ def _straight_then_resume(cfg_straight, cfg_killed):
     return _train(cfg_straight), _train(cfg_killed, resume="auto")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ["parallel.tensor_parallel=1", "train.zero_stage=1"],  # DP=2, ZeRO-1
     ["parallel.tensor_parallel=2", "train.zero_stage=1"],  # TP=2
@@ -92,6 +93,7 @@ def _zero_runs(cfgs):
     return [_train(cfg) for cfg in cfgs]
 
 
+@pytest.mark.slow
 def test_zero_stages_on_two_ranks_match_one_rank_with_the_same_global_batch(shards, tmp_path):
     common = ["train.global_batch_size=8", "model.hidden_dropout=0", "model.attention_dropout=0"]
     (reference,) = run_on_ranks(_zero_runs, 1, [config(shards, tmp_path / "dp1", *common)])[0]
@@ -103,6 +105,7 @@ def test_zero_stages_on_two_ranks_match_one_rank_with_the_same_global_batch(shar
         assert diff < 1e-4, f"ZeRO-{stage}: losses differ from DP=1 by {diff}"
 
 
+@pytest.mark.slow
 def test_tp2_training_matches_tp1_with_the_same_grad_norm(shards, tmp_path):
     common = ["train.steps=20", "optim.clip_grad=1.0", "model.attention_dropout=0"]
     one = run_on_ranks(_zero_runs, 1, [config(shards, tmp_path / "tp1", *common)])[0][0]
@@ -152,6 +155,7 @@ def test_training_gives_up_after_max_rollbacks(shards, tmp_path):
         run_on_ranks(_train, 1, cfg, None, None, diverge_after_3)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_complete_checkpoint_exits_0_and_resume_continues(shards, tmp_path):
     run_dir = tmp_path / "preempt"
     args = ["--config", str(CONFIGS / "variants/baseline.yaml"),

@@ -13,6 +13,7 @@ import torch
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import megamlm_to_hf_roberta
+from megamlm.convert.parity import compare
 from megamlm.data.tokenizer import Tokenizer, TokenizerError
 from megamlm.files import staged_output
 
@@ -68,7 +69,6 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
     from transformers import AutoModelForMaskedLM, RobertaForMaskedLM
     from safetensors.torch import save_file
 
-    from megamlm.convert.pipeline import compare
 
     cfg = model.cfg.model
     with staged_output(out, "hf", overwrite) as tmp:

@@ -18,12 +18,16 @@ from pathlib import Path
 
 import torch
 
-from megamlm.config import Config, ParallelConfig, config_from_dict
+from megamlm.config import Config, config_from_dict
 from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
+from megamlm.convert.hf_export import write_hf
+from megamlm.convert.parity import compare, megamlm_logits, probe_tokens
 from megamlm.convert.safe_load import load_untrusted
+from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
+from megamlm.model.folder import read_model_folder, staged_write
 
 SOURCES = ("fairseq", "megamlm", "zero")
 TARGETS = ("megamlm", "fairseq", "hf")
@@ -91,54 +95,13 @@ def _dictionary(dict_path, rows: int, no_mask_row: bool) -> tuple[str, list[str]
 
 
 def read_megamlm(path: str | Path) -> Model:
-    from megamlm.pretrained import read_model_folder
-
-    cfg, full, heads, source = read_model_folder(path)
-    return Model(cfg, full, heads, fs.FairseqSource(**source) if source else None)
+    saved = read_model_folder(path)
+    return Model(saved.cfg, saved.full, saved.heads, fs.FairseqSource(**saved.source) if saved.source else None)
 
 
 def read_zero(path: str | Path) -> Model:
-    from megamlm.convert.zero import consolidate
-
     cfg, full, _ = consolidate(path)
     return Model(cfg, full, {})
-
-
-def probe_tokens(cfg: Config, seed: int = 0) -> torch.Tensor:
-    """[2, s] fairseq ids: <s> ... </s>, a mask token, the second row right-padded."""
-    model = cfg.model
-    length = min(24, model.max_positions) if model.position == "learned" else 24
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(4, model.vocab_size, (2, length), generator=g)
-    tokens[:, 0], tokens[:, -1] = 0, 2
-    tokens[0, length // 2] = model.vocab_size if model.zero_mask else model.vocab_size - 1
-    tokens[1, length - 6:] = model.pad_token_id
-    tokens[1, length - 7] = 2
-    return tokens
-
-
-def compare(ours: torch.Tensor, theirs: torch.Tensor, tokens: torch.Tensor, pad: int, what: str,
-            tolerance: float) -> float:
-    """Max |logit difference| over real positions; raises when above tolerance × max(1, |logit|)."""
-    real = tokens.ne(pad)
-    diff = (ours.float() - theirs.float())[real].abs().max().item()
-    scale = max(1.0, theirs.float()[real].abs().max().item())
-    if not diff <= tolerance * scale:
-        raise fs.ConversionError(f"logits differ from {what}: max |Δ| = {diff:.3g} > {tolerance:g} × {scale:.3g}; "
-                                 f"nothing was written")
-    return diff
-
-
-def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    from megamlm.convert.reshard import load_full_state_dict
-    from megamlm.model import MaskedLM
-    from megamlm.parallel import init_distributed
-
-    ctx = init_distributed(ParallelConfig())
-    model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
-    load_full_state_dict(model, full)
-    with torch.no_grad():
-        return model.eval()(tokens)
 
 
 def convert(source: str, target: str, src: str | Path, out: str | Path, dict_path=None, tp: int = 1,
@@ -168,8 +131,6 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
             import transformers  # noqa: F401
         except ImportError:
             raise fs.ConversionError("--to hf needs transformers: pip install 'megamlm[hf]'") from None
-        from megamlm.convert.hf_export import write_hf
-
         write_hf(model, out, tokens, ours, tolerance, report, overwrite)
     for check, diff in report["max_diff"].items():
         log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {int(tokens.ne(pad).sum())} positions × "
@@ -192,8 +153,6 @@ def check_output(target: str, out: Path, overwrite: bool) -> None:
 
 
 def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, report, overwrite) -> None:
-    from megamlm.pretrained import read_model_folder, staged_write
-
     cfg = model.cfg
     if model.dictionary is not None:
         cfg = config_from_dict(cfg.to_dict(), [f"data.tokenizer={out.resolve() / 'tokenizer'}"])
@@ -201,9 +160,9 @@ def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, re
         if model.dictionary is not None:
             (tmp / "tokenizer").mkdir()
             (tmp / "tokenizer/dict.txt").write_text("\n".join(model.dictionary) + "\n")
-        written_cfg, written, _, _ = read_model_folder(tmp)
+        written = read_model_folder(tmp)
         report["max_diff"]["written megamlm folder"] = compare(
-            megamlm_logits(written_cfg, written, tokens), ours, tokens, cfg.model.pad_token_id,
+            megamlm_logits(written.cfg, written.full, tokens), ours, tokens, cfg.model.pad_token_id,
             f"the written folder {out}", tolerance)
 
 

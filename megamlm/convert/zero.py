@@ -2,7 +2,7 @@
 
 DeepSpeed's `zero_to_fp32` merges the data-parallel partitions of one model-parallel rank but cannot
 merge tensor-parallel shards. We give it one TP rank at a time (a folder of links to that rank's
-files), then concatenate the TP shards with the partition table of `megamlm.convert.tp`.
+files), then concatenate the TP shards with the partition table of `megamlm.model.tp`.
 The checkpoint is megamlm's own (`<run_dir>/checkpoints/stepN`), so its pickles are trusted.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from megamlm.config import Config, config_from_dict
-from megamlm.convert.tp import merge_shards
+from megamlm.model.tp import merge_shards
 from megamlm.files import verify_files
 
 

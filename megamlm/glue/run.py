@@ -19,8 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megamlm.config import ParallelConfig
+from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, task_files
+from megamlm.model.folder import load_pretrained
+from megamlm.parallel import init_distributed, seed_everything
 
 TABLE_ORDER = ("MNLI", "QNLI", "QQP", "RTE", "SST-2", "MRPC", "CoLA", "STS-B")
 
@@ -28,11 +32,6 @@ TABLE_ORDER = ("MNLI", "QNLI", "QQP", "RTE", "SST-2", "MRPC", "CoLA", "STS-B")
 def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], options: FinetuneOptions,
              max_train: int | None, max_eval: int | None, ctx=None, log=print) -> dict:
     """All seeds of one task; returns {"seeds": {seed: result}, "train_rows": n, "dev_rows": n}."""
-    from megamlm.config import ParallelConfig
-    from megamlm.data.tokenizer import Tokenizer
-    from megamlm.parallel import init_distributed, seed_everything
-    from megamlm.pretrained import load_pretrained
-
     task = TASKS[name]
     files = task_files(task, data_dir)
     if isinstance(files, str):

@@ -8,9 +8,8 @@ n selected (masked) positions. Token ids are fairseq dictionary ids, padding = p
     logits = model.gather_logits(logits_local)                            # [n, vocab_size]
     logits = model(tokens)                                  # [b, s, vocab_size], every position
 
-Inference from a model folder (trained, or converted from fairseq):
-    from megamlm import MaskedLM
-    m = MaskedLM.from_pretrained("runs/demo/final"); logits = m(token_ids)
+Inference from a model folder (trained, or converted from fairseq): megamlm.from_pretrained
+(model/folder.py; the model itself knows nothing about folders or process groups).
 """
 
 from __future__ import annotations
@@ -186,17 +185,6 @@ class MaskedLM(nn.Module):
             # [b*s, V] -> [b, s, V]
             return self.gather_logits(logits).view(*tokens.shape, -1)
         return logits
-
-    @classmethod
-    def from_pretrained(cls, folder, ctx: ParallelContext | None = None,
-                        overrides: list[str] = ()) -> MaskedLM:
-        """A model folder (training's <run_dir>/final, or `megamlm convert` output) in eval mode.
-        Without `ctx`, a world of one process is set up (or the running one joined, TP=1)."""
-        from megamlm.config import ParallelConfig
-        from megamlm.parallel import init_distributed
-        from megamlm.pretrained import load_pretrained
-
-        return load_pretrained(folder, ctx or init_distributed(ParallelConfig()), overrides)[1]
 
     def loss(self, logits_local: torch.Tensor, targets: torch.Tensor,
              reduction: str = "mean") -> torch.Tensor:

@@ -25,17 +25,18 @@ from megamlm.data.masking import Masker
 from megamlm.data.shards import ShardError, ensure_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.model import MaskedLM
-from megamlm.parallel import ParallelContext, init_distributed, seed_everything
-from megamlm.pretrained import export_pretrained
 from megamlm.errors import CorruptFileError
+from megamlm.model import MaskedLM
+from megamlm.model.folder import export_pretrained, read_model_folder
+from megamlm.model.reshard import load_full_state_dict
+from megamlm.parallel import ParallelContext, init_distributed, seed_everything
 from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, flops_per_token, mfu
 from megamlm.train.guard import SpikeGuard
+from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 from megamlm.train.log import Log
 from megamlm.train.signals import Preemption
-from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 
 
 @dataclass
@@ -117,21 +118,16 @@ def evaluate(model: MaskedLM, stream: MaskedBatches, max_batches: int, ctx: Para
 
 def init_from_folder(model: MaskedLM, cfg: Config, folder: str) -> None:
     """Start from a model folder's weights (checked: same architecture as the run's config)."""
-    from megamlm.convert.reshard import load_full_state_dict
-    from megamlm.pretrained import read_model_folder
-
-    if not Path(folder).is_dir():
-        raise ConfigError(f"train.init_from={folder}: no such model folder")
-    source, full, _, _ = read_model_folder(folder)
+    source = read_model_folder(folder)
     shape_keys = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                   "position", "alibi_mode", "layernorm", "embedding_layernorm", "head", "tie_embeddings",
                   "max_positions")
-    differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.model, k)}"
-              for k in shape_keys if getattr(cfg.model, k) != getattr(source.model, k)]
+    differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
+              for k in shape_keys if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
     if differ:
         raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
                           f"(start from its config.yaml: --config {folder}/config.yaml)")
-    load_full_state_dict(model, full)
+    load_full_state_dict(model, source.full)
 
 
 def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: bool = False) -> dict:

@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamlm.config import Config, load_config, replace_config
-from megamlm.convert.reshard import full_state_dict, load_full_state_dict
-from megamlm.convert.tp import merge_shards, split_full
+from megamlm.config import Config, ParallelConfig, load_config, replace_config
 from megamlm.errors import CorruptFileError
 from megamlm.files import staged_output, verify_record
-from megamlm.parallel import ParallelContext
+from megamlm.model.encoder import MaskedLM
+from megamlm.model.reshard import full_state_dict, load_full_state_dict
+from megamlm.model.tp import merge_shards, split_full
+from megamlm.parallel import ParallelContext, init_distributed
 
 MODEL_FILE = "model.pt"
 SHARD_FILE = "model-tp{rank:02d}-of-{tp:02d}.pt"
@@ -64,8 +65,21 @@ def write_model_folder(folder: str | Path, cfg: Config, full: dict[str, torch.Te
     return Path(folder)
 
 
-def read_model_folder(folder: str | Path) -> tuple[Config, dict[str, torch.Tensor], dict, dict | None]:
-    """(config, full tensors, classification heads, fairseq source fields or None)."""
+@dataclasses.dataclass
+class ModelFolder:
+    """What a model folder holds, read back."""
+
+    cfg: Config
+    full: dict[str, torch.Tensor]
+    """Full (TP=1) fp32 tensors by megamlm parameter name."""
+    heads: dict[str, torch.Tensor]
+    """fairseq classification heads ({name}.dense.weight, ...); empty if none."""
+    source: dict | None
+    """The fairseq source's fields (FairseqSource as a dict), for an exact way back; None if none."""
+
+
+def read_model_folder(folder: str | Path) -> ModelFolder:
+    """Read (and verify against its record) a model folder written by any TP degree."""
     folder = Path(folder)
     if not (folder / "config.yaml").is_file():
         raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder "
@@ -88,7 +102,7 @@ def read_model_folder(folder: str | Path) -> tuple[Config, dict[str, torch.Tenso
         full["lm_head.beta"] = full["lm_head.beta"].reshape(1)
     heads = _load_tensors(folder / HEADS_FILE) if (folder / HEADS_FILE).is_file() else {}
     source = _load_tensors(folder / SOURCE_FILE) if (folder / SOURCE_FILE).is_file() else None
-    return cfg, full, heads, source
+    return ModelFolder(cfg, full, heads, source)
 
 
 def _load_tensors(path: Path) -> dict:
@@ -115,13 +129,20 @@ def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
     return folder
 
 
-def load_pretrained(folder: str | Path, ctx: ParallelContext, overrides: list[str] = ()):
-    """(config, MaskedLM in eval mode) from a model folder, at ctx's TP degree."""
-    from megamlm.model import MaskedLM
-
-    cfg, full, _, _ = read_model_folder(folder)
-    cfg = replace_config(cfg, [f"parallel.tensor_parallel={ctx.tp_size}", *overrides],
+def load_pretrained(folder: str | Path, ctx: ParallelContext | None = None,
+                    overrides: list[str] = ()) -> tuple[Config, MaskedLM]:
+    """(config, MaskedLM in eval mode) from a model folder, at ctx's TP degree. Without `ctx`, a
+    world of one process is set up (or the running one joined, TP=1)."""
+    ctx = ctx or init_distributed(ParallelConfig())
+    saved = read_model_folder(folder)
+    cfg = replace_config(saved.cfg, [f"parallel.tensor_parallel={ctx.tp_size}", *overrides],
                          origin=str(Path(folder) / "config.yaml"))
     model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
-    load_full_state_dict(model, full)
+    load_full_state_dict(model, saved.full)
     return cfg, model.eval()
+
+
+def from_pretrained(folder: str | Path, ctx: ParallelContext | None = None, overrides: list[str] = ()) -> MaskedLM:
+    """A model folder (training's <run_dir>/final, or `megamlm convert` output) as a MaskedLM in
+    eval mode: `megamlm.from_pretrained("runs/demo/final")(token_ids)`."""
+    return load_pretrained(folder, ctx, overrides)[1]

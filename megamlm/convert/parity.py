@@ -1,0 +1,46 @@
+"""The probe-batch parity check every conversion ends with: the written result and an
+independent computation of the source give the same logits at every real position over the whole
+vocabulary, or nothing is written."""
+
+from __future__ import annotations
+
+import torch
+
+from megamlm.config import Config, ParallelConfig
+from megamlm.convert.fairseq import ConversionError
+from megamlm.model import MaskedLM
+from megamlm.model.reshard import load_full_state_dict
+from megamlm.parallel import init_distributed
+
+
+def probe_tokens(cfg: Config, seed: int = 0) -> torch.Tensor:
+    """[2, s] fairseq ids: <s> ... </s>, a mask token, the second row right-padded."""
+    model = cfg.model
+    length = min(24, model.max_positions) if model.position == "learned" else 24
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, model.vocab_size, (2, length), generator=g)
+    tokens[:, 0], tokens[:, -1] = 0, 2
+    tokens[0, length // 2] = model.vocab_size if model.zero_mask else model.vocab_size - 1
+    tokens[1, length - 6:] = model.pad_token_id
+    tokens[1, length - 7] = 2
+    return tokens
+
+
+def compare(ours: torch.Tensor, theirs: torch.Tensor, tokens: torch.Tensor, pad: int, what: str,
+            tolerance: float) -> float:
+    """Max |logit difference| over real positions; raises when above tolerance × max(1, |logit|)."""
+    real = tokens.ne(pad)
+    diff = (ours.float() - theirs.float())[real].abs().max().item()
+    scale = max(1.0, theirs.float()[real].abs().max().item())
+    if not diff <= tolerance * scale:
+        raise ConversionError(f"logits differ from {what}: max |Δ| = {diff:.3g} > {tolerance:g} × {scale:.3g}; "
+                                 f"nothing was written")
+    return diff
+
+
+def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    ctx = init_distributed(ParallelConfig())
+    model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
+    load_full_state_dict(model, full)
+    with torch.no_grad():
+        return model.eval()(tokens)

@@ -1,0 +1,34 @@
+"""The layering contract (pyproject.toml, import-linter): config and parallel below data and model,
+below train / convert / evaluate, below glue and the CLI. It holds for the package, and a deliberate
+upward import, hidden inside a function, breaks it."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = str(Path(sys.executable).with_name("lint-imports"))
+
+
+def lint(package_parent: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(package_parent))
+    return subprocess.run([LINT, "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=package_parent,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_package_keeps_its_layers():
+    run = lint(ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Contracts: 1 kept, 0 broken." in run.stdout
+
+
+def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path):
+    shutil.copytree(ROOT / "megamlm", tmp_path / "megamlm", ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    with open(tmp_path / "megamlm/model/heads.py", "a") as f:
+        f.write("\n\ndef _sneaky():\n    from megamlm.train.loop import train  # noqa: F401\n")
+    run = lint(tmp_path)
+    assert run.returncode == 1
+    assert "Contracts: 0 kept, 1 broken." in run.stdout
+    assert "megamlm.model.heads -> megamlm.train.loop" in run.stdout
