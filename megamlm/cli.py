@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 
 from megamlm.config import Config, ConfigError, load_config
+from megamlm.convert.pipeline import SOURCES, TARGETS
 from megamlm.errors import MegamlmError
 from megamlm.files import check_writable
 
@@ -150,10 +151,10 @@ def cmd_convert(args) -> int:
 
 
 def _add_convert_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--from", dest="source", required=True, choices=("fairseq", "megamlm", "zero"),
+    parser.add_argument("--from", dest="source", required=True, choices=SOURCES,
                         help="fairseq: a fairseq/ALiBi-CLAP-fork .pt; megamlm: a model folder; "
                              "zero: a DeepSpeed training checkpoint (run dir or step folder)")
-    parser.add_argument("--to", dest="target", required=True, choices=("megamlm", "fairseq", "hf"),
+    parser.add_argument("--to", dest="target", required=True, choices=TARGETS,
                         help="megamlm: a model folder; fairseq: a .pt file; hf: a transformers folder")
     parser.add_argument("src", help="the checkpoint to read")
     parser.add_argument("out", help="where to write (nothing is written unless the logits agree)")

@@ -25,6 +25,10 @@ from megamlm.errors import MegamlmError
 from megamlm.files import read_text
 
 
+ARCHITECTURE = {"architecture": True}
+"""Field metadata of the ModelConfig fields that define the weights."""
+
+
 class ConfigError(MegamlmError):
     """A configuration mistake, reported as one line that names the key."""
 
@@ -36,17 +40,19 @@ class ConfigError(MegamlmError):
 
 @dataclass
 class ModelConfig:
-    """Encoder architecture. fairseq `roberta` knob names are given where they differ."""
+    """Encoder architecture. fairseq `roberta` knob names are given where they differ. Fields with
+    ARCHITECTURE metadata decide which weights a model has and what they mean: a folder's weights
+    load into a model only if these agree (`architecture_fields`)."""
 
-    num_layers: int = 12
+    num_layers: int = field(default=12, metadata=ARCHITECTURE)
     """Transformer layers (fairseq `encoder_layers`)."""
-    hidden_size: int = 768
+    hidden_size: int = field(default=768, metadata=ARCHITECTURE)
     """Model width h (fairseq `encoder_embed_dim`)."""
-    num_attention_heads: int = 12
+    num_attention_heads: int = field(default=12, metadata=ARCHITECTURE)
     """Attention heads; must divide hidden_size and be divisible by parallel.tensor_parallel."""
-    ffn_hidden_size: int = 3072
+    ffn_hidden_size: int = field(default=3072, metadata=ARCHITECTURE)
     """Feed-forward inner width (fairseq `encoder_ffn_embed_dim`)."""
-    vocab_size: int = 50265
+    vocab_size: int = field(default=50265, metadata=ARCHITECTURE)
     """Real vocabulary size = len(fairseq dictionary): 50265 for GPT-2 BPE with `<mask>`,
     50262 for zero-clap (no `<mask>` row, the two last madeupwords removed)."""
     pad_token_id: int = 1
@@ -54,21 +60,21 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     """The embedding is padded to a multiple of this × tensor_parallel rows; padded rows get
     logit -inf, so they never win a softmax or take probability mass."""
-    max_positions: int = 512
+    max_positions: int = field(default=512, metadata=ARCHITECTURE)
     """Longest sequence the learned position table holds (it has max_positions + 2 rows, fairseq
     layout). Other position kinds accept any length."""
-    position: Literal["learned", "sinusoidal", "none", "alibi"] = "learned"
+    position: Literal["learned", "sinusoidal", "none", "alibi"] = field(default="learned", metadata=ARCHITECTURE)
     """Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, or ALiBi."""
-    alibi_mode: Literal["symmetric", "offset", "learned"] | None = None
+    alibi_mode: Literal["symmetric", "offset", "learned"] | None = field(default=None, metadata=ARCHITECTURE)
     """ALiBi variant (only with position=alibi; default offset, the blog's choice): symmetric
     `-m|i-j|`; offset: keys after the query get `-m(|i-j|-0.5)`; learned: separate learnable
     slopes for keys before/after the query, initialized from Press et al."""
-    layernorm: Literal["post", "pre"] = "post"
+    layernorm: Literal["post", "pre"] = field(default="post", metadata=ARCHITECTURE)
     """post: LayerNorm after each residual add, no final LayerNorm (RoBERTa); pre: before each
     sublayer plus a final LayerNorm."""
     layernorm_epsilon: float = 1e-5
     """LayerNorm epsilon (fairseq 1e-5)."""
-    embedding_layernorm: bool = True
+    embedding_layernorm: bool = field(default=True, metadata=ARCHITECTURE)
     """LayerNorm on the summed input embeddings (fairseq `layernorm_embedding`)."""
     scale_embeddings: bool = False
     """Multiply token embeddings by sqrt(hidden_size) (fairseq `no_scale_embedding: false`)."""
@@ -76,9 +82,9 @@ class ModelConfig:
     """L2-normalize input token embeddings (CLAP variants, fairseq `l2norm_embedding`)."""
     zero_mask: bool = False
     """zero-clap: token id == vocab_size is the mask token and is embedded as the zero vector."""
-    head: Literal["roberta", "clap"] = "roberta"
+    head: Literal["roberta", "clap"] = field(default="roberta", metadata=ARCHITECTURE)
     """roberta: dense -> GELU -> LayerNorm -> tied weight + bias; clap: beta * <h, normalize(E)>."""
-    tie_embeddings: bool = True
+    tie_embeddings: bool = field(default=True, metadata=ARCHITECTURE)
     """Share the output projection with the input embedding (always true in the reference)."""
     clap_initial_beta: float = 1.0
     """Initial inverse temperature of the CLAP head (fairseq `initial_beta`)."""
@@ -137,6 +143,11 @@ class ModelConfig:
         """Embedding rows: vocab_size rounded up to a multiple of divisible_by × tensor_parallel."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
         return -(-self.vocab_size // multiple) * multiple
+
+    @classmethod
+    def architecture_fields(cls) -> tuple[str, ...]:
+        """The fields whose values must agree for weights to carry over (train.init_from)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("architecture"))
 
 
 @dataclass

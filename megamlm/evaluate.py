@@ -10,7 +10,6 @@ reference left open: learned position tables end at max_positions, ALiBi and sin
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError
 from megamlm.files import read_text
+from megamlm.model import perplexity
 from megamlm.model.folder import load_pretrained
 from megamlm.parallel import init_distributed
 
@@ -81,7 +81,7 @@ def mlm_perplexity(model, tokens: np.ndarray, tokenizer: Tokenizer, batch_size: 
         total += model.loss(logits, torch.from_numpy(block).to(device)[targeted], reduction="sum").item()
         count += int(targeted.sum())
     loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "masked_tokens": count, "samples": len(tokens)}
+    return {"loss": loss, "ppl": perplexity(loss), "masked_tokens": count, "samples": len(tokens)}
 
 
 def evaluate_lengths(checkpoint: str | Path, data: str | Path, lengths: list[int], max_tokens: int,

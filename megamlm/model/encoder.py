@@ -83,6 +83,11 @@ def _mark_megatron_weights(module: nn.Module) -> None:
             mark_vocab_parallel(sub.weight)
 
 
+def perplexity(loss: float) -> float:
+    """exp(MLM loss in nats), capped at e^50 so that a diverged loss still prints as a number."""
+    return math.exp(min(loss, 50.0))
+
+
 class MaskedLM(nn.Module):
     """A RoBERTa-style encoder with an MLM head, tensor-parallel over `ctx.tp_group`."""
 

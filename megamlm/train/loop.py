@@ -11,7 +11,6 @@ their number, so results do not depend on how the global batch is split.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,13 +19,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamlm.config import Config, ConfigError
+from megamlm.config import Config, ConfigError, ModelConfig
 from megamlm.data.masking import Masker
 from megamlm.data.shards import ShardError, ensure_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.errors import CorruptFileError
-from megamlm.model import MaskedLM
+from megamlm.model import MaskedLM, perplexity
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.parallel import ParallelContext, init_distributed, seed_everything
@@ -113,17 +112,14 @@ def evaluate(model: MaskedLM, stream: MaskedBatches, max_batches: int, ctx: Para
     dist.all_reduce(totals, group=ctx.dp_group)
     model.train(was_training)
     loss = (totals[0] / totals[1]).item()
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(totals[1].item())}
+    return {"loss": loss, "ppl": perplexity(loss), "tokens": int(totals[1].item())}
 
 
 def init_from_folder(model: MaskedLM, cfg: Config, folder: str) -> None:
     """Start from a model folder's weights (checked: same architecture as the run's config)."""
     source = read_model_folder(folder)
-    shape_keys = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                  "position", "alibi_mode", "layernorm", "embedding_layernorm", "head", "tie_embeddings",
-                  "max_positions")
     differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
-              for k in shape_keys if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
+              for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
     if differ:
         raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
                           f"(start from its config.yaml: --config {folder}/config.yaml)")
@@ -235,7 +231,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
                               tokens_per_s, peak, ctx.tp_size * ctx.dp_size)
             done = state.step - start_step
             eta = (time.perf_counter() - run_start) / done * (cfg.train.steps - state.step)
-            values = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "lr": schedule.get_last_lr()[0],
+            values = {"loss": loss, "ppl": perplexity(loss), "lr": schedule.get_last_lr()[0],
                       "grad_norm": _float(engine.get_global_grad_norm()),
                       "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
                       "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
