@@ -515,3 +515,37 @@ def test_mfu_is_never_above_one():
     assert mfu(6e9, 1e3, 1e13, 1) == pytest.approx(0.6)
     assert mfu(6e9, 1e3, 1e12, 1) is None  # the peak was measured below what was achieved
     assert mfu(6e9, 1e3, float("nan"), 1) is None  # a GPU without a datasheet entry
+
+
+def test_folders_and_checkpoints_from_before_records_still_load_and_damage_is_named(run, tmp_path, world, capsys):
+    from megamlm.errors import CorruptFileError
+    from megamlm.model.folder import read_model_folder
+    from megamlm.train.checkpoint import Checkpoints
+
+    legacy = tmp_path / "legacy"  # a model folder as sessions 1-4 wrote it: no megamlm-files.json
+    legacy.mkdir()
+    for name in ("config.yaml", "model.pt"):
+        (legacy / name).write_bytes((run / "final" / name).read_bytes())
+    want = read_model_folder(run / "final").full
+    got = read_model_folder(legacy).full
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert cli(["convert", "--from", "megamlm", "--to", "megamlm", str(run / "final"), str(legacy),
+                "--overwrite"]) == 0  # its layout is megamlm's: replaceable
+    assert (legacy / "megamlm-files.json").exists()
+    flip_byte(legacy / "model.pt")
+    with pytest.raises(CorruptFileError, match=f"{legacy}/model.pt is corrupt: its sha256 differs"):
+        read_model_folder(legacy)
+    old = tmp_path / "old/checkpoints/step00000002"  # a checkpoint without hashes: resumable, unverified
+    old.parent.mkdir(parents=True)
+    (old).mkdir()
+    meta = json.loads((run / "checkpoints/step00000002/megamlm.json").read_text())
+    del meta["files"]
+    (old / "megamlm.json").write_text(json.dumps(meta))
+    (old / "complete").write_text("")
+    assert Checkpoints(tmp_path / "old", keep_last=3).verify("step00000002") is None
+    (old / "megamlm.json").write_text(json.dumps(meta) + " ")  # a hash in `complete` is checked
+    (old / "complete").write_text(hashlib.sha256(json.dumps(meta).encode()).hexdigest())
+    assert "differs from the hash in complete" in Checkpoints(tmp_path / "old", keep_last=3).verify("step00000002")
+    code, line = run_cli(capsys, "fill-mask", legacy, "Paris is the <mask> of France.")
+    assert (code, line) == (2, f"megamlm: fill-mask: {legacy}/model.pt is corrupt: its sha256 differs from "
+                               f"the one recorded when it was written")
