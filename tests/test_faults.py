@@ -491,6 +491,14 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
     code, line = run_cli(capsys, "convert", "--from", "fairseq", "--to", "megamlm", plain_pickle, out)
     assert code == 2 and line.startswith(f"megamlm: convert: {plain_pickle}: refused to load: the pickle "
                                          f"references posix.system, which is not on the allow-list")
+    bpe = tmp_path / "bpe"
+    bpe.mkdir()
+    (bpe / "dict.txt").write_text("a user's dictionary\n")
+    code, line = run_cli(capsys, "shards", "train-bpe", WIKITEXT / "valid.txt", "--out", bpe, "--vocab-size", 300)
+    assert (code, line) == (2, f"megamlm: shards: {bpe} already holds dict.txt; choose another --out (megamlm "
+                               f"never overwrites files it did not write)")
+    assert sorted(p.name for p in bpe.iterdir()) == ["dict.txt"]
+    assert (bpe / "dict.txt").read_text() == "a user's dictionary\n"
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     code, line = run_cli(capsys, "shards", "build", empty, "--out", out)

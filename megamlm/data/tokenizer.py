@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from megamlm.errors import MegamlmError
-from megamlm.files import read_text
+from megamlm.files import check_writable, read_text
 
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 BOS, PAD, EOS, UNK = range(4)
@@ -164,16 +166,23 @@ class Tokenizer:
         from tokenizers import ByteLevelBPETokenizer
 
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        texts = [read_text(f, "input") for f in files]  # every input readable before any work
+        existing = [name for name in ("encoder.json", "vocab.bpe", "dict.txt") if (out / name).exists()]
+        if existing:
+            raise TokenizerError(f"{out} already holds {', '.join(existing)}; choose another --out "
+                                 f"(megamlm never overwrites files it did not write)")
+        check_writable(out, "--out")
         trainer = ByteLevelBPETokenizer(add_prefix_space=False)
         trainer.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=min_frequency,
                       special_tokens=[], show_progress=False)
-        vocab_path, merges_path = trainer.save_model(str(out))
-        Path(vocab_path).replace(out / "encoder.json")
-        Path(merges_path).replace(out / "vocab.bpe")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out) as tmp:  # tokenizers' own names stay out of `out`
+            vocab_path, merges_path = trainer.save_model(tmp)
+            os.replace(vocab_path, out / "encoder.json")
+            os.replace(merges_path, out / "vocab.bpe")
         counts = np.zeros(trainer.get_vocab_size(), dtype=np.int64)
-        for f in files:
-            for line in Path(f).read_text(encoding="utf-8").splitlines(keepends=True):
+        for text in texts:
+            for line in text.splitlines(keepends=True):
                 np.add.at(counts, trainer.encode(line).ids, 1)
         order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
         (out / "dict.txt").write_text("".join(f"{i} {counts[i]}\n" for i in order))
