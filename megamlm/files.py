@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from megamlm.errors import CorruptFileError, MegamlmError
@@ -65,11 +65,16 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != RECORD)
 
 
+def describe_files(folder: Path, names: list[str]) -> dict:
+    """{name: {bytes, sha256}} of files in `folder`: what a record holds, and verify_files checks."""
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
+            for name in names}
+
+
 def write_record(folder: str | Path, kind: str) -> dict:
     """Hash every file under `folder` into its RECORD."""
     folder = Path(folder)
-    files = {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
-             for name in _files(folder)}
+    files = describe_files(folder, _files(folder))
     record = {"written_by": "megamlm", "kind": kind, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
               "files": files}
     (folder / RECORD).write_text(json.dumps(record, indent=1))
@@ -184,19 +189,18 @@ def current_umask() -> int:
 
 
 @contextlib.contextmanager
-def staged_output(folder: str | Path, kind: str, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a staging folder beside `folder`; when the block succeeds, record its files and swap it
-    in (an existing folder of ours is replaced only with `overwrite`). On error only the staging
-    folder is removed."""
-    folder = Path(folder)
-    check_output_folder(folder, overwrite)
+def staging_sibling(folder: Path, check: Callable[[], None], name: str = "staging") -> Iterator[Path]:
+    """Yield a hidden folder `.<folder name>.<name>-XXXX` beside `folder`; when the block succeeds,
+    run `check` again (nothing of a user's appeared meanwhile) and swap it in place of `folder` (an
+    existing one, which `check` allowed, is removed after the swap). On error only the staging
+    folder is removed. `check` runs first too, before any work."""
+    check()
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.staging-", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.{name}-", dir=folder.parent))
     os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp's 0700 would outlive the rename
     try:
         yield tmp
-        write_record(tmp, kind)
-        check_output_folder(folder, overwrite)  # again: nothing of a user's appeared meanwhile
+        check()
         old = None
         if folder.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.replaced-", dir=folder.parent))
@@ -207,3 +211,13 @@ def staged_output(folder: str | Path, kind: str, overwrite: bool = False) -> Ite
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def staged_output(folder: str | Path, kind: str, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a staging folder beside `folder`; when the block succeeds, record its files and swap it
+    in (an existing folder of ours is replaced only with `overwrite`)."""
+    folder = Path(folder)
+    with staging_sibling(folder, lambda: check_output_folder(folder, overwrite)) as tmp:
+        yield tmp
+        write_record(tmp, kind)

@@ -55,8 +55,15 @@ def one_line(stderr: str) -> str:
 
 def run_cli(capsys, *args) -> tuple[int, str]:
     """`megamlm ARGS` in this process: (exit code, its one stderr line)."""
+    import torch.distributed as dist
+
+    from megamlm.config import ParallelConfig
+    from megamlm.parallel import init_distributed
+
     capsys.readouterr()
     code = cli([str(a) for a in args])
+    if not dist.is_initialized():  # a verb owns its process and ends the group; later tests share it
+        init_distributed(ParallelConfig())
     return code, one_line(capsys.readouterr().err)
 
 

@@ -29,7 +29,6 @@ import shutil
 import socket
 import sys
 import tarfile
-import tempfile
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ import numpy as np
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
 from megamlm.data.documents import BuildStats, Document, ShardError, read_documents
 from megamlm.data.tokenizer import EOS, Tokenizer
-from megamlm.files import check_writable, current_umask
+from megamlm.files import check_writable, staging_sibling
 
 __all__ = ["BuildOptions", "ShardError", "build_shards", "ensure_shards", "summary_table"]
 
@@ -180,19 +179,10 @@ class BuildOptions:
 def build_shards(options: BuildOptions, tokenizer: Tokenizer, progress: bool = True) -> dict:
     """Tokenize the inputs into shards under out_dir; returns the manifest."""
     final = Path(options.out_dir)
-    _check_shard_folder(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    out = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
-    (out / STAGING_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}")
-    try:
+    with staging_sibling(final, lambda: _check_shard_folder(final), "building") as out:
+        (out / STAGING_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}")
         manifest = _build(options, tokenizer, out, progress)
-        _check_shard_folder(final)  # again: nothing appeared there meanwhile
         (out / STAGING_MARKER).unlink()
-        os.chmod(out, 0o777 & ~current_umask())  # mkdtemp's 0700 would outlive the rename
-        os.replace(out, final)  # onto a missing or empty folder
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megamlm.config import Config
 from megamlm.data.stream import StreamPosition
 from megamlm.errors import CorruptFileError, MegamlmError
-from megamlm.files import check_writable, sha256_file, verify_files
+from megamlm.files import check_writable, describe_files, verify_files
 from megamlm.parallel import tensor_parallel_rng
 
 META_FILE, COMPLETE_FILE = "megamlm.json", "complete"
@@ -119,8 +119,7 @@ class Checkpoints:
     def _hash_files(self, folder: Path) -> dict:
         """Collective: {file: {bytes, sha256}} of every file in the folder, on rank 0."""
         names = sorted(p.name for p in folder.iterdir() if p.is_file())
-        mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256_file(folder / n)}
-                for n in self._mine(names)}
+        mine = describe_files(folder, self._mine(names))
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         return {name: part[name] for part in parts for name in part}
@@ -174,7 +173,7 @@ class Checkpoints:
             shutil.rmtree(self.root / tag, ignore_errors=True)
 
     def complete_tags(self) -> list[str]:
-        return sorted(p.name for p in self.root.glob("step*") if (p / COMPLETE_FILE).exists())
+        return complete_tags(self.root)
 
     def newest(self) -> str | None:
         """The `latest` checkpoint if complete, else the newest complete one, else None."""
@@ -209,11 +208,15 @@ class Checkpoints:
 
 
 
+def complete_tags(root: Path) -> list[str]:
+    """The checkpoints under `root` whose save finished, oldest first."""
+    return sorted(p.name for p in root.glob("step*") if (p / COMPLETE_FILE).exists())
+
+
 def run_at(run_dir: Path) -> int | None:
     """The update a run directory's run has reached (newest complete checkpoint, else its log), or
     None when it holds no run."""
-    root = run_dir / "checkpoints"
-    tags = sorted(p.name for p in root.glob("step*") if (p / COMPLETE_FILE).exists()) if root.is_dir() else []
+    tags = complete_tags(run_dir / "checkpoints")
     if tags:
         return int(tags[-1].removeprefix("step"))
     log = run_dir / "log.jsonl"
