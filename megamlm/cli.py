@@ -30,11 +30,11 @@ def cmd_config(cfg: Config, args) -> int:
 
 
 def cmd_params(cfg: Config, args) -> int:
-    from megamlm.model import MaskedLM
+    from megamlm.objectives import get_objective
     from megamlm.parallel import destroy_distributed, init_distributed
 
     ctx = init_distributed(cfg.parallel)
-    model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
+    model = get_objective(cfg).build_model(ctx)
     m = cfg.model
     embedding = m.vocab_size * m.hidden_size
     if ctx.tp_rank == 0 and ctx.dp_rank == 0:
@@ -117,7 +117,7 @@ def print_fill_mask(model_dir: str, text: str, topk: int) -> None:
     from megamlm.data.tokenizer import Tokenizer
     from megamlm.fill_mask import fill_mask
     from megamlm.parallel import init_distributed
-    from megamlm.model.folder import load_pretrained
+    from megamlm.objectives import load_pretrained
 
     ctx = init_distributed(load_config([]).parallel)
     cfg, model = load_pretrained(model_dir, ctx)

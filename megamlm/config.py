@@ -330,10 +330,22 @@ class TrainConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """The pretraining objective (megamlm/objectives/; the masking rates are in the data section)."""
+
+    name: str = "mlm"
+    """A registered objective: mlm (masked language modeling, the reference's)."""
+
+    def __post_init__(self):
+        check_fields(self, "objective")
+
+
+@dataclass
 class Config:
     """A whole experiment."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from megamlm.config import ParallelConfig
+from megamlm.data.batch import collate
 from megamlm.data.masking import Masker
 from megamlm.data.stream import ShardSet
-from megamlm.data.tokenizer import BOS, EOS, Tokenizer
+from megamlm.data.tokenizer import BOS, EOS, PAD, Tokenizer
 from megamlm.errors import MegamlmError
 from megamlm.files import read_text
-from megamlm.model import perplexity
-from megamlm.model.folder import load_pretrained
+from megamlm.objectives import Objective, get_objective, load_pretrained
 from megamlm.parallel import init_distributed
 
 
@@ -66,22 +66,22 @@ def samples(stream: np.ndarray, length: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def mlm_perplexity(model, tokens: np.ndarray, tokenizer: Tokenizer, batch_size: int = 8, seed: int = 1) -> dict:
-    """Masked-token cross-entropy (nats) and perplexity over samples [n, L]."""
+def mlm_perplexity(objective: Objective, model, tokens: np.ndarray, tokenizer: Tokenizer, batch_size: int = 8,
+                   seed: int = 1) -> dict:
+    """The objective's loss (nats per masked token) and metric over samples [n, L], masked by the
+    fairseq rule at its default rates (not the model's training rates: every model gets the same
+    targets)."""
     dictionary = tokenizer.dictionary
     masker = Masker(dictionary.mask_id, dictionary.ordinary_ids(), seed=seed)
-    device = model.ctx.device
+    device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(tokens), batch_size):
-        block = tokens[start:start + batch_size]
-        masked = [masker(row, 0, start + i) for i, row in enumerate(block)]
-        inputs = torch.from_numpy(np.stack([m[0] for m in masked])).to(device)
-        targeted = torch.from_numpy(np.stack([m[1] for m in masked])).to(device)
-        logits = model(inputs, targeted)
-        total += model.loss(logits, torch.from_numpy(block).to(device)[targeted], reduction="sum").item()
-        count += int(targeted.sum())
+        rows = [(row, start + i) for i, row in enumerate(tokens[start:start + batch_size])]
+        out = objective.loss(model, collate(rows, masker, 0, tokens.shape[1], PAD).to(device))
+        total += out.loss_sum.item()
+        count += out.count
     loss = total / count
-    return {"loss": loss, "ppl": perplexity(loss), "masked_tokens": count, "samples": len(tokens)}
+    return {"loss": loss, **objective.summary(loss), "masked_tokens": count, "samples": len(tokens)}
 
 
 def evaluate_lengths(checkpoint: str | Path, data: str | Path, lengths: list[int], max_tokens: int,
@@ -96,7 +96,7 @@ def evaluate_lengths(checkpoint: str | Path, data: str | Path, lengths: list[int
         if cfg.model.position == "learned" and length > cfg.model.max_positions:
             rows.append({"length": length, "skipped": f"learned position table holds {cfg.model.max_positions}"})
             continue
-        rows.append({"length": length, **mlm_perplexity(model, samples(stream, length), tokenizer,
+        rows.append({"length": length, **mlm_perplexity(get_objective(cfg), model, samples(stream, length), tokenizer,
                                                         max(1, batch_size * min(lengths) // length))})
     return rows
 

@@ -7,7 +7,7 @@ Memory per GPU (bytes; P = parameters, TP/DP the parallel degrees, w = 2 for bf1
   optimizer    P/TP · (8 + 4 master if w == 2)   Adam moments (+ fp32 master copy)  (ZeRO-1+: / DP)
   activations  L · s · b · h · (34 + 5 · a · s / h) · w/2 / TP   (Korthikanti et al. 2022, no
                recomputation; attention scores a·s² dominate at long sequences)
-Wall time = flops/token (flops.py) · tokens · updates / (GPUs · peak · MFU).
+Wall time = flops/token (the objective's) · tokens · updates / (GPUs · peak · MFU).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamlm.config import Config, ConfigError
-from megamlm.train.flops import GPU_PEAKS, flops_per_token
+from megamlm.objectives import get_objective
+from megamlm.train.flops import GPU_PEAKS
 
 
 def parameter_count(cfg: Config) -> int:
@@ -93,7 +94,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float)
         raise ConfigError(f"--gpu {gpu}; known: {', '.join(GPU_PEAKS)}")
     peak = GPU_PEAKS[gpu][train.precision]
     tokens = global_batch * s
-    seconds = flops_per_token(m, s, cfg.data.mask_prob) * tokens * train.steps / (gpus * peak * mfu)
+    seconds = get_objective(cfg).flops_per_token(s) * tokens * train.steps / (gpus * peak * mfu)
     return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens,
                 train.steps, memory, seconds / 3600)
 

@@ -6,16 +6,16 @@ import warnings
 import pytest
 import torch
 
-from megamlm.model.attention import BidirectionalAttention, flex_block_mask
+from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, flex_block_mask
 from megamlm.model.encoder import transformer_config
-from megamlm.model.positions import alibi_bias
+from megamlm.model.positions import Alibi, alibi_bias
 from megamlm.parallel import TensorParallelRNG
 from tests.variants import variant_config
 
 
-def _attention(backend, offset):
+def _attention(backend, position):
     tcfg = transformer_config(variant_config("alibi").model, tp_size=1)
-    return BidirectionalAttention(tcfg, 1, None, "self", backend=backend, alibi_offset=offset).eval()
+    return BidirectionalAttention(tcfg, 1, None, "self", backend=ATTENTION_BACKENDS[backend](position)).eval()
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["one-document", "packed"])
@@ -29,18 +29,24 @@ def test_flex_score_mod_equals_sdpa_with_materialized_bias(mode, documents):
     groups = torch.zeros(b, s, dtype=torch.long).masked_fill(padding, -1)  # key groups: -1 = padding
     if documents:
         groups[0, 5:] = 1  # row 0 packs two documents
-    before = torch.rand(np_, generator=g) + 0.1
-    after = before if mode != "learned" else torch.rand(np_, generator=g) + 0.1
-    offset = 0.5 if mode == "offset" else 0.0
+    position = Alibi(np_, mode, tp_rank=0, tp_size=1)
+    if mode == "learned":  # different slopes before and after the query
+        with torch.no_grad():
+            position.log_slopes.copy_((torch.rand(2, np_, generator=g) + 0.1).log())
+    before, after = position.slopes_before_after()
     # sdpa: [b, 1, 1, s] key padding (+ [b, 1, s, s] other documents) + [np, s, s] bias
     bias = torch.zeros(b, 1, 1, s).masked_fill(padding[:, None, None, :], float("-inf"))
     other = (groups[:, None, :, None] >= 0) & (groups[:, None, :, None] != groups[:, None, None, :])
-    bias = bias.masked_fill(other, float("-inf")) + alibi_bias(before, after, s, s, offset)[None]
-    want = _attention("sdpa", offset)(q, k, v, None, attention_bias=bias)
-    with warnings.catch_warnings():
+    bias = bias.masked_fill(other, float("-inf")) + alibi_bias(before, after, s, s, position.offset)[None]
+    # each backend prepares its own inputs from padding / documents / the position encoding
+    documents = groups if documents else None
+    sdpa, flex = _attention("sdpa", position), _attention("flex", position)
+    torch.testing.assert_close(sdpa.backend.prepare(padding, documents, torch.float32).expand_as(bias), bias)
+    want = sdpa(q, k, v, bias)
+    # no_grad: the CPU (eager) FlexAttention cannot trace learned slopes that require grad
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
-        got = _attention("flex", offset)(q, k, v, flex_block_mask(groups),
-                                         attention_bias=torch.stack([before, after]))
+        got = flex(q, k, v, flex.backend.prepare(padding, documents, torch.float32))
     assert got.shape == (s, b, np_ * hn)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 

@@ -6,9 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from megamlm.model.attention import BidirectionalAttention
+from megamlm.model.attention import AttentionBackend, BidirectionalAttention
 from megamlm.model.dropout import dropout
 from megamlm.model.encoder import transformer_config
+from megamlm.model.positions import PositionEncoding
 from megamlm.parallel import tensor_parallel_rng
 from tests.variants import variant_config
 
@@ -56,7 +57,7 @@ def test_reproducible_from_the_seed_and_identity_when_off():
 def _attention(dropout_p):
     model = variant_config("alibi").model
     tcfg = transformer_config(dataclasses.replace(model, attention_dropout=dropout_p), tp_size=1)
-    return BidirectionalAttention(tcfg, 1, None, "self")
+    return BidirectionalAttention(tcfg, 1, None, "self", backend=AttentionBackend(PositionEncoding()))
 
 
 def test_cpu_attention_dropout_path_matches_sdpa_in_expectation():
@@ -67,13 +68,13 @@ def test_cpu_attention_dropout_path_matches_sdpa_in_expectation():
     bias[1, :, :, 4:] = float("-inf")  # padded keys of sample 1
     attention = _attention(0.1)
     tensor_parallel_rng.seed(0)
-    want = attention.eval()(q, k, v, None, attention_bias=bias)  # SDPA, no dropout
+    want = attention.eval()(q, k, v, bias)  # SDPA, no dropout
     # a drop probability below 1/65536 keeps everything: the explicit math path alone equals SDPA
     attention.dropout_p = 1e-6
-    torch.testing.assert_close(attention.train()(q, k, v, None, attention_bias=bias), want)
+    torch.testing.assert_close(attention.train()(q, k, v, bias), want)
     # with dropout, the average over draws converges to the output without it
     attention.dropout_p = 0.1
     tensor_parallel_rng.seed(0)  # attention dropout draws from the tensor-parallel stream
-    draws = torch.stack([attention(q, k, v, None, attention_bias=bias) for _ in range(2000)])
+    draws = torch.stack([attention(q, k, v, bias) for _ in range(2000)])
     assert not torch.allclose(draws[0], want, atol=1e-3)
     torch.testing.assert_close(draws.mean(0), want, rtol=0, atol=0.05)

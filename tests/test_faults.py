@@ -294,8 +294,8 @@ def test_token_ids_outside_the_dictionary_are_corruption_never_model_input(shard
     corrupt = 0
     with pytest.warns(UserWarning, match="holds token id 65000"):
         for batch in make_loader(stream):
-            corrupt += batch["corrupt"]
-            assert int(batch["tokens"].max()) < len(dictionary)
+            corrupt += batch.corrupt
+            assert int(batch.inputs.max()) < len(dictionary)
     assert corrupt >= 1
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from megamlm.config import load_config
 from megamlm.convert.hf import hf_roberta_to_megamlm
 from megamlm.model.reshard import load_full_state_dict
-from megamlm.model import MaskedLM
+from megamlm.objectives import MaskedLM
 from tests.variants import CONFIGS, VARIANTS, variant_config
 
 PAD = 1
@@ -193,10 +193,10 @@ def test_stream_marks_documents_from_the_unmasked_text(tmp_path):
     build_shards(BuildOptions([str(text)], str(tmp_path / "shards"), seq_length=64), tokenizer, progress=False)
     masker = Masker(tokenizer.dictionary.mask_id, tokenizer.dictionary.ordinary_ids(), mask_prob=0.5)
     batch = next(iter(MaskedBatches(ShardSet(tmp_path / "shards"), masker, seq_length=64, micro_batch=2)))
-    original = batch["tokens"].clone()
-    original[batch["masked_positions"]] = batch["targets"]  # the text before masking
+    original = batch.inputs.clone()
+    original[batch.target_mask] = batch.targets  # the text before masking
     for row in range(2):
-        docs = batch["documents"][row]
+        docs = batch.documents[row]
         assert (docs >= 0).sum() == original[row].ne(1).sum() and docs.max() >= 1  # several documents
         # a new document starts right after every </s> (also where the </s> itself was masked)
         for end in (original[row] == EOS).nonzero().flatten()[:-1].tolist():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megamlm.config import ConfigError, load_config
-from megamlm.model import MaskedLM
+from megamlm.objectives import MaskedLM
 from megamlm.plan import check_budget, make_plan, parameter_count
 from tests.variants import CONFIGS, VARIANTS, variant_config
 
@@ -56,12 +56,16 @@ def test_memory_estimate_matches_measured_weight_and_optimizer_bytes(world):
 
 
 def test_model_flops_per_token_follow_the_documented_formula():
-    from megamlm.train.flops import flops_per_token
+    from megamlm.objectives import get_objective
 
-    base = load_config([CONFIGS / "model/base.yaml", CONFIGS / "variants/baseline.yaml"]).model
+    def flops_per_token(cfg, seq_length, mask_prob):
+        assert cfg.data.mask_prob == mask_prob
+        return get_objective(cfg).flops_per_token(seq_length)
+
+    base = load_config([CONFIGS / "model/base.yaml", CONFIGS / "variants/baseline.yaml"])
     # 6·N_body + 12·L·s·h + 6·(h² + h·V)·p, N_body = L·(4h² + 2hf); roberta.base, s = 2048, p = 0.15
     body = 12 * (4 * 768**2 + 2 * 768 * 3072)
     want = 6 * body + 12 * 12 * 2048 * 768 + 6 * (768**2 + 768 * 50265) * 0.15
     assert flops_per_token(base, 2048, 0.15) == pytest.approx(want) == pytest.approx(771_374_361.6)
-    clap = load_config([CONFIGS / "model/base.yaml", CONFIGS / "variants/learned-clap.yaml"]).model
+    clap = load_config([CONFIGS / "model/base.yaml", CONFIGS / "variants/learned-clap.yaml"])
     assert flops_per_token(base, 2048, 0.15) - flops_per_token(clap, 2048, 0.15) == pytest.approx(6 * 768**2 * 0.15)

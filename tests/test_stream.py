@@ -41,9 +41,9 @@ def stream(folder, **kw):
 
 def originals(batch):
     """The unmasked samples of a batch, keyed by their index in the epoch's global order."""
-    tokens = batch["tokens"].clone()
-    tokens[batch["masked_positions"]] = batch["targets"]
-    return {int(i): tuple(row[row != 1].tolist()) for i, row in zip(batch["sample_ids"], tokens)}
+    tokens = batch.inputs.clone()
+    tokens[batch.target_mask] = batch.targets
+    return {int(i): tuple(row[row != 1].tolist()) for i, row in zip(batch.sample_ids, tokens)}
 
 
 def _rank_epoch(folder, tensor_parallel, workers):
@@ -109,23 +109,23 @@ def test_resume_continues_with_the_next_batch_across_epochs(tmp_path):
     for batch in straight[:k]:
         position = advance(position, batch, per_epoch)
     resumed = run_on_ranks(_resume_in_new_process, 1, small, json.dumps(position.state_dict()), m)[0]
-    assert [(b["epoch"], b["batch"]) for b in resumed] == [(b["epoch"], b["batch"]) for b in straight[k:]]
-    assert {b["epoch"] for b in resumed} == {0, 1}
+    assert [(b.epoch, b.batch) for b in resumed] == [(b.epoch, b.batch) for b in straight[k:]]
+    assert {b.epoch for b in resumed} == {0, 1}
     for a, b in zip(straight[k:], resumed):
         for key in ("tokens", "masked_positions", "targets", "sample_ids"):
             assert torch.equal(a[key], b[key])
     # a new epoch is reshuffled and remasked
-    epoch1 = [b for b in straight if b["epoch"] == 1][0]
-    assert not torch.equal(epoch1["sample_ids"], straight[0]["sample_ids"])
+    epoch1 = [b for b in straight if b.epoch == 1][0]
+    assert not torch.equal(epoch1.sample_ids, straight[0].sample_ids)
 
 
 def test_batches_are_padded_to_a_multiple_of_8_and_start_with_bos(shard_dir):
     batch = next(iter(make_loader(stream(shard_dir))))
-    assert batch["tokens"].shape[1] % 8 == 0 and batch["tokens"].shape[1] <= 128
-    assert (batch["tokens"][:, 0] == 0).sum() + batch["masked_positions"][:, 0].sum() >= 8
-    assert batch["targets"].numel() == batch["masked_positions"].sum()
-    assert torch.equal(batch["masked_index"], batch["masked_positions"].flatten().nonzero().squeeze(1))
-    assert not batch["masked_positions"][batch["tokens"] == 1].any()
+    assert batch.inputs.shape[1] % 8 == 0 and batch.inputs.shape[1] <= 128
+    assert (batch.inputs[:, 0] == 0).sum() + batch.target_mask[:, 0].sum() >= 8
+    assert batch.targets.numel() == batch.target_mask.sum()
+    assert torch.equal(batch.target_index, batch.target_mask.flatten().nonzero().squeeze(1))
+    assert not batch.target_mask[batch.inputs == 1].any()
 
 
 def test_compiled_runs_get_one_batch_width_with_the_same_content(shard_dir):
@@ -135,7 +135,7 @@ def test_compiled_runs_get_one_batch_width_with_the_same_content(shard_dir):
     def widths_and_samples(pad_multiple):
         # one sample per batch: the width follows each sample's length
         batches = [b for _, b in zip(range(12), stream(shard_dir, micro_batch=1, pad_multiple=pad_multiple))]
-        return {b["tokens"].shape[1] for b in batches}, [originals(b) for b in batches]
+        return {b.inputs.shape[1] for b in batches}, [originals(b) for b in batches]
 
     dynamic, samples = widths_and_samples(8)
     static, static_samples = widths_and_samples(128)
@@ -201,8 +201,8 @@ def test_truncated_shard_is_skipped_and_garbage_is_replaced(shard_dir, tmp_path)
     corrupt = 0
     with pytest.warns(UserWarning, match="unreadable"):
         for batch in make_loader(s):
-            corrupt += batch["corrupt"]
-            assert batch["tokens"].shape[0] == 8
+            corrupt += batch.corrupt
+            assert batch.inputs.shape[0] == 8
     assert corrupt > 0
 
 

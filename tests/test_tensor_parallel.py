@@ -8,7 +8,7 @@ import torch
 
 from megamlm.config import ParallelConfig
 from megamlm.model.reshard import full_state_dict
-from megamlm.model import MaskedLM
+from megamlm.objectives import MaskedLM
 from megamlm.parallel import init_distributed, seed_everything
 from tests.multiproc import run_on_ranks
 from tests.test_model import batch

@@ -8,7 +8,7 @@ import torch
 
 from megamlm.config import Config, ParallelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.model import MaskedLM
+from megamlm.objectives import get_objective
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.parallel import init_distributed
 
@@ -40,7 +40,7 @@ def compare(ours: torch.Tensor, theirs: torch.Tensor, tokens: torch.Tensor, pad:
 
 def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     ctx = init_distributed(ParallelConfig())
-    model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
+    model = get_objective(cfg).build_model(ctx)
     load_full_state_dict(model, full)
     with torch.no_grad():
         return model.eval()(tokens)

@@ -35,10 +35,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from megamlm.data.batch import Batch, Corruption, collate
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
-from megamlm.data.masking import Masker
 from megamlm.data.shards import ShardError
-from megamlm.data.tokenizer import BOS, EOS
+from megamlm.data.tokenizer import BOS
 
 
 class CorruptShardError(ShardError):
@@ -184,13 +184,14 @@ class EpochOrder:
 
 
 class MaskedBatches(IterableDataset):
-    """Infinite (or `epochs`-long) stream of masked batches for one data-parallel rank."""
+    """Infinite (or `epochs`-long) stream of corrupted batches (data/batch.py's Batch) for one
+    data-parallel rank; `corruption` is the objective's (MLM: masking.py's Masker)."""
 
-    def __init__(self, shards: ShardSet, masker: Masker, *, seq_length: int, micro_batch: int,
+    def __init__(self, shards: ShardSet, corruption: Corruption, *, seq_length: int, micro_batch: int,
                  accumulation: int = 1, block_mode: str = "complete", seed: int = 1,
                  dp_rank: int = 0, dp_size: int = 1, shuffle_window: int = 1000, pad_id: int = 1,
                  epochs: int | None = None, position: StreamPosition | None = None, pad_multiple: int = 8):
-        self.shards, self.masker = shards, masker
+        self.shards, self.corruption = shards, corruption
         # batches are padded to a multiple of this (capped at seq_length); = seq_length gives every
         # batch one shape, which compiled layers need to avoid recompiling per batch width
         self.pad_multiple = pad_multiple
@@ -226,7 +227,7 @@ class MaskedBatches(IterableDataset):
         start, end = self._block_bounds(shard)[block]
         return np.concatenate([[BOS], self.shards.read_tokens(shard, int(start), int(end))])
 
-    def _batch(self, order: EpochOrder, epoch: int, j: int) -> dict:
+    def _batch(self, order: EpochOrder, epoch: int, j: int) -> Batch:
         samples = []
         for position in self._positions(j):
             shard, block, index = order.sample(position)
@@ -241,28 +242,7 @@ class MaskedBatches(IterableDataset):
             samples.append(readable[len(samples) % len(readable)])
         longest = max(len(s) for s, _ in samples)
         width = min(math.ceil(longest / self.pad_multiple) * self.pad_multiple, max(self.seq_length, longest))
-        tokens = np.full((self.micro_batch, width), self.pad_id, dtype=np.int64)
-        inputs = tokens.copy()
-        targeted = np.zeros((self.micro_batch, width), dtype=bool)
-        documents = np.full((self.micro_batch, width), -1, dtype=np.int64)
-        for row, (sample, index) in enumerate(samples):
-            masked_input, mask = self.masker(sample, epoch, index)
-            tokens[row, : len(sample)] = sample
-            inputs[row, : len(sample)] = masked_input
-            targeted[row, : len(sample)] = mask
-            # document index of each position: the </s> before it counted (from the unmasked text)
-            documents[row, : len(sample)] = np.concatenate([[0], np.cumsum(sample[:-1] == EOS)])
-        return {
-            "tokens": torch.from_numpy(inputs),
-            "masked_positions": torch.from_numpy(targeted),
-            "masked_index": torch.from_numpy(np.flatnonzero(targeted)),  # the same, as flat (b, s) indices
-            "documents": torch.from_numpy(documents),
-            "targets": torch.from_numpy(tokens[targeted]),
-            "sample_ids": torch.tensor([index for _, index in samples]),
-            "epoch": epoch,
-            "batch": j,
-            "corrupt": corrupt,
-        }
+        return collate(samples, self.corruption, epoch, width, self.pad_id, batch=j, corrupt=corrupt)
 
     def __iter__(self):
         info = get_worker_info()
@@ -290,9 +270,9 @@ def make_loader(stream: MaskedBatches, workers: int = 0) -> DataLoader:
                       persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
 
 
-def advance(position: StreamPosition, batch: dict, batches_per_epoch: int) -> StreamPosition:
+def advance(position: StreamPosition, batch: Batch, batches_per_epoch: int) -> StreamPosition:
     """The position after consuming `batch`."""
-    nxt = batch["batch"] + 1
+    nxt = batch.batch + 1
     if nxt >= batches_per_epoch:
-        return StreamPosition(batch["epoch"] + 1, 0)
-    return StreamPosition(batch["epoch"], nxt)
+        return StreamPosition(batch.epoch + 1, 0)
+    return StreamPosition(batch.epoch, nxt)

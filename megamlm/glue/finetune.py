@@ -61,7 +61,7 @@ class ClassificationHead(nn.Module):
 
 
 class SentenceClassifier(nn.Module):
-    """The pretrained encoder (its MLM head unused) + a classification head on `<s>`."""
+    """The pretrained Encoder (without its objective's heads) + a classification head on `<s>`."""
 
     def __init__(self, body: nn.Module, num_classes: int, seed: int):
         super().__init__()
@@ -74,11 +74,8 @@ class SentenceClassifier(nn.Module):
                 linear.bias.zero_()
         self.head.to(body.ctx.device)
 
-    def trainable(self) -> list[nn.Parameter]:
-        return [p for name, p in self.named_parameters() if not name.startswith("body.lm_head.")]
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.body.hidden_states(tokens)  # [s, b, h]
+        hidden = self.body(tokens)  # [s, b, h]
         return self.head(hidden[0])  # <s> features [b, h] -> [b, classes]
 
 
@@ -141,7 +138,7 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     total, warmup = task.schedule(options.epochs, per_epoch)
     schedule = OptimConfig(lr=options.lr or task.lr, min_lr=0.0, schedule="polynomial", end_lr=0.0, power=1.0,
                            warmup_steps=warmup, betas=(0.9, 0.98), eps=1e-6)
-    optimizer = torch.optim.AdamW(model.trainable(), lr=schedule.lr, betas=schedule.betas, eps=schedule.eps,
+    optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, betas=schedule.betas, eps=schedule.eps,
                                   weight_decay=options.weight_decay, fused=True)
     generator = torch.Generator().manual_seed(seed)
     history, update = [], 0
@@ -161,7 +158,7 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
             loss.backward()
             value = loss.detach()
             if ctx.dp_size > 1:  # each rank's loss is its share of the global batch mean: sum them
-                for tensor in [value] + [p.grad for p in model.trainable() if p.grad is not None]:
+                for tensor in [value] + [p.grad for p in model.parameters() if p.grad is not None]:
                     dist.all_reduce(tensor, group=ctx.dp_group)
             optimizer.step()
             total_loss += value.item()

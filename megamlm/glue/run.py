@@ -23,7 +23,7 @@ from megamlm.config import ParallelConfig
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, task_files
-from megamlm.model.folder import load_pretrained
+from megamlm.objectives import load_encoder
 from megamlm.parallel import init_distributed, seed_everything
 
 TABLE_ORDER = ("MNLI", "QNLI", "QQP", "RTE", "SST-2", "MRPC", "CoLA", "STS-B")
@@ -45,7 +45,7 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev), "seeds": {}}
     for seed in seeds:
         seed_everything(seed, ctx)
-        cfg, body = load_pretrained(checkpoint, ctx, overrides)
+        cfg, body = load_encoder(checkpoint, ctx, overrides)
         tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
         model = SentenceClassifier(body, task.num_classes, seed)
         result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log)

@@ -1,7 +1,6 @@
-"""The encoder, its positional encodings, attention and heads."""
+"""The encoder and its parts: position encodings, attention backends, layers, heads; model folders."""
 
-from megamlm.model.encoder import MaskedLM, perplexity
-from megamlm.model.folder import from_pretrained, load_pretrained
+from megamlm.model.encoder import Encoder
 from megamlm.model.positions import alibi_bias, alibi_slopes
 
-__all__ = ["MaskedLM", "alibi_bias", "alibi_slopes", "from_pretrained", "load_pretrained", "perplexity"]
+__all__ = ["Encoder", "alibi_bias", "alibi_slopes"]

@@ -1,18 +1,26 @@
-"""Bidirectional core attention plugged into megatron-core's SelfAttention through the layer spec.
+"""Bidirectional core attention and its backends, plugged into megatron-core's SelfAttention.
 
 megatron-core's DotProductAttention needs CUDA (global memory buffer) and has no path for an
-additive bias, so this module replaces it. It receives this rank's heads only:
-query/key/value [s, b, np, hn] and returns [s, b, np * hn].
+additive bias, so `BidirectionalAttention` replaces it in the layer spec. It receives this rank's
+heads only, query/key/value [s, b, np, hn], and returns [s, b, np * hn]; the work is done by an
+`AttentionBackend` chosen by name (`ATTENTION_BACKENDS`, model.attention_backend):
 
-Backends
-  sdpa  `attention_bias` is an additive float tensor broadcastable to [b, np, s, s]: the
-        shard's ALiBi bias plus -inf on padded keys, built once per forward by the encoder and
-        shared by every layer.
-  flex  FlexAttention: ALiBi is a `score_mod` and key padding / document boundaries a BlockMask,
-        no bias is materialized and key blocks a query block cannot see are skipped.
-        `attention_bias` is then the [2, np] slopes (before, after) or None, and `attention_mask`
-        the BlockMask from `flex_block_mask`, built once per forward and shared by every layer.
-        CUDA only for training: torch 2.13 has no FlexAttention backward on CPU.
+    backend = ATTENTION_BACKENDS[name](position)    # one per encoder, shared by its layers
+    prepared = backend.prepare(padding, documents, dtype)   # once per forward
+    out = backend.attend(q, k, v, prepared, dropout_p, scale)   # in every layer
+
+megatron's slots have one meaning each: `attention_mask` carries `prepared` (whatever the backend
+built: a bias tensor for sdpa, a BlockMask and score parameters for flex) and `attention_bias` is
+unused. A backend asks the position encoding for its score term; padding and document boundaries
+are the backend's to express.
+
+  sdpa   PyTorch scaled_dot_product_attention with one additive bias [b, np|1, s, s] (-inf on padded
+         keys and other documents, plus the position's score term), CPU and GPU.
+  eager  the same math unfused: softmax, then our dropout. sdpa runs it on CPU whenever attention
+         dropout is on (torch's CPU SDPA then does this math with a slower dropout mask).
+  flex   FlexAttention: the position's score term is a `score_mod`, key padding / documents a
+         BlockMask; nothing [s, s] is materialized and key blocks a query block cannot see are
+         skipped. CUDA only for training: torch 2.13 has no FlexAttention backward on CPU.
 """
 
 from __future__ import annotations
@@ -24,20 +32,113 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from megamlm.config import ConfigError
+from megamlm.config import ConfigError, ModelConfig
 from megamlm.model.dropout import dropout
+from megamlm.model.positions import PositionEncoding
 from megamlm.parallel import tensor_parallel_rng
 
 
+class AttentionBackend:
+    """sdpa: see the module docstring. Subclasses override `prepare` and `attend`."""
+
+    name = "sdpa"
+
+    def __init__(self, position: PositionEncoding):
+        self.position = position
+
+    @staticmethod
+    def unsupported_here(model: ModelConfig) -> str | None:
+        """Why this machine or config cannot run the backend, or None (checked before any work)."""
+        return None
+
+    def prepare(self, padding: torch.Tensor, documents: torch.Tensor | None, dtype: torch.dtype):
+        """padding [b, s] bool, documents [b, s] (document index, -1 on padding) or None when
+        attention may span the whole sample -> the additive bias [b, np|1, s, s]."""
+        b, s = padding.shape
+        # [b, s] -> [b, 1, 1, s]: -inf on padded keys
+        bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
+        bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))
+        if documents is not None:
+            # [b, 1, s, 1] vs [b, 1, 1, s] -> [b, 1, s, s]: real queries see only their document
+            query_doc, key_doc = documents[:, None, :, None], documents[:, None, None, :]
+            bias = bias.masked_fill((query_doc >= 0) & (query_doc != key_doc), float("-inf"))
+        score = self.position.score_bias(s, dtype)
+        if score is not None:
+            # [b, 1, s|1, s] + [1, np, s, s] -> [b, np, s, s], shared by all layers
+            bias = bias + score[None]
+        return bias
+
+    def attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
+        """q, k, v [b, np, s, hn] -> [b, np, s, hn]."""
+        if dropout_p > 0 and q.device.type == "cpu":
+            return EagerAttention.attend(self, q, k, v, bias, dropout_p, scale)
+        # heads are sharded: each TP rank needs its own dropout stream
+        with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+
+
+class EagerAttention(AttentionBackend):
+    """softmax(q·kᵀ·scale + bias), our dropout, @ v: what SDPA computes on CPU with dropout."""
+
+    name = "eager"
+
+    def attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
+        scale = scale if scale is not None else q.size(-1) ** -0.5
+        # [b, np, s, hn] x [b, np, hn, s] -> [b, np, s, s]
+        scores = torch.matmul(q * scale, k.transpose(-2, -1))
+        if bias is not None:
+            scores.add_(bias)  # in place: a fresh [b, np, s, s] buffer costs more than the add
+        probs = torch.softmax(scores, dim=-1)
+        if dropout_p > 0:
+            with tensor_parallel_rng.fork(q.device):
+                probs = dropout(probs, dropout_p, training=True)
+        # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
+        return torch.matmul(probs, v)
+
+
+class FlexAttention(AttentionBackend):
+    """FlexAttention with the position's score term as score_mod and a document BlockMask."""
+
+    name = "flex"
+
+    @staticmethod
+    def unsupported_here(model: ModelConfig) -> str | None:
+        if not torch.cuda.is_available():
+            return ("model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
+                    "backward on CPU); use model.attention_backend=sdpa")
+        return None
+
+    def prepare(self, padding, documents, dtype):
+        """(BlockMask, the position's score parameters or None)."""
+        groups = documents if documents is not None else padding.long().neg()  # -1 on padding
+        return flex_block_mask(groups), self.position.score_params()
+
+    def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
+        if dropout_p > 0:
+            raise ConfigError("model.attention_backend=flex has no attention dropout; "
+                               "set model.attention_dropout=0 or use attention_backend=sdpa")
+        block_mask, params = prepared
+        term = None if params is None else self.position.score_function()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + term(params, h, q_idx, kv_idx).to(score.dtype)
+
+        return _flex_attention(q.device.type)(q, k, v, score_mod=None if params is None else score_mod,
+                                              block_mask=block_mask, scale=scale)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    cls.name: cls for cls in (AttentionBackend, EagerAttention, FlexAttention)}
+"""model.attention_backend -> backend class (the names of ModelConfig.attention_backend)."""
+
+
 class BidirectionalAttention(MegatronModule):
-    """softmax(q·kᵀ/√hn + bias) v over this rank's heads, no causal mask."""
+    """megatron's core-attention slot: permutes to [b, np, s, hn], lets the backend attend."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None, *, backend: str = "sdpa",
-                 alibi_offset: float = 0.0):
+                 softmax_scale=None, pg_collection=None, *, backend: AttentionBackend):
         super().__init__(config=config)
         self.backend = backend
-        self.alibi_offset = alibi_offset
         self.dropout_p = config.attention_dropout
         self.softmax_scale = softmax_scale
 
@@ -47,44 +148,9 @@ class BidirectionalAttention(MegatronModule):
         # [s, b, np, hn] -> [b, np, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        if self.backend == "flex":
-            out = self._flex(q, k, v, attention_mask, attention_bias)
-        else:
-            # heads are sharded: each TP rank needs its own dropout stream
-            with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
-                if dropout_p > 0 and q.device.type == "cpu":
-                    out = self._cpu_attention_with_dropout(q, k, v, attention_bias)
-                else:
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias, dropout_p=dropout_p,
-                                                         scale=self.softmax_scale)
+        out = self.backend.attend(q, k, v, attention_mask, dropout_p, self.softmax_scale)
         # [b, np, s, hn] -> [s, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
-
-    def _cpu_attention_with_dropout(self, q, k, v, bias):
-        # On CPU, SDPA with dropout runs this same unfused math, with torch's slow dropout mask
-        scale = self.softmax_scale if self.softmax_scale is not None else q.size(-1) ** -0.5
-        # [b, np, s, hn] x [b, np, hn, s] -> [b, np, s, s]
-        scores = torch.matmul(q * scale, k.transpose(-2, -1))
-        if bias is not None:
-            scores.add_(bias)  # in place: a fresh [b, np, s, s] buffer costs more than the add
-        probs = dropout(torch.softmax(scores, dim=-1), self.dropout_p, training=True)
-        # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
-        return torch.matmul(probs, v)
-
-    def _flex(self, q, k, v, block_mask, slopes):
-        if self.training and self.dropout_p > 0:
-            raise ConfigError("model.attention_backend=flex has no attention dropout; "
-                              "set model.attention_dropout=0 or use attention_backend=sdpa")
-        offset = self.alibi_offset
-
-        def alibi(score, b, h, q_idx, kv_idx):
-            distance = kv_idx - q_idx
-            before = slopes[0, h] * torch.clamp(distance, max=0)
-            after = slopes[1, h] * (distance - offset)
-            return score + torch.where(distance > 0, -after, before).to(score.dtype)
-
-        return _flex_attention(q.device.type)(q, k, v, score_mod=None if slopes is None else alibi,
-                                              block_mask=block_mask, scale=self.softmax_scale)
 
 
 def flex_block_mask(groups: torch.Tensor):

@@ -19,23 +19,19 @@ from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.model.dropout import dropout
-from megamlm.model.positions import LearnedPositions, SinusoidalPositions
+from megamlm.model.positions import PositionEncoding
 
 
 class TokenEmbedding(nn.Module):
-    def __init__(self, model: ModelConfig, transformer_config, tp_group, padded_vocab_size: int):
+    def __init__(self, model: ModelConfig, transformer_config, tp_group, padded_vocab_size: int,
+                 positions: PositionEncoding | None):
+        """`positions`: the position encoding when it has an input term (else None)."""
         super().__init__()
         self.model = model
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size, model.hidden_size, init_method=nn.init.zeros_,
             config=transformer_config, tp_group=tp_group)
-        if model.position == "learned":
-            self.positions = LearnedPositions(model.max_positions, model.hidden_size,
-                                              model.pad_token_id)
-        elif model.position == "sinusoidal":
-            self.positions = SinusoidalPositions(model.hidden_size, model.pad_token_id)
-        else:
-            self.positions = None
+        self.positions = positions
         self.layernorm = (nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
                           if model.embedding_layernorm else None)
         self.scale = math.sqrt(model.hidden_size) if model.scale_embeddings else 1.0
@@ -53,7 +49,7 @@ class TokenEmbedding(nn.Module):
             e = e * ~is_mask[..., None]
         x = e * self.scale
         if self.positions is not None:
-            x = x + self.positions(tokens)
+            x = x + self.positions.embed(tokens)
         if self.layernorm is not None:
             x = self.layernorm(x)
         x = dropout(x, model.hidden_dropout, self.training) * ~padding[..., None]

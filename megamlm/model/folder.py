@@ -11,6 +11,7 @@
 
 Folders are written to a temporary sibling and renamed into place: a failed write leaves nothing.
 An existing folder is replaced only when it is megamlm's and the caller allows it (files.py).
+Building a model from a folder is the objective's (objectives/pretrained.py: from_pretrained).
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamlm.config import Config, ParallelConfig, load_config, replace_config
+from megamlm.config import Config, load_config, replace_config
 from megamlm.errors import CorruptFileError
 from megamlm.files import staged_output, verify_record
-from megamlm.model.encoder import MaskedLM
-from megamlm.model.reshard import full_state_dict, load_full_state_dict
+from megamlm.model.reshard import full_state_dict
 from megamlm.model.tp import merge_shards, split_full
-from megamlm.parallel import ParallelContext, init_distributed
 
 MODEL_FILE = "model.pt"
 SHARD_FILE = "model-tp{rank:02d}-of-{tp:02d}.pt"
@@ -127,22 +126,3 @@ def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
         write_model_folder(folder, cfg, full, overwrite=True)  # <run_dir>/final: this run's own
     dist.barrier()
     return folder
-
-
-def load_pretrained(folder: str | Path, ctx: ParallelContext | None = None,
-                    overrides: list[str] = ()) -> tuple[Config, MaskedLM]:
-    """(config, MaskedLM in eval mode) from a model folder, at ctx's TP degree. Without `ctx`, a
-    world of one process is set up (or the running one joined, TP=1)."""
-    ctx = ctx or init_distributed(ParallelConfig())
-    saved = read_model_folder(folder)
-    cfg = replace_config(saved.cfg, [f"parallel.tensor_parallel={ctx.tp_size}", *overrides],
-                         origin=str(Path(folder) / "config.yaml"))
-    model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
-    load_full_state_dict(model, saved.full)
-    return cfg, model.eval()
-
-
-def from_pretrained(folder: str | Path, ctx: ParallelContext | None = None, overrides: list[str] = ()) -> MaskedLM:
-    """A model folder (training's <run_dir>/final, or `megamlm convert` output) as a MaskedLM in
-    eval mode: `megamlm.from_pretrained("runs/demo/final")(token_ids)`."""
-    return load_pretrained(folder, ctx, overrides)[1]

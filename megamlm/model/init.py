@@ -18,19 +18,13 @@ import torch
 from torch import nn
 
 from megamlm.config import ModelConfig
+from megamlm.model.tp import full_shape
 
 _NOT_RANDOM = ("beta", "log_slopes")  # set by their modules from the config / Press et al.
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-
-
-def _full_shape(param: nn.Parameter, tp_size: int) -> list[int]:
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
-    return shape
 
 
 @torch.no_grad()
@@ -48,15 +42,13 @@ def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: i
         if name.endswith("bias"):
             param.zero_()
             continue
-        shape = _full_shape(param, tp_size)
+        shape = full_shape(param, tp_size, model.vocab_size)
         vocab_parallel = getattr(param, "vocab_parallel", False)
-        if vocab_parallel:
-            shape[0] = model.vocab_size
         full = torch.empty(shape).normal_(0.0, model.init_std, generator=_generator(seed, name))
         if vocab_parallel:
             if zero_token_pad_row:
                 full[model.pad_token_id] = 0
-            padded = _full_shape(param, tp_size)[0]
+            padded = full_shape(param, tp_size)[0]
             full = torch.cat([full, full.new_zeros(padded - model.vocab_size, *shape[1:])])
         if name.endswith("positions.weight"):
             full[model.pad_token_id] = 0

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megamlm.config import ModelConfig
-from megamlm.model.attention import BidirectionalAttention
+from megamlm.model.attention import AttentionBackend, BidirectionalAttention
 from megamlm.model.dropout import dropout
 
 
@@ -76,14 +76,11 @@ def layer_norm_impl() -> type:
     return LocalSpecProvider().layer_norm() if torch.cuda.is_available() else WrappedTorchNorm
 
 
-def encoder_layer_spec(model: ModelConfig) -> ModuleSpec:
-    """The layer spec for `model`: our core attention, megatron's TP linears, LN placement."""
+def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend) -> ModuleSpec:
+    """The layer spec for `model`: our core attention running `backend` (one instance shared by
+    every layer), megatron's TP linears, LN placement."""
     norm = layer_norm_impl()
-    core_attention = functools.partial(
-        BidirectionalAttention,
-        backend=model.attention_backend,
-        alibi_offset=0.5 if model.alibi_mode == "offset" else 0.0,
-    )
+    core_attention = functools.partial(BidirectionalAttention, backend=backend)
     self_attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.no_mask},

@@ -1,4 +1,10 @@
-"""Positional encodings: fairseq learned and sinusoidal tables, and bidirectional ALiBi.
+"""Position encodings as parts: each one says what it adds to the input embeddings and/or to the
+attention scores, and the encoder and the attention backend ask it (`POSITIONS` by config name).
+
+    embed(tokens) -> [b, s, h]             input term (learned, sinusoidal): `input_term = True`
+    score_bias(length, dtype) -> [np, s, s] score term, materialized (the sdpa backend)
+    score_params() -> tensor, score_function()(params, h, q_idx, kv_idx)
+                                           the same score term element by element (flex's score_mod)
 
 fairseq numbers positions from `pad_token_id + 1` (= 2): position ids are
 `cumsum(not_pad) * not_pad + pad_token_id`, so padding gets the (zero) pad row and the first real
@@ -20,7 +26,43 @@ import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
+from megamlm.config import ModelConfig
 from megamlm.errors import MegamlmError
+
+
+class PositionEncoding(nn.Module):
+    """No position information (model.position=none); the base of every encoding."""
+
+    input_term: bool = False
+    """True: adds `embed(tokens)` to the token embeddings (registered in the embedding as
+    `embedding.positions`); False: acts on attention scores (registered as `alibi`, wave 1's name)."""
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> PositionEncoding:
+        return cls()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no input term")
+
+    def score_params(self) -> torch.Tensor | None:
+        """Tensors the score term needs, computed once per forward; None: no score term."""
+        return None
+
+    def score_function(self):
+        """fn(params, h, q_idx, kv_idx): the term added to q·kᵀ/√hn for head h (of this rank),
+        query q_idx, key kv_idx; broadcasts. A plain function of its arguments and constants (no
+        module attributes): FlexAttention traces it into its kernel."""
+        raise NotImplementedError(f"{type(self).__name__} has no score term")
+
+    def score_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The score term for every (head, query, key) of a `length` sample: [np, s, s], or None."""
+        params = self.score_params()
+        if params is None:
+            return None
+        heads = torch.arange(params.size(-1), device=params.device)[:, None, None]
+        positions = torch.arange(length, device=params.device)
+        # [np, 1, 1], [s, 1], [1, s] -> [np, s, s]
+        return self.score_function()(params, heads, positions[:, None], positions[None, :]).to(dtype)
 
 
 def fairseq_position_ids(tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -29,14 +71,20 @@ def fairseq_position_ids(tokens: torch.Tensor, pad_token_id: int) -> torch.Tenso
     return (torch.cumsum(not_pad, dim=1) * not_pad).long() + pad_token_id
 
 
-class LearnedPositions(nn.Module):
+class LearnedPositions(PositionEncoding):
     """fairseq LearnedPositionalEmbedding: max_positions + pad_id + 1 rows, the pad row is zero."""
+
+    input_term = True
 
     def __init__(self, max_positions: int, hidden_size: int, pad_token_id: int):
         super().__init__()
         self.pad_token_id = pad_token_id
         self.max_positions = max_positions
         self.weight = nn.Parameter(torch.empty(max_positions + pad_token_id + 1, hidden_size))
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> LearnedPositions:
+        return cls(model.max_positions, model.hidden_size, model.pad_token_id)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.size(1) > self.max_positions:
@@ -47,6 +95,8 @@ class LearnedPositions(nn.Module):
         # [b, s] -> [b, s, h]
         return nn.functional.embedding(fairseq_position_ids(tokens, self.pad_token_id), self.weight,
                                        padding_idx=self.pad_token_id)
+
+    embed = forward
 
 
 def sinusoidal_table(num_positions: int, dim: int, pad_token_id: int) -> torch.Tensor:
@@ -61,13 +111,19 @@ def sinusoidal_table(num_positions: int, dim: int, pad_token_id: int) -> torch.T
     return table
 
 
-class SinusoidalPositions(nn.Module):
+class SinusoidalPositions(PositionEncoding):
     """Fixed sinusoidal positions in fairseq's layout; any length (the table grows on demand)."""
+
+    input_term = True
 
     def __init__(self, hidden_size: int, pad_token_id: int):
         super().__init__()
         self.hidden_size, self.pad_token_id = hidden_size, pad_token_id
         self.register_buffer("table", torch.empty(0, hidden_size), persistent=False)
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> SinusoidalPositions:
+        return cls(model.hidden_size, model.pad_token_id)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         needed = tokens.size(1) + self.pad_token_id + 1
@@ -77,10 +133,15 @@ class SinusoidalPositions(nn.Module):
         # [b, s] -> [b, s, h]
         return self.table[fairseq_position_ids(tokens, self.pad_token_id)]
 
+    embed = forward
+
 
 # ------------------------------------------------------------------------------------------------
 # ALiBi
 # ------------------------------------------------------------------------------------------------
+
+ALIBI_OFFSETS = {"symmetric": 0.0, "offset": 0.5, "learned": 0.0}
+"""model.alibi_mode -> the distance subtracted from keys after the query."""
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
@@ -100,30 +161,31 @@ def alibi_slopes(num_heads: int) -> list[float]:
     return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]
 
 
+def alibi_score(distance, slope_before, slope_after, offset: float):
+    """ALiBi's score term, the one formula of the package (the sdpa bias and flex's score_mod both
+    call it): distance = j - i (key minus query); keys at or before the query get
+    -m_before (i - j), keys after it -m_after (j - i - offset). Broadcasts over its arguments."""
+    return torch.where(distance > 0, -(slope_after * (distance - offset)),
+                       slope_before * distance.clamp(max=0))
+
+
 def alibi_bias(slopes_before: torch.Tensor, slopes_after: torch.Tensor, q_len: int, k_len: int,
                offset: float) -> torch.Tensor:
-    """[np] slopes -> additive bias [np, q_len, k_len].
-
-    Keys at or before the query (j <= i) get -m_before (i - j); keys after it get
-    -m_after (j - i - offset).
-    """
+    """[np] slopes -> additive bias [np, q_len, k_len] (alibi_score at every position)."""
     device = slopes_before.device
-    # [sq, 1] - [1, sk] -> [sq, sk]
+    # [1, sk] - [sq, 1] -> [sq, sk]
     distance = torch.arange(k_len, device=device)[None, :] - torch.arange(q_len, device=device)[:, None]
-    after = distance > 0
-    before_term = distance.clamp(max=0).to(slopes_before.dtype)  # -(i - j) where j <= i, else 0
-    after_term = (distance.to(slopes_after.dtype) - offset) * after
-    # [np, 1, 1] * [sq, sk] -> [np, sq, sk]
-    return slopes_before[:, None, None] * before_term - slopes_after[:, None, None] * after_term
+    # [np, 1, 1] with [sq, sk] -> [np, sq, sk]
+    return alibi_score(distance, slopes_before[:, None, None], slopes_after[:, None, None], offset)
 
 
-class Alibi(nn.Module):
-    """ALiBi slopes of this tensor-parallel rank's heads and the bias they induce.
+class Alibi(PositionEncoding):
+    """ALiBi slopes of this tensor-parallel rank's heads and the score term they induce.
 
     Fixed modes keep one bias for the longest length seen per (dtype, device) and slice it: the bias
     depends only on i - j, so the top-left block of a larger matrix is exact. The learned mode keeps
     log-slopes (slopes stay positive) of shape [2, np] (before, after) and rebuilds the bias each
-    forward; the model builds it once per forward and every layer shares it.
+    forward; the encoder prepares it once per forward and every layer shares it.
     """
 
     def __init__(self, num_heads: int, mode: str, tp_rank: int, tp_size: int):
@@ -132,7 +194,7 @@ class Alibi(nn.Module):
         first = tp_rank * heads_local
         slopes = torch.tensor(alibi_slopes(num_heads)[first:first + heads_local], dtype=torch.float)
         self.mode = mode
-        self.offset = 0.5 if mode == "offset" else 0.0
+        self.offset = ALIBI_OFFSETS[mode]
         if mode == "learned":
             # [2, np]: row 0 keys before (and at) the query, row 1 keys after it
             self.log_slopes = nn.Parameter(slopes.log().repeat(2, 1))
@@ -141,11 +203,30 @@ class Alibi(nn.Module):
             self.register_buffer("slopes", slopes, persistent=False)
         self._cache: dict[tuple, torch.Tensor] = {}
 
+    @classmethod
+    def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> Alibi:
+        return cls(model.num_attention_heads, model.alibi_mode, tp_rank, tp_size)
+
     def slopes_before_after(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mode == "learned":
             slopes = self.log_slopes.exp()
             return slopes[0], slopes[1]
         return self.slopes, self.slopes
+
+    def score_params(self) -> torch.Tensor:
+        """[2, np]: slopes for keys before (and at) the query, and after it."""
+        return torch.stack(self.slopes_before_after())
+
+    def score_function(self):
+        offset = self.offset
+
+        def score(params, h, q_idx, kv_idx):
+            return alibi_score(kv_idx - q_idx, params[0, h], params[1, h], offset)
+
+        return score
+
+    def score_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        return self(length, dtype)
 
     def forward(self, length: int, dtype: torch.dtype) -> torch.Tensor:
         """Bias [np, length, length] in `dtype`, ready to add to q·k/√d."""
@@ -157,3 +238,16 @@ class Alibi(nn.Module):
             cached = alibi_bias(self.slopes, self.slopes, length, length, self.offset).to(dtype)
             self._cache[key] = cached
         return cached[:, :length, :length]
+
+
+POSITIONS: dict[str, type[PositionEncoding]] = {
+    "none": PositionEncoding,
+    "learned": LearnedPositions,
+    "sinusoidal": SinusoidalPositions,
+    "alibi": Alibi,
+}
+"""model.position -> its encoding (the names of ModelConfig.position; tests/test_model.py checks both)."""
+
+
+def build_position(model: ModelConfig, tp_rank: int, tp_size: int) -> PositionEncoding:
+    return POSITIONS[model.position].from_config(model, tp_rank, tp_size)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megamlm.errors import MegamlmError
+from megamlm.model.tp import full_shape
 
 
 class StateDictMismatch(MegamlmError):
@@ -41,7 +42,7 @@ def from_full(model: nn.Module, param: nn.Parameter, full: torch.Tensor) -> torc
     """A full tensor -> this rank's slice shaped like `param` (vocab rows padded with zeros)."""
     ctx = model.ctx
     if getattr(param, "vocab_parallel", False):
-        padded = param.shape[0] * ctx.tp_size
+        padded = full_shape(param, ctx.tp_size)[0]
         full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
     if _is_sharded(param):
         full = full.chunk(ctx.tp_size, dim=param.partition_dim)[ctx.tp_rank]

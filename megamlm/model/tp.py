@@ -1,9 +1,10 @@
-"""Tensor-parallel shards <-> full tensors, by parameter name, without a process group.
+"""Tensor-parallel shards <-> full tensors.
 
-The model marks its sharded parameters (megatron's `partition_dim`, our `vocab_parallel`); tools that
-work on files (resharding, ZeRO consolidation) need the same facts without building the model, so
-they are written down once here and `tests/test_convert.py` checks this table against every
-variant's parameters. Vocab-parallel tables are padded with zero rows to a multiple of
+The model marks its sharded parameters (megatron's `tensor_model_parallel` / `partition_dim`, our
+`vocab_parallel`); `full_shape` reads those attributes and is what initialization, resharding and
+parameter counts use. Tools that work on files (resharding folders, ZeRO consolidation) need the same
+facts by parameter name without building the model: `SHARD_RULES`, which `tests/test_convert.py`
+checks against every variant's parameter attributes. Vocab-parallel tables are padded with zero rows to a multiple of
 make_vocab_size_divisible_by × TP; their full form holds exactly `vocab_size` rows.
 """
 
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 import re
 
+import math
+
 import torch
+from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.errors import MegamlmError
@@ -27,6 +31,22 @@ SHARD_RULES: list[tuple[str, int, bool]] = [
     (r"alibi\.log_slopes", 1, False),
 ]
 _RULES = [(re.compile(pattern + "$"), dim, vocab) for pattern, dim, vocab in SHARD_RULES]
+
+
+def full_shape(param: nn.Parameter, tp_size: int, vocab_size: int | None = None) -> list[int]:
+    """The TP=1 shape of this rank's `param`: the partition dim times tp_size; with `vocab_size`,
+    vocab-parallel rows without their padding (else the padded rows)."""
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    if vocab_size is not None and getattr(param, "vocab_parallel", False):
+        shape[0] = vocab_size
+    return shape
+
+
+def parameter_count(module: nn.Module, tp_size: int, vocab_size: int) -> int:
+    """Parameters of the whole model (all TP ranks together), vocabulary padding excluded."""
+    return sum(math.prod(full_shape(p, tp_size, vocab_size)) for p in module.parameters())
 
 
 def shard_rule(name: str) -> tuple[int | None, bool]:

@@ -101,8 +101,9 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext):
                                   eps=optim.eps, weight_decay=optim.weight_decay,
                                   fused=True)  # one kernel per step: 5x faster than foreach on CPU too
     if cfg.train.zero_stage == 3:
-        # the tied embedding is used by the head outside the embedding's own forward
-        deepspeed.zero.register_external_parameter(model.lm_head, model.embedding.word_embeddings.weight)
+        # e.g. the tied embedding, used by the MLM head outside the embedding's own forward
+        for module, param in getattr(model, "external_parameters", list)():
+            deepspeed.zero.register_external_parameter(module, param)
     engine, optimizer, _, schedule = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, ctx.dp_size),
         mpu=ModelParallelUnit(ctx),

@@ -1,11 +1,8 @@
-"""Model FLOPs per token and MFU (matmuls only, forward + backward = 3 × forward).
-
-    flops/token = 6·N_body + 12·L·s·h + 6·(h² [RoBERTa head dense] + h·V)·p_head
-    N_body = L·(4h² + 2h·f)
-
-Attention is not halved (bidirectional); p_head is the fraction of positions the head projects
-(the masked fraction here, 1.0 for a head over every position). MFU = flops/token × tokens/s ÷ peak;
-the peak comes from a table of known GPUs or, on CPU, from a matmul timed in the same run.
+"""MFU and device peaks. Model FLOPs per token (matmuls only, forward + backward = 3 x forward) are
+the objective's (`Objective.flops_per_token`: the encoder body, model/encoder.py, plus its heads; MLM:
+6·L·(4h² + 2h·f) + 12·L·s·h + 6·(h² [RoBERTa head dense] + h·V)·mask_prob). MFU = flops/token x
+tokens/s / peak; the peak comes from a table of known GPUs or, on CPU, from a matmul timed in the
+same run.
 """
 
 from __future__ import annotations
@@ -14,8 +11,6 @@ import time
 
 import torch
 
-from megamlm.config import ModelConfig
-
 # dense peak FLOP/s per GPU (no sparsity) by precision
 GPU_PEAKS = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
@@ -23,13 +18,6 @@ GPU_PEAKS = {
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "V100": {"bf16": 125e12, "fp16": 125e12, "fp32": 15.7e12},
 }
-
-
-def flops_per_token(model: ModelConfig, seq_length: int, head_fraction: float) -> float:
-    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
-    body = L * (4 * h * h + 2 * h * f)
-    head = (h * h if model.head == "roberta" else 0) + h * V
-    return 6 * body + 12 * L * seq_length * h + 6 * head * head_fraction
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float, devices: int) -> float | None:

@@ -3,14 +3,14 @@
     megamlm train --config configs/demo.yaml [--resume auto] [section.key=value ...]
     torchrun --nproc-per-node 2 -m megamlm train --config configs/demo.yaml parallel.tensor_parallel=2
 
-One update = `accumulation` micro-batches per data-parallel rank. The loss is fairseq's: the sum of
-cross-entropies over every masked token of the update (all ranks, all micro-batches) divided by
-their number, so results do not depend on how the global batch is split.
+One update = `accumulation` micro-batches per data-parallel rank. What is trained is the config's
+objective (megamlm/objectives/: model, corruption, loss); the loss is fairseq's: the sum over every
+loss term of the update (all ranks, all micro-batches; MLM: the masked tokens) divided by their
+number, so results do not depend on how the global batch is split.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,18 +20,17 @@ import torch
 import torch.distributed as dist
 
 from megamlm.config import Config, ConfigError, ModelConfig
-from megamlm.data.masking import Masker
 from megamlm.data.shards import ShardError, ensure_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.errors import CorruptFileError
-from megamlm.model import MaskedLM, perplexity
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
+from megamlm.objectives import Objective, get_objective
 from megamlm.parallel import ParallelContext, init_distributed, seed_everything
 from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
 from megamlm.train.engine import build_engine
-from megamlm.train.flops import device_peak, flops_per_token, mfu
+from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 from megamlm.train.log import Log
@@ -42,10 +41,10 @@ from megamlm.train.signals import Preemption
 class Data:
     tokenizer: Tokenizer
     shards: Path
-    masker: Masker
+    objective: Objective
 
 
-def prepare_data(cfg: Config, ctx: ParallelContext) -> Data:
+def prepare_data(cfg: Config, ctx: ParallelContext, objective: Objective) -> Data:
     tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
     if len(tokenizer.dictionary) != cfg.model.vocab_size:
         raise ConfigError(
@@ -55,17 +54,15 @@ def prepare_data(cfg: Config, ctx: ParallelContext) -> Data:
     if dist.get_rank() == 0:
         ensure_shards(cfg.data, tokenizer)
     dist.barrier()
-    d = cfg.data
-    masker = Masker(tokenizer.dictionary.mask_id, tokenizer.dictionary.ordinary_ids(), d.mask_prob,
-                    d.leave_unmasked_prob, d.random_token_prob, seed=cfg.train.seed)
-    return Data(tokenizer, Path(d.shards), masker)
+    return Data(tokenizer, Path(cfg.data.shards), objective)
 
 
 def _stream(cfg: Config, ctx: ParallelContext, data: Data, split: str, seed: int,
             **options) -> MaskedBatches:
-    """This rank's masked batches of one split; `options` are the split-specific ones."""
-    return MaskedBatches(ShardSet(data.shards, split, data.tokenizer.dictionary.sha256),
-                         dataclasses.replace(data.masker, seed=seed), seq_length=cfg.data.seq_length,
+    """This rank's corrupted batches of one split; `options` are the split-specific ones."""
+    dictionary = data.tokenizer.dictionary
+    return MaskedBatches(ShardSet(data.shards, split, dictionary.sha256),
+                         data.objective.corruption(dictionary, seed), seq_length=cfg.data.seq_length,
                          micro_batch=cfg.train.micro_batch_size, block_mode=cfg.data.block_mode,
                          seed=seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
                          pad_id=cfg.model.pad_token_id, pad_multiple=_pad_multiple(cfg), **options)
@@ -97,25 +94,24 @@ def valid_stream(cfg: Config, ctx: ParallelContext, data: Data) -> MaskedBatches
 
 
 @torch.no_grad()
-def evaluate(model: MaskedLM, stream: MaskedBatches, max_batches: int, ctx: ParallelContext) -> dict:
-    """Validation MLM loss (nats per masked token, all DP ranks) and perplexity."""
+def evaluate(objective: Objective, model, stream: MaskedBatches, max_batches: int, ctx: ParallelContext) -> dict:
+    """Validation loss (nats per loss term, all DP ranks) and the objective's metric."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     for i, batch in enumerate(stream):
         if i == max_batches:
             break
-        masked = batch["masked_index"].to(ctx.device)  # as in training: indices, no host sync
-        logits = model(batch["tokens"].to(ctx.device), masked, batch["documents"].to(ctx.device))
-        totals[0] += model.loss(logits, batch["targets"].to(ctx.device), reduction="sum").double()
-        totals[1] += masked.numel()
+        out = objective.loss(model, batch.to(ctx.device))
+        totals[0] += out.loss_sum.double()
+        totals[1] += out.count
     dist.all_reduce(totals, group=ctx.dp_group)
     model.train(was_training)
     loss = (totals[0] / totals[1]).item()
-    return {"loss": loss, "ppl": perplexity(loss), "tokens": int(totals[1].item())}
+    return {"loss": loss, **objective.summary(loss), "tokens": int(totals[1].item())}
 
 
-def init_from_folder(model: MaskedLM, cfg: Config, folder: str) -> None:
+def init_from_folder(model, cfg: Config, folder: str) -> None:
     """Start from a model folder's weights (checked: same architecture as the run's config)."""
     source = read_model_folder(folder)
     differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
@@ -133,7 +129,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     ctx = init_distributed(cfg.parallel)
     rank0 = dist.get_rank() == 0
     run_dir = Path(cfg.train.run_dir)
-    check_before_work(cfg, ctx)
+    objective = get_objective(cfg)
+    check_before_work(cfg, objective)
     moved = prepare_run_dir(run_dir, resume, overwrite, dist.get_rank())
     dist.barrier()  # rank 0 may have moved the old run aside
     log = Log(run_dir, rank0)
@@ -141,8 +138,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         log.event("overwrite", 0, f"--overwrite: the run that was in {run_dir} is now {moved}")
     seed_everything(cfg.train.seed, ctx)
     accumulation = cfg.train.accumulation_steps(ctx.dp_size)
-    data = prepare_data(cfg, ctx)
-    model = MaskedLM(cfg.model, ctx, seed=cfg.train.seed)
+    data = prepare_data(cfg, ctx, objective)
+    model = objective.build_model(ctx)
     if cfg.train.init_from:
         init_from_folder(model, cfg, cfg.train.init_from)
     if cfg.train.activation_checkpointing:
@@ -175,9 +172,10 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     def validate(tag: str) -> dict | None:
         if valid is None:
             return None
-        result = evaluate(engine.module, valid, cfg.train.eval_batches, ctx)
+        result = evaluate(objective, engine.module, valid, cfg.train.eval_batches, ctx)
+        metric = objective.metric
         log.event("valid", state.step, f"valid @ {state.step} ({tag}): loss {result['loss']:.4f} | "
-                  f"ppl {result['ppl']:.2f} | {result['tokens']:,} masked tokens", **result)
+                  f"{metric} {result[metric]:.2f} | {result['tokens']:,} masked tokens", **result)
         return result
 
     first_valid = validate("before training" if state.step == 0 else "resumed")
@@ -192,25 +190,27 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         fetch_start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(accumulation)]
         window_wait += time.perf_counter() - fetch_start  # time the step waited for data
-        # masked tokens and corrupt samples (replaced by the loader) of the update, all DP ranks
-        totals = torch.tensor([sum(int(b["targets"].numel()) for b in micro_batches),
-                               sum(b["corrupt"] for b in micro_batches)], dtype=torch.float64, device=ctx.device)
+        # loss terms (masked tokens) and corrupt samples (replaced by the loader) of the update, all DP ranks
+        totals = torch.tensor([sum(objective.count(b) for b in micro_batches),
+                               sum(b.corrupt for b in micro_batches)], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(totals, group=ctx.dp_group)
         counts = totals[0].clamp(min=1.0)
         corrupt += totals[1]
         # stays on the device (no sync before the forward); DeepSpeed averages over DP and accumulation
         weight = (ctx.dp_size * accumulation / counts).float()
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        metric_sums: dict[str, torch.Tensor] = {}
         for batch in micro_batches:
-            masked = batch["masked_index"].to(ctx.device)  # indices, not the mask: no host sync
-            logits = engine(batch["tokens"].to(ctx.device), masked, batch["documents"].to(ctx.device))
-            ce = engine.module.loss(logits, batch["targets"].to(ctx.device), reduction="sum")
-            engine.backward(ce * weight)
+            out = objective.loss(engine, batch.to(ctx.device))
+            engine.backward(out.loss_sum * weight)
             engine.step()
-            loss_sum += ce.detach().double()
-            window_tokens += int(batch["tokens"].ne(cfg.model.pad_token_id).sum()) * ctx.dp_size
-        dist.all_reduce(loss_sum, group=ctx.dp_group)
-        loss = (loss_sum / counts).item()  # the update's one host sync (spike guard, logs)
+            loss_sum += out.loss_sum.detach().double()
+            for name, value in out.metrics.items():
+                metric_sums[name] = metric_sums.get(name, 0) + value.detach().double()
+            window_tokens += batch.real_tokens() * ctx.dp_size
+        sums = torch.stack([loss_sum, *metric_sums.values()])
+        dist.all_reduce(sums, group=ctx.dp_group)
+        loss, *metric_values = (sums / counts).tolist()  # the update's one host sync (spike guard, logs)
         state.step += 1
         for batch in micro_batches:
             state.position = advance(state.position, batch, stream.batches_per_epoch())
@@ -227,21 +227,21 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         if state.step % cfg.train.log_interval == 0 or state.step == cfg.train.steps:
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_tokens / elapsed
-            utilization = mfu(flops_per_token(cfg.model, cfg.data.seq_length, cfg.data.mask_prob),
-                              tokens_per_s, peak, ctx.tp_size * ctx.dp_size)
+            utilization = mfu(objective.flops_per_token(cfg.data.seq_length), tokens_per_s, peak,
+                              ctx.tp_size * ctx.dp_size)
             done = state.step - start_step
             eta = (time.perf_counter() - run_start) / done * (cfg.train.steps - state.step)
-            values = {"loss": loss, "ppl": perplexity(loss), "lr": schedule.get_last_lr()[0],
+            values = {"loss": loss, **objective.summary(loss), "lr": schedule.get_last_lr()[0],
                       "grad_norm": _float(engine.get_global_grad_norm()),
                       "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
                       "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
                       "corrupt_samples": int(corrupt.item())}
-            if cfg.model.head == "clap":
-                values["beta"] = _float(engine.module.lm_head.beta)
+            extra = {**dict(zip(metric_sums, metric_values)), **objective.log_values(engine.module)}
+            values.update(extra)
             log.event("train", state.step,
-                      f"update {state.step}/{cfg.train.steps} | loss {loss:.4f} | ppl {values['ppl']:.1f}"
-                      f" | lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f}"
-                      + (f" | beta {values['beta']:.3f}" if "beta" in values else "")
+                      f"update {state.step}/{cfg.train.steps} | loss {loss:.4f} | {objective.metric} "
+                      f"{values[objective.metric]:.1f} | lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f}"
+                      + "".join(f" | {name} {value:.3f}" for name, value in extra.items())
                       + f" | {tokens_per_s:,.0f} tok/s | MFU "
                       + (f"{100 * utilization:.2f}%" if utilization is not None else "n/a")
                       + f" | data wait {100 * values['data_wait']:.1f}%"
@@ -278,9 +278,9 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     return summary
 
 
-def check_before_work(cfg: Config, ctx: ParallelContext) -> None:
+def check_before_work(cfg: Config, objective: Objective) -> None:
     """What would otherwise fail minutes in (or with a confusing message): one line now."""
-    if (problem := MaskedLM.unsupported_here(cfg.model)) is not None:
+    if (problem := objective.unsupported_here()) is not None:
         raise ConfigError(problem)
     if cfg.train.init_from and not (Path(cfg.train.init_from) / "config.yaml").is_file():
         raise ConfigError(f"train.init_from={cfg.train.init_from}: not a model folder (no config.yaml)")

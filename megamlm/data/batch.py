@@ -1,0 +1,84 @@
+"""The typed micro-batch every objective trains and validates on, and how samples become one.
+
+A batch holds b samples right-padded to a width s; positions are named in row-major (b, s) order.
+`inputs` is what the encoder reads (the corrupted text); `original` is the text before corruption;
+the objective's prediction targets are the positions `target_index` (flat b_i * s + s_i, what the
+model selects by: a [b, s] bool mask would make the device count it, a host sync mid-forward) whose
+original ids are `targets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megamlm.data.tokenizer import EOS
+
+Corruption = Callable[[np.ndarray, int, int], tuple[np.ndarray, np.ndarray]]
+"""(sample ids [n], epoch, sample index) -> (corrupted ids [n], targeted [n] bool), seeded by its
+arguments (data/masking.py's Masker is one)."""
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    """[b, s] ids the encoder reads: the corrupted samples, pad_id on padding."""
+    original: torch.Tensor
+    """[b, s] the samples before corruption, pad_id on padding."""
+    target_index: torch.Tensor
+    """[n] flat (b, s) indices of the prediction targets, ascending."""
+    targets: torch.Tensor
+    """[n] original ids at target_index."""
+    documents: torch.Tensor
+    """[b, s] document index of each position within its sample (the </s> before it counted),
+    -1 on padding."""
+    sample_ids: torch.Tensor
+    """[b] index of each sample in its epoch's order (what seeds its corruption)."""
+    epoch: int = 0
+    """Epoch of the samples."""
+    batch: int = 0
+    """Index of this micro-batch in its rank's epoch (the stream's resume position)."""
+    corrupt: int = 0
+    """Samples that could not be read and were replaced by others of the batch."""
+
+    @property
+    def target_mask(self) -> torch.Tensor:
+        """[b, s] bool: True at the prediction targets."""
+        mask = torch.zeros(self.inputs.numel(), dtype=torch.bool, device=self.inputs.device)
+        return mask.index_fill(0, self.target_index, True).view_as(self.inputs)
+
+    def real_tokens(self) -> int:
+        """Non-padding positions (what throughput counts)."""
+        return int((self.documents >= 0).sum())
+
+    def to(self, device: torch.device) -> Batch:
+        """The tensors on `device` (the scalars stay)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
+                                            for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def collate(samples: list[tuple[np.ndarray, int]], corruption: Corruption, epoch: int, width: int,
+            pad_id: int, **fields) -> Batch:
+    """[(sample ids, sample index)] -> a Batch of `width` columns; `fields`: epoch-position fields
+    (batch, corrupt)."""
+    b = len(samples)
+    original = np.full((b, width), pad_id, dtype=np.int64)
+    inputs = original.copy()
+    targeted = np.zeros((b, width), dtype=bool)
+    documents = np.full((b, width), -1, dtype=np.int64)
+    for row, (sample, index) in enumerate(samples):
+        corrupted, mask = corruption(sample, epoch, index)
+        original[row, : len(sample)] = sample
+        inputs[row, : len(sample)] = corrupted
+        targeted[row, : len(sample)] = mask
+        # document index of each position: the </s> before it counted (from the uncorrupted text)
+        documents[row, : len(sample)] = np.concatenate([[0], np.cumsum(sample[:-1] == EOS)])
+    return Batch(inputs=torch.from_numpy(inputs), original=torch.from_numpy(original),
+                 target_index=torch.from_numpy(np.flatnonzero(targeted)),
+                 targets=torch.from_numpy(original[targeted]), documents=torch.from_numpy(documents),
+                 sample_ids=torch.tensor([index for _, index in samples]), epoch=epoch, **fields)

@@ -1,0 +1,136 @@
+"""Masked language modeling (RoBERTa; the reference's objective): the first objective.
+
+    logits_local = model(tokens [b, s], target_index [n])     # [n, V_local] this rank's vocab shard
+    loss = model.loss(logits_local, targets [n])               # mean CE in nats (vocab-parallel)
+    logits = model.gather_logits(logits_local)                 # [n, vocab_size]
+    logits = model(tokens)                                     # [b, s, vocab_size], every position
+
+The head is RoBERTa's (dense -> GELU -> LayerNorm -> tied embedding + bias) or CLAP's
+(beta · <h, normalize(E_v)>), both over the vocab-parallel embedding (model/heads.py). Corruption is
+fairseq's dynamic masking (data/masking.py) with the data section's rates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+from megamlm.config import ModelConfig
+from megamlm.data.batch import Batch
+from megamlm.data.masking import Masker
+from megamlm.data.tokenizer import Dictionary
+from megamlm.model.encoder import Encoder, encoder_flops_per_token
+from megamlm.model.heads import ClapHead, RobertaLMHead
+from megamlm.objectives.base import LossOutput, Objective, register_objective
+from megamlm.parallel import ParallelContext
+
+
+def perplexity(loss: float) -> float:
+    """exp(MLM loss in nats), capped at e^50 so that a diverged loss still prints as a number."""
+    return math.exp(min(loss, 50.0))
+
+
+class MaskedLM(Encoder):
+    """The Encoder plus an MLM head over the vocab-parallel embedding."""
+
+    def __init__(self, model: ModelConfig, ctx: ParallelContext, seed: int = 1,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__(model, ctx, seed, params_dtype, initialize=False)
+        vocab_local = self.padded_vocab_size // ctx.tp_size
+        self.lm_head = (ClapHead(model, ctx.tp_group) if model.head == "clap"
+                        else RobertaLMHead(model, vocab_local, ctx.tp_group))
+        # columns of this rank that are vocabulary padding must never take probability mass: -inf
+        first = self.embedding.word_embeddings.vocab_start_index
+        padded = torch.arange(first, first + vocab_local) >= model.vocab_size
+        self.register_buffer("column_bias", torch.zeros(vocab_local).masked_fill(padded, float("-inf")),
+                             persistent=False)
+        self.initialize(seed, params_dtype)
+
+    def external_parameters(self):
+        """(module, parameter) pairs a module uses outside its owner's forward (ZeRO-3 must gather
+        them): the tied embedding in the head."""
+        return [(self.lm_head, self.embedding.word_embeddings.weight)]
+
+    def forward(self, tokens: torch.Tensor, masked_positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: masked_positions selects positions in row-major (b, s) order, either as a
+        [b, s] bool mask or as the [n] flat indices b_i * s + s_i (Batch.target_index: selecting by
+        a mask makes the device count it, a host sync in the middle of the forward); the result is
+        this rank's vocabulary shard [n, V_local] (padded columns -inf), ready for `loss`.
+        Inference: without masked_positions, logits at every position over the whole vocabulary,
+        [b, s, vocab_size] (gathered over tensor-parallel ranks; differentiable only at TP=1).
+        """
+        hidden = self.hidden_states(tokens, documents)  # [s, b, h]
+        if masked_positions is None:
+            features = hidden.transpose(0, 1).reshape(-1, hidden.size(-1))  # [s, b, h] -> [b*s, h]
+        else:
+            if masked_positions.dtype == torch.bool:
+                masked_positions = masked_positions.flatten().nonzero().squeeze(1)
+            s = tokens.size(1)
+            features = hidden[masked_positions % s, masked_positions // s]  # [n, h]
+        logits = self.lm_head(features, self.embedding.word_embeddings.weight, self.column_bias)
+        if masked_positions is None:
+            # [b*s, V] -> [b, s, V]
+            return self.gather_logits(logits).view(*tokens.shape, -1)
+        return logits
+
+    def loss(self, logits_local: torch.Tensor, targets: torch.Tensor,
+             reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy (nats) over the selected positions, mean or sum; targets [n] are real ids."""
+        # copy: megatron's kernel subtracts the max in place
+        logits = logits_local.to(torch.float32, copy=True)
+        losses = vocab_parallel_cross_entropy(logits, targets)
+        return losses.sum() if reduction == "sum" else losses.mean()
+
+    def gather_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
+        """[..., V_local] shards -> [..., vocab_size] on every rank (padding columns dropped), for
+        evaluation and inference (megatron's gather allocates on CUDA, this one on any device)."""
+        if self.ctx.tp_size == 1:
+            return logits_local[..., : self.config.vocab_size]
+        with torch.no_grad():
+            shards = [torch.empty_like(logits_local) for _ in range(self.ctx.tp_size)]
+            dist.all_gather(shards, logits_local.contiguous(), group=self.ctx.tp_group)
+            return torch.cat(shards, dim=-1)[..., : self.config.vocab_size]
+
+
+def mlm_head_flops_per_token(model: ModelConfig, head_fraction: float) -> float:
+    """Forward + backward FLOPs per token of the MLM head: 6·(h² [RoBERTa's dense] + h·V) on the
+    share of positions it projects."""
+    h = model.hidden_size
+    return 6 * ((h * h if model.head == "roberta" else 0) + h * model.vocab_size) * head_fraction
+
+
+@register_objective
+class MaskedLanguageModeling(Objective):
+    """objective.name=mlm: cross-entropy over the masked positions (fairseq masked_lm)."""
+
+    name = "mlm"
+
+    def unsupported_here(self) -> str | None:
+        return MaskedLM.unsupported_here(self.cfg.model)
+
+    def build_model(self, ctx: ParallelContext, params_dtype: torch.dtype = torch.float32) -> MaskedLM:
+        return MaskedLM(self.cfg.model, ctx, seed=self.cfg.train.seed, params_dtype=params_dtype)
+
+    def corruption(self, dictionary: Dictionary, seed: int) -> Masker:
+        d = self.cfg.data
+        return Masker(dictionary.mask_id, dictionary.ordinary_ids(), d.mask_prob, d.leave_unmasked_prob,
+                      d.random_token_prob, seed=seed)
+
+    def loss(self, model, batch: Batch) -> LossOutput:
+        logits = model(batch.inputs, batch.target_index, batch.documents)
+        module = getattr(model, "module", model)  # the DeepSpeed engine's model
+        return LossOutput(module.loss(logits, batch.targets, reduction="sum"), self.count(batch), {})
+
+    def flops_per_token(self, seq_length: int) -> float:
+        model = self.cfg.model
+        return encoder_flops_per_token(model, seq_length) + mlm_head_flops_per_token(model, self.cfg.data.mask_prob)
+
+    def summary(self, loss: float) -> dict[str, float]:
+        return {"ppl": perplexity(loss)}
+
+    def log_values(self, model: MaskedLM) -> dict[str, float]:
+        return {"beta": float(model.lm_head.beta.item())} if self.cfg.model.head == "clap" else {}

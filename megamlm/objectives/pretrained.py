@@ -1,0 +1,50 @@
+"""A model folder (model/folder.py) as a ready model: its objective's module, at any TP degree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from megamlm.config import Config, ParallelConfig, replace_config
+from megamlm.model.encoder import Encoder
+from megamlm.model.folder import read_model_folder
+from megamlm.model.reshard import load_full_state_dict
+from megamlm.objectives.base import get_objective
+from megamlm.parallel import ParallelContext, init_distributed
+
+
+def _config(saved, folder, ctx: ParallelContext, overrides: list[str]) -> Config:
+    return replace_config(saved.cfg, [f"parallel.tensor_parallel={ctx.tp_size}", *overrides],
+                          origin=str(Path(folder) / "config.yaml"))
+
+
+def load_pretrained(folder: str | Path, ctx: ParallelContext | None = None,
+                    overrides: list[str] = ()) -> tuple[Config, nn.Module]:
+    """(config, the objective's model in eval mode) from a model folder, at ctx's TP degree. Without
+    `ctx`, a world of one process is set up (or the running one joined, TP=1)."""
+    ctx = ctx or init_distributed(ParallelConfig())
+    saved = read_model_folder(folder)
+    cfg = _config(saved, folder, ctx, overrides)
+    model = get_objective(cfg).build_model(ctx)
+    load_full_state_dict(model, saved.full)
+    return cfg, model.eval()
+
+
+def load_encoder(folder: str | Path, ctx: ParallelContext | None = None,
+                 overrides: list[str] = ()) -> tuple[Config, Encoder]:
+    """(config, the bare Encoder in eval mode) from a model folder, the objective's heads left out
+    (what fine-tuning starts from)."""
+    ctx = ctx or init_distributed(ParallelConfig())
+    saved = read_model_folder(folder)
+    cfg = _config(saved, folder, ctx, overrides)
+    encoder = Encoder(cfg.model, ctx, seed=cfg.train.seed)
+    names = dict(encoder.named_parameters())
+    load_full_state_dict(encoder, {k: v for k, v in saved.full.items() if k in names})
+    return cfg, encoder.eval()
+
+
+def from_pretrained(folder: str | Path, ctx: ParallelContext | None = None, overrides: list[str] = ()) -> nn.Module:
+    """A model folder (training's <run_dir>/final, or `megamlm convert` output) as a model in eval
+    mode (MLM: a MaskedLM): `megamlm.from_pretrained("runs/demo/final")(token_ids)`."""
+    return load_pretrained(folder, ctx, overrides)[1]
