@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
+from megamlm.data.shards import LONG_DOC_POLICIES, TEXT_MODES, BuildOptions, build_shards, summary_table
 from megamlm.errors import MegamlmError
 from megamlm.files import check_writable
 
@@ -50,7 +51,6 @@ def cmd_params(cfg: Config, args) -> int:
 
 
 def cmd_shards(args) -> int:
-    from megamlm.data.shards import BuildOptions, build_shards, summary_table
     from megamlm.data.tokenizer import Tokenizer
 
     if args.shards_verb == "train-bpe":
@@ -71,14 +71,15 @@ def _add_shards_args(parser: argparse.ArgumentParser) -> None:
     build = sub.add_parser("build", help="tokenize jsonl / jsonl.zst / text into webdataset shards")
     build.add_argument("inputs", nargs="+", help="input files (.jsonl, .jsonl.zst, .txt)")
     build.add_argument("--out", required=True, help="output folder (must not hold shards yet)")
-    build.add_argument("--seq-length", type=int, default=512,
+    # defaults: the data section's (BuildOptions takes them from DataConfig)
+    build.add_argument("--seq-length", type=int, default=BuildOptions.seq_length,
                        help="sample length incl. <s>; longer documents follow --long-docs")
-    build.add_argument("--long-docs", default="drop", choices=["drop", "truncate", "split"],
+    build.add_argument("--long-docs", default=BuildOptions.long_docs, choices=LONG_DOC_POLICIES,
                        help="documents longer than a sample: drop (the reference), truncate, split")
-    build.add_argument("--text-mode", default="paragraphs", choices=["paragraphs", "lines"],
+    build.add_argument("--text-mode", default=BuildOptions.text_mode, choices=TEXT_MODES,
                        help="plain text: one document per blank-line-separated block, or per line")
-    build.add_argument("--valid-fraction", type=float, default=0.0,
-                       help="fraction of documents written to the valid split")
+    build.add_argument("--valid-fraction", type=float, default=BuildOptions.valid_fraction,
+                       help="fraction of documents written to the valid split (default %(default)s)")
     build.add_argument("--shard-tokens", type=int, default=20_000_000, help="tokens per shard")
     build.add_argument("--workers", type=int, default=1,
                        help="tokenizer processes (each already uses all cores through tokenizers' "

@@ -323,12 +323,12 @@ def test_truncated_zstd_input_is_an_error_not_a_shorter_corpus(tmp_path, capsys)
     packed = zstandard.ZstdCompressor().compress(lines)
     src = tmp_path / "part.jsonl.zst"
     src.write_bytes(packed[: len(packed) // 2])
-    code, line = run_cli(capsys, "shards", "build", src, "--out", tmp_path / "out")
+    code, line = run_cli(capsys, "shards", "build", src, "--out", tmp_path / "out", "--valid-fraction", 0)
     assert (code, line) == (2, f"megamlm: shards: {src}: truncated zstd file (it ends inside a compressed "
                                f"frame); re-download or re-compress it")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
     src.write_bytes(packed + zstandard.ZstdCompressor().compress(lines))  # two whole frames: all 4,000
-    assert cli(["shards", "build", str(src), "--out", str(tmp_path / "out")]) == 0
+    assert cli(["shards", "build", str(src), "--out", str(tmp_path / "out"), "--valid-fraction", "0"]) == 0
     assert json.loads((tmp_path / "out/manifest.json").read_text())["splits"]["train"]["documents"] == 4000
 
 

@@ -190,7 +190,8 @@ def test_stream_marks_documents_from_the_unmasked_text(tmp_path):
     text = tmp_path / "docs.txt"
     text.write_text("".join(f"Document number {i} says hello.\n\n" for i in range(40)))
     tokenizer = Tokenizer.gpt2()
-    build_shards(BuildOptions([str(text)], str(tmp_path / "shards"), seq_length=64), tokenizer, progress=False)
+    build_shards(BuildOptions([str(text)], str(tmp_path / "shards"), seq_length=64, valid_fraction=0.0),
+        tokenizer, progress=False)
     masker = Masker(tokenizer.dictionary.mask_id, tokenizer.dictionary.ordinary_ids(), mask_prob=0.5)
     batch = next(iter(MaskedBatches(ShardSet(tmp_path / "shards"), masker, seq_length=64, micro_batch=2)))
     original = batch.inputs.clone()
@@ -221,3 +222,28 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients(world):
     assert compiled_grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_registries_name_exactly_what_the_config_allows():
+    import typing
+
+    from megamlm.config import ModelConfig
+    from megamlm.model.attention import ATTENTION_BACKENDS
+    from megamlm.model.positions import POSITIONS
+
+    hints = typing.get_type_hints(ModelConfig)
+    assert set(ATTENTION_BACKENDS) == set(typing.get_args(hints["attention_backend"]))
+    assert set(POSITIONS) == set(typing.get_args(hints["position"]))
+
+
+@pytest.mark.parametrize("variant", ["baseline", "alibi-learned", "zero-clap"])
+def test_the_encoder_is_the_objective_model_without_heads(world, variant):
+    from megamlm import Encoder
+
+    cfg = variant_config(variant)
+    encoder, mlm = Encoder(cfg.model, world, seed=3).eval(), MaskedLM(cfg.model, world, seed=3).eval()
+    heads = {name for name, _ in mlm.named_parameters()} - {name for name, _ in encoder.named_parameters()}
+    assert heads and all(name.startswith("lm_head.") for name in heads)
+    tokens, _ = batch(cfg.model.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(encoder(tokens), mlm.hidden_states(tokens))

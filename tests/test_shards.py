@@ -46,7 +46,8 @@ def test_round_trip_and_manifest_counts(tmp_path, gpt2):
     text = (ROOT / "data/wikitext-103/valid.txt").read_text()
     out = tmp_path / "shards"
     manifest = build_shards(BuildOptions([str(ROOT / "data/wikitext-103/valid.txt")], str(out),
-                                         seq_length=256, long_docs="split", shard_tokens=50_000),
+                                         seq_length=256, long_docs="split", shard_tokens=50_000,
+                                         valid_fraction=0.0),
                             gpt2, progress=False)
     docs = stored_documents(out)
     # brute-force recount: paragraphs of the file, each tokenized + </s>, split at 255 tokens
@@ -81,7 +82,7 @@ def test_long_documents_at_the_reference_boundary(tmp_path, gpt2, policy, kept, 
         {"text": a_tokens(2047), "meta": {"pile_set_name": "Github"}},
     ])
     out = tmp_path / policy
-    manifest = build_shards(BuildOptions([str(src)], str(out), seq_length=2048, long_docs=policy),
+    manifest = build_shards(BuildOptions([str(src)], str(out), seq_length=2048, long_docs=policy, valid_fraction=0.0),
                             gpt2, progress=False)
     assert [len(d) for d in stored_documents(out)] == stored_lengths
     subsets = manifest["per_subset"]
@@ -119,11 +120,12 @@ def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2):
         f.write(json.dumps({"text": "   "}).encode() + b"\n")
         f.write(b'{"text": "bad \xff byte"}\n')
         f.write(good.encode() + b"\n")
-    manifest = build_shards(BuildOptions([str(src)], str(tmp_path / "out")), gpt2, progress=False)
+    manifest = build_shards(BuildOptions([str(src)], str(tmp_path / "out"), valid_fraction=0.0), gpt2, progress=False)
     assert manifest["skipped"] == {"malformed_json": 1, "missing_text": 1, "empty": 1, "invalid_utf8": 1}
     assert manifest["splits"]["train"]["documents"] == 2
     with pytest.raises(ShardError, match=rf"{src}:2: malformed JSON"):
-        build_shards(BuildOptions([str(src)], str(tmp_path / "strict"), strict=True), gpt2, progress=False)
+        build_shards(BuildOptions([str(src)], str(tmp_path / "strict"), strict=True, valid_fraction=0.0),
+            gpt2, progress=False)
 
 
 def test_zstd_jsonl_and_line_mode_text(tmp_path, gpt2):
@@ -132,13 +134,14 @@ def test_zstd_jsonl_and_line_mode_text(tmp_path, gpt2):
     records = [{"text": f"document number {i}", "meta": {"pile_set_name": "ArXiv"}} for i in range(5)]
     plain = write_jsonl(tmp_path / "a.jsonl", records)
     (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
-    manifest = build_shards(BuildOptions([str(tmp_path / "a.jsonl.zst")], str(tmp_path / "z")),
+    manifest = build_shards(BuildOptions([str(tmp_path / "a.jsonl.zst")], str(tmp_path / "z"), valid_fraction=0.0),
                             gpt2, progress=False)
     assert manifest["per_subset"]["ArXiv"]["documents"] == 5
     assert gpt2.decode(stored_documents(tmp_path / "z")[3]) == "document number 3"
     lines = tmp_path / "lines.txt"
     lines.write_text("one\ntwo\n\nthree\n")
-    build_shards(BuildOptions([str(lines)], str(tmp_path / "l"), text_mode="lines"), gpt2, progress=False)
+    build_shards(BuildOptions([str(lines)], str(tmp_path / "l"), text_mode="lines", valid_fraction=0.0),
+        gpt2, progress=False)
     assert [gpt2.decode(d) for d in stored_documents(tmp_path / "l")] == ["one", "two", "three"]
 
 

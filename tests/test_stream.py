@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def shard_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("stream") / "shards"
     build_shards(BuildOptions([str(ROOT / "data/wikitext-103/valid.txt")], str(out), seq_length=128,
-                              long_docs="split", shard_tokens=25_000), Tokenizer.gpt2(), progress=False)
+                              long_docs="split", shard_tokens=25_000, valid_fraction=0.0),
+                                  Tokenizer.gpt2(), progress=False)
     return out
 
 
@@ -82,8 +83,8 @@ def test_data_parallel_ranks_partition_the_epoch_and_tp_peers_agree(shard_dir):
     assert all(everything[i] == sample for i, sample in union.items())
     # TP=2 (DP=1): both peers get the very same batches
     for a, b in zip(tp0["batches"], tp1["batches"]):
-        for key in ("tokens", "masked_positions", "targets", "sample_ids"):
-            assert torch.equal(a[key], b[key])
+        for key in ("inputs", "target_mask", "targets", "sample_ids"):
+            assert torch.equal(getattr(a, key), getattr(b, key))
 
 
 def _resume_in_new_process(folder, position, count):
@@ -98,7 +99,8 @@ def test_resume_continues_with_the_next_batch_across_epochs(tmp_path):
     text = (ROOT / "data/wikitext-103/valid.txt").read_text()[:40_000]
     (tmp_path / "small.txt").write_text(text)
     build_shards(BuildOptions([str(tmp_path / "small.txt")], str(small), seq_length=128,
-                              long_docs="split", shard_tokens=3_000), Tokenizer.gpt2(), progress=False)
+                              long_docs="split", shard_tokens=3_000, valid_fraction=0.0),
+                                  Tokenizer.gpt2(), progress=False)
     s = stream(small)
     per_epoch = s.batches_per_epoch()
     assert 3 <= per_epoch <= 20
@@ -112,8 +114,8 @@ def test_resume_continues_with_the_next_batch_across_epochs(tmp_path):
     assert [(b.epoch, b.batch) for b in resumed] == [(b.epoch, b.batch) for b in straight[k:]]
     assert {b.epoch for b in resumed} == {0, 1}
     for a, b in zip(straight[k:], resumed):
-        for key in ("tokens", "masked_positions", "targets", "sample_ids"):
-            assert torch.equal(a[key], b[key])
+        for key in ("inputs", "target_mask", "targets", "sample_ids"):
+            assert torch.equal(getattr(a, key), getattr(b, key))
     # a new epoch is reshuffled and remasked
     epoch1 = [b for b in straight if b.epoch == 1][0]
     assert not torch.equal(epoch1.sample_ids, straight[0].sample_ids)

@@ -17,6 +17,8 @@ import torch
 from megamlm.errors import MegamlmError
 from megamlm.config import ModelConfig
 from megamlm.convert.hf import fuse_qkv, split_qkv
+from megamlm.model import names
+from megamlm.model.names import weight_and_bias
 
 
 class ConversionError(MegamlmError):
@@ -27,41 +29,29 @@ ENCODER = "encoder."
 """Prefix of every model key in current fairseq; old RoBERTa releases used `decoder.`."""
 
 # (fairseq key below the encoder prefix, megamlm key); {i} = layer index, {attn_norm}/{mlp_norm} =
-# megatron's LayerNorm slot for the configured order (see LAYER_NORM_SLOTS)
+# megatron's LayerNorm slot for the configured order (see names.LAYER_NORM_SLOTS)
 # megamlm key None: a bookkeeping tensor fairseq saves (no weights), kept verbatim for the way back
 FAIRSEQ_KEYS: list[tuple[str, str | None]] = [
     ("sentence_encoder.version", None),
-    ("sentence_encoder.embed_tokens.weight", "embedding.word_embeddings.weight"),
-    ("sentence_encoder.embed_positions.weight", "embedding.positions.weight"),
+    ("sentence_encoder.embed_tokens.weight", names.WORD_EMBEDDINGS),
+    ("sentence_encoder.embed_positions.weight", names.POSITION_TABLE),
     ("sentence_encoder.embed_positions._float_tensor", None),  # sinusoidal positions
-    ("sentence_encoder.layernorm_embedding.weight", "embedding.layernorm.weight"),
-    ("sentence_encoder.layernorm_embedding.bias", "embedding.layernorm.bias"),
-    ("sentence_encoder.layers.{i}.self_attn.out_proj.weight", "encoder.layers.{i}.self_attention.linear_proj.weight"),
-    ("sentence_encoder.layers.{i}.self_attn.out_proj.bias", "encoder.layers.{i}.self_attention.linear_proj.bias"),
-    ("sentence_encoder.layers.{i}.self_attn_layer_norm.weight", "encoder.layers.{i}.{attn_norm}.weight"),
-    ("sentence_encoder.layers.{i}.self_attn_layer_norm.bias", "encoder.layers.{i}.{attn_norm}.bias"),
-    ("sentence_encoder.layers.{i}.fc1.weight", "encoder.layers.{i}.mlp.linear_fc1.weight"),
-    ("sentence_encoder.layers.{i}.fc1.bias", "encoder.layers.{i}.mlp.linear_fc1.bias"),
-    ("sentence_encoder.layers.{i}.fc2.weight", "encoder.layers.{i}.mlp.linear_fc2.weight"),
-    ("sentence_encoder.layers.{i}.fc2.bias", "encoder.layers.{i}.mlp.linear_fc2.bias"),
-    ("sentence_encoder.layers.{i}.final_layer_norm.weight", "encoder.layers.{i}.{mlp_norm}.weight"),
-    ("sentence_encoder.layers.{i}.final_layer_norm.bias", "encoder.layers.{i}.{mlp_norm}.bias"),
-    ("sentence_encoder.layer_norm.weight", "encoder.final_layernorm.weight"),  # pre-LN only
-    ("sentence_encoder.layer_norm.bias", "encoder.final_layernorm.bias"),
-    ("lm_head.beta", "lm_head.beta"),
-    ("lm_head.weight", "lm_head.weight"),  # tied: the embedding table itself (same storage)
-    ("lm_head.bias", "lm_head.bias"),
-    ("lm_head.dense.weight", "lm_head.dense.weight"),
-    ("lm_head.dense.bias", "lm_head.dense.bias"),
-    ("lm_head.layer_norm.weight", "lm_head.layernorm.weight"),
-    ("lm_head.layer_norm.bias", "lm_head.layernorm.bias"),
+    *weight_and_bias("sentence_encoder.layernorm_embedding.{kind}", names.EMBEDDING_NORM),
+    *weight_and_bias("sentence_encoder.layers.{i}.self_attn.out_proj.{kind}", names.ATTENTION_OUT),
+    *weight_and_bias("sentence_encoder.layers.{i}.self_attn_layer_norm.{kind}", names.ATTENTION_NORM),
+    *weight_and_bias("sentence_encoder.layers.{i}.fc1.{kind}", names.FC1),
+    *weight_and_bias("sentence_encoder.layers.{i}.fc2.{kind}", names.FC2),
+    *weight_and_bias("sentence_encoder.layers.{i}.final_layer_norm.{kind}", names.MLP_NORM),
+    *weight_and_bias("sentence_encoder.layer_norm.{kind}", names.FINAL_NORM),  # pre-LN only
+    ("lm_head.beta", names.CLAP_BETA),
+    ("lm_head.weight", names.LM_HEAD_WEIGHT),  # tied: the embedding table itself (same storage)
+    ("lm_head.bias", names.LM_HEAD_BIAS),
+    *weight_and_bias("lm_head.dense.{kind}", names.LM_HEAD_DENSE),
+    *weight_and_bias("lm_head.layer_norm.{kind}", names.LM_HEAD_NORM),
 ]
 FAIRSEQ_QKV = "sentence_encoder.layers.{i}.self_attn.{part}_proj.{kind}"
-MEGAMLM_QKV = "encoder.layers.{i}.self_attention.linear_qkv.{kind}"
-SCALARS = {"lm_head.beta"}
+SCALARS = {names.CLAP_BETA}
 """0-dim in fairseq, shape [1] in megamlm (see ClapHead)."""
-LAYER_NORM_SLOTS = {"post": {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_mlp_layernorm"},
-                    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "pre_mlp_layernorm"}}
 CLASSIFICATION_PREFIX = "classification_heads."
 
 
@@ -184,7 +174,7 @@ def _check_against_weights(model: ModelConfig, state: dict[str, torch.Tensor]) -
 
 def fairseq_to_megamlm(state: dict[str, torch.Tensor], model: ModelConfig):
     """fairseq state dict (current names) -> (megamlm full fp32 tensors, classification heads, constants)."""
-    slots = LAYER_NORM_SLOTS[model.layernorm]
+    slots = names.LAYER_NORM_SLOTS[model.layernorm]
     out: dict[str, torch.Tensor] = {}
     heads: dict[str, torch.Tensor] = {}
     constants: dict[str, torch.Tensor] = {}
@@ -219,7 +209,7 @@ def fairseq_to_megamlm(state: dict[str, torch.Tensor], model: ModelConfig):
     for (i, kind), parts in sorted(qkv.items()):
         if set(parts) != {"q", "k", "v"}:
             raise ConversionError(f"layer {i}: self_attn has {sorted(parts)} {kind} projections, need q, k, v")
-        out[MEGAMLM_QKV.format(i=i, kind=kind)] = fuse_qkv(parts["q"], parts["k"], parts["v"],
+        out[names.QKV.format(i=i, kind=kind)] = fuse_qkv(parts["q"], parts["k"], parts["v"],
                                                            model.num_attention_heads)
     return out, heads, constants
 
@@ -231,7 +221,7 @@ def megamlm_to_fairseq(full: dict[str, torch.Tensor], model: ModelConfig, source
         raise ConversionError("model.alibi_mode=learned has no fairseq counterpart (the fork's ALiBi "
                               "slopes are fixed); allowed: symmetric, offset")
     dtype = getattr(torch, source.dtype)
-    slots = LAYER_NORM_SLOTS[model.layernorm]
+    slots = names.LAYER_NORM_SLOTS[model.layernorm]
     remaining = dict(full)
     state: dict[str, torch.Tensor] = {}
 
@@ -255,14 +245,14 @@ def megamlm_to_fairseq(full: dict[str, torch.Tensor], model: ModelConfig, source
     first, last = FAIRSEQ_KEYS.index(layer_entries[0]), FAIRSEQ_KEYS.index(layer_entries[-1])
     put_mapped(FAIRSEQ_KEYS[:first])
     for i in range(model.num_layers):
-        parts = {kind: dict(zip("qkv", split_qkv(remaining.pop(MEGAMLM_QKV.format(i=i, kind=kind)),
+        parts = {kind: dict(zip("qkv", split_qkv(remaining.pop(names.QKV.format(i=i, kind=kind)),
                                                    model.num_attention_heads))) for kind in ("weight", "bias")}
         for part in "kvq":  # fairseq's module order
             for kind in ("weight", "bias"):
                 put(FAIRSEQ_QKV.format(i=i, part=part, kind=kind), parts[kind][part])
         put_mapped(layer_entries, i)
     put_mapped(FAIRSEQ_KEYS[last + 1:])
-    remaining.pop("alibi.log_slopes", None)
+    remaining.pop(names.ALIBI_SLOPES, None)
     if remaining:
         raise ConversionError(f"megamlm keys with no fairseq counterpart: {sorted(remaining)}")
     for name, value in (heads or {}).items():

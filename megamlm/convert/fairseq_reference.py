@@ -84,6 +84,7 @@ def fairseq_logits(state: dict[str, torch.Tensor], model_cfg: dict, tokens: torc
     x = x * (~padding)[..., None]
 
     bias = torch.zeros(H, t, t)
+    # ALiBi written as the fork writes it, not megamlm's alibi_score: this is the independent oracle
     if alibi:
         rel = (torch.arange(t)[None, :] - torch.arange(t)[:, None]).abs().float()
         if _get(model_cfg, "encoder_alibi_asymmetrical", False):

@@ -10,35 +10,27 @@ from __future__ import annotations
 import torch
 
 from megamlm.config import ModelConfig
+from megamlm.model import names
+from megamlm.model.names import weight_and_bias
 
+# RoBERTa is post-LN: megatron's post-LN slots
+POST_LN = {"attention": names.ATTENTION_NORM.replace("{attn_norm}", names.LAYER_NORM_SLOTS["post"]["attn_norm"]),
+           "mlp": names.MLP_NORM.replace("{mlp_norm}", names.LAYER_NORM_SLOTS["post"]["mlp_norm"])}
 # (HF key, megamlm key); {i} is the layer index
 HF_ROBERTA_KEYS: list[tuple[str, str]] = [
-    ("roberta.embeddings.word_embeddings.weight", "embedding.word_embeddings.weight"),
-    ("roberta.embeddings.position_embeddings.weight", "embedding.positions.weight"),
-    ("roberta.embeddings.LayerNorm.weight", "embedding.layernorm.weight"),
-    ("roberta.embeddings.LayerNorm.bias", "embedding.layernorm.bias"),
-    ("roberta.encoder.layer.{i}.attention.output.dense.weight",
-     "encoder.layers.{i}.self_attention.linear_proj.weight"),
-    ("roberta.encoder.layer.{i}.attention.output.dense.bias",
-     "encoder.layers.{i}.self_attention.linear_proj.bias"),
-    ("roberta.encoder.layer.{i}.attention.output.LayerNorm.weight",
-     "encoder.layers.{i}.post_attention_layernorm.weight"),
-    ("roberta.encoder.layer.{i}.attention.output.LayerNorm.bias",
-     "encoder.layers.{i}.post_attention_layernorm.bias"),
-    ("roberta.encoder.layer.{i}.intermediate.dense.weight", "encoder.layers.{i}.mlp.linear_fc1.weight"),
-    ("roberta.encoder.layer.{i}.intermediate.dense.bias", "encoder.layers.{i}.mlp.linear_fc1.bias"),
-    ("roberta.encoder.layer.{i}.output.dense.weight", "encoder.layers.{i}.mlp.linear_fc2.weight"),
-    ("roberta.encoder.layer.{i}.output.dense.bias", "encoder.layers.{i}.mlp.linear_fc2.bias"),
-    ("roberta.encoder.layer.{i}.output.LayerNorm.weight", "encoder.layers.{i}.post_mlp_layernorm.weight"),
-    ("roberta.encoder.layer.{i}.output.LayerNorm.bias", "encoder.layers.{i}.post_mlp_layernorm.bias"),
-    ("lm_head.dense.weight", "lm_head.dense.weight"),
-    ("lm_head.dense.bias", "lm_head.dense.bias"),
-    ("lm_head.layer_norm.weight", "lm_head.layernorm.weight"),
-    ("lm_head.layer_norm.bias", "lm_head.layernorm.bias"),
-    ("lm_head.bias", "lm_head.bias"),
+    ("roberta.embeddings.word_embeddings.weight", names.WORD_EMBEDDINGS),
+    ("roberta.embeddings.position_embeddings.weight", names.POSITION_TABLE),
+    *weight_and_bias("roberta.embeddings.LayerNorm.{kind}", names.EMBEDDING_NORM),
+    *weight_and_bias("roberta.encoder.layer.{i}.attention.output.dense.{kind}", names.ATTENTION_OUT),
+    *weight_and_bias("roberta.encoder.layer.{i}.attention.output.LayerNorm.{kind}", POST_LN["attention"]),
+    *weight_and_bias("roberta.encoder.layer.{i}.intermediate.dense.{kind}", names.FC1),
+    *weight_and_bias("roberta.encoder.layer.{i}.output.dense.{kind}", names.FC2),
+    *weight_and_bias("roberta.encoder.layer.{i}.output.LayerNorm.{kind}", POST_LN["mlp"]),
+    *weight_and_bias("lm_head.dense.{kind}", names.LM_HEAD_DENSE),
+    *weight_and_bias("lm_head.layer_norm.{kind}", names.LM_HEAD_NORM),
+    ("lm_head.bias", names.LM_HEAD_BIAS),
 ]
 HF_QKV = "roberta.encoder.layer.{i}.attention.self.{part}.{kind}"
-MEGAMLM_QKV = "encoder.layers.{i}.self_attention.linear_qkv.{kind}"
 HF_TOKEN_TYPE = "roberta.embeddings.token_type_embeddings.weight"
 
 
@@ -68,9 +60,9 @@ def hf_roberta_to_megamlm(hf_state: dict[str, torch.Tensor], model: ModelConfig)
     for i in range(model.num_layers):
         for kind in ("weight", "bias"):
             q, k, v = (hf_state[HF_QKV.format(i=i, part=p, kind=kind)] for p in ("query", "key", "value"))
-            out[MEGAMLM_QKV.format(i=i, kind=kind)] = fuse_qkv(q, k, v, model.num_attention_heads)
+            out[names.QKV.format(i=i, kind=kind)] = fuse_qkv(q, k, v, model.num_attention_heads)
     if HF_TOKEN_TYPE in hf_state:
-        out["embedding.positions.weight"] = out["embedding.positions.weight"] + hf_state[HF_TOKEN_TYPE][0]
+        out[names.POSITION_TABLE] = out[names.POSITION_TABLE] + hf_state[HF_TOKEN_TYPE][0]
     return out
 
 
@@ -79,10 +71,10 @@ def megamlm_to_hf_roberta(full: dict[str, torch.Tensor], model: ModelConfig) -> 
     out = _rename(full, [(ours, theirs) for theirs, ours in HF_ROBERTA_KEYS], model.num_layers)
     for i in range(model.num_layers):
         for kind in ("weight", "bias"):
-            parts = split_qkv(full[MEGAMLM_QKV.format(i=i, kind=kind)], model.num_attention_heads)
+            parts = split_qkv(full[names.QKV.format(i=i, kind=kind)], model.num_attention_heads)
             for name, tensor in zip(("query", "key", "value"), parts):
                 out[HF_QKV.format(i=i, part=name, kind=kind)] = tensor
     out[HF_TOKEN_TYPE] = torch.zeros(1, model.hidden_size)  # RoBERTa's single token type, folded away
-    out["lm_head.decoder.weight"] = full["embedding.word_embeddings.weight"]
-    out["lm_head.decoder.bias"] = full["lm_head.bias"]
+    out["lm_head.decoder.weight"] = full[names.WORD_EMBEDDINGS]
+    out["lm_head.decoder.bias"] = full[names.LM_HEAD_BIAS]
     return out

@@ -29,6 +29,7 @@ import shutil
 import socket
 import sys
 import tarfile
+import typing
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megamlm.config import DataConfig
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
 from megamlm.data.documents import BuildStats, Document, ShardError, read_documents
 from megamlm.data.tokenizer import EOS, Tokenizer
@@ -45,7 +47,8 @@ from megamlm.files import check_writable, staging_sibling
 
 __all__ = ["BuildOptions", "ShardError", "build_shards", "ensure_shards", "summary_table"]
 
-LONG_DOC_POLICIES = ("drop", "truncate", "split")
+LONG_DOC_POLICIES = typing.get_args(typing.get_type_hints(DataConfig)["long_docs"])
+TEXT_MODES = typing.get_args(typing.get_type_hints(DataConfig)["text_mode"])
 FORMAT_VERSION = 2
 STAGING_MARKER = ".megamlm-building"  # in a staging folder: "<host> <pid>" of the builder
 
@@ -145,12 +148,15 @@ class ShardWriter:
 
 @dataclass
 class BuildOptions:
+    """What `megamlm shards build` and data.build_from build; the defaults of the fields that the
+    data section also has are that section's (config/sections.py DataConfig)."""
+
     inputs: list[str]
     out_dir: str
-    seq_length: int = 512
-    long_docs: str = "drop"
-    text_mode: str = "paragraphs"
-    valid_fraction: float = 0.0
+    seq_length: int = DataConfig.seq_length
+    long_docs: str = DataConfig.long_docs
+    text_mode: str = DataConfig.text_mode
+    valid_fraction: float = DataConfig.valid_fraction
     shard_tokens: int = 20_000_000
     workers: int = 1
     seed: int = 1
@@ -159,8 +165,8 @@ class BuildOptions:
     def __post_init__(self):
         if self.long_docs not in LONG_DOC_POLICIES:
             raise ShardError(f"--long-docs {self.long_docs}; allowed: {', '.join(LONG_DOC_POLICIES)}")
-        if self.text_mode not in ("lines", "paragraphs"):
-            raise ShardError(f"--text-mode {self.text_mode}; allowed: lines, paragraphs")
+        if self.text_mode not in TEXT_MODES:
+            raise ShardError(f"--text-mode {self.text_mode}; allowed: {', '.join(TEXT_MODES)}")
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ShardError(f"--valid-fraction {self.valid_fraction} must be in [0, 1)")
         if self.seq_length < 3:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megamlm.config import Config, load_config, replace_config
 from megamlm.errors import CorruptFileError
 from megamlm.files import staged_output, verify_record
+from megamlm.model import names
 from megamlm.model.reshard import full_state_dict
 from megamlm.model.tp import merge_shards, split_full
 
@@ -97,8 +98,8 @@ def read_model_folder(folder: str | Path) -> ModelFolder:
         full = merge_shards([_load_tensors(p) for p in expected], cfg.model)
     else:
         raise FileNotFoundError(f"{folder}: neither {MODEL_FILE} nor {SHARD_FILE.format(rank=0, tp=2)}...")
-    if full.get("lm_head.beta", torch.ones(1)).dim() == 0:  # CLAP beta was 0-dim in session-1 folders
-        full["lm_head.beta"] = full["lm_head.beta"].reshape(1)
+    if full.get(names.CLAP_BETA, torch.ones(1)).dim() == 0:  # CLAP beta was 0-dim in session-1 folders
+        full[names.CLAP_BETA] = full[names.CLAP_BETA].reshape(1)
     heads = _load_tensors(folder / HEADS_FILE) if (folder / HEADS_FILE).is_file() else {}
     source = _load_tensors(folder / SOURCE_FILE) if (folder / SOURCE_FILE).is_file() else None
     return ModelFolder(cfg, full, heads, source)

@@ -19,18 +19,27 @@ from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.errors import MegamlmError
+from megamlm.model import names
 
-# (megamlm parameter name pattern, partition dim, vocab-parallel rows)
+# (megamlm parameter name template, partition dim, vocab-parallel rows)
 SHARD_RULES: list[tuple[str, int, bool]] = [
-    (r"embedding\.word_embeddings\.weight", 0, True),
-    (r"lm_head\.(weight|bias)", 0, True),
-    (r"encoder\.layers\.\d+\.self_attention\.linear_qkv\.(weight|bias)", 0, False),
-    (r"encoder\.layers\.\d+\.mlp\.linear_fc1\.(weight|bias)", 0, False),
-    (r"encoder\.layers\.\d+\.self_attention\.linear_proj\.weight", 1, False),
-    (r"encoder\.layers\.\d+\.mlp\.linear_fc2\.weight", 1, False),
-    (r"alibi\.log_slopes", 1, False),
+    (names.WORD_EMBEDDINGS, 0, True),
+    (names.LM_HEAD_WEIGHT, 0, True),
+    (names.LM_HEAD_BIAS, 0, True),
+    (names.QKV, 0, False),
+    (names.FC1, 0, False),
+    (names.ATTENTION_OUT.replace("{kind}", "weight"), 1, False),  # row-parallel: the bias is replicated
+    (names.FC2.replace("{kind}", "weight"), 1, False),
+    (names.ALIBI_SLOPES, 1, False),
 ]
-_RULES = [(re.compile(pattern + "$"), dim, vocab) for pattern, dim, vocab in SHARD_RULES]
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(r"\{i\}", r"\d+").replace(r"\{kind\}", "(weight|bias)")
+    return re.compile(escaped + "$")
+
+
+_RULES = [(_pattern(template), dim, vocab) for template, dim, vocab in SHARD_RULES]
 
 
 def full_shape(param: nn.Parameter, tp_size: int, vocab_size: int | None = None) -> list[int]:

@@ -26,6 +26,8 @@ class MegamlmConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
+# ALiBi is copied here, not imported from megamlm.model.positions: this file ships alone with exported
+# models and must load in transformers without megamlm installed
 def alibi_slopes(n):
     def power_of_2(n):
         start = 2 ** (-2 ** -(math.log2(n) - 3))

@@ -1,41 +1,15 @@
-"""Typed experiment configuration: dataclasses, YAML files with `include:`, dotted overrides.
-
-An experiment is one YAML file whose top-level sections match `Config`'s fields. A file may
-start with `include: [other.yaml, ...]` (paths relative to the file); included files are merged
-first, in order, and the including file's keys win. Command-line overrides (`model.position=alibi`)
-are applied last. Every value is type-checked and every cross-field constraint is checked before
-any work starts; a violation raises `ConfigError` whose one-line message names the key, the value,
-where it was set and what is allowed.
-
-    megamlm config --config configs/model/base.yaml --config configs/variants/alibi.yaml \
-        model.num_layers=6
-"""
+"""The config sections: one dataclass per YAML section, a docstring per field, checks on build."""
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
-from megamlm.errors import MegamlmError
-from megamlm.files import read_text
+from megamlm.config.checks import ARCHITECTURE, ConfigError, _divisors, check_fields
 
-
-ARCHITECTURE = {"architecture": True}
-"""Field metadata of the ModelConfig fields that define the weights."""
-
-
-class ConfigError(MegamlmError):
-    """A configuration mistake, reported as one line that names the key."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Sections
-# ------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -95,10 +69,12 @@ class ModelConfig:
     document_mask: bool = False
     """Attention stays within each document of a packed sample (data.block_mode=complete packs
     several); off = fairseq's behaviour, attention spans the whole sample."""
-    attention_backend: Literal["sdpa", "flex"] = "sdpa"
+    attention_backend: Literal["sdpa", "eager", "flex"] = "sdpa"
     """sdpa: PyTorch scaled_dot_product_attention with a cached additive bias (CPU and GPU);
-    flex: FlexAttention with the ALiBi score_mod, no materialized bias, memory linear in length
-    (CUDA only; batches are padded to data.seq_length so the compiled kernel sees one shape)."""
+    eager: the same math unfused (softmax, dropout, matmul; what sdpa runs on CPU with attention
+    dropout), for debugging; flex: FlexAttention with the ALiBi score_mod, no materialized bias,
+    memory linear in length (CUDA only; batches are padded to data.seq_length so the compiled kernel
+    sees one shape). model/attention.py's ATTENTION_BACKENDS."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization (BERT's init)."""
 
@@ -384,200 +360,3 @@ class Config:
         return yaml.safe_dump(plain(self.to_dict()), sort_keys=False)
 
 
-# ------------------------------------------------------------------------------------------------
-# Field checking shared by every section
-# ------------------------------------------------------------------------------------------------
-
-
-def _divisors(n: int, upto: int | None = None) -> str:
-    found = [d for d in range(1, n + 1) if n % d == 0 and (upto is None or d <= upto)]
-    return ", ".join(map(str, found))
-
-
-def _describe(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return " | ".join(str(a) for a in args)
-    if origin is typing.Union:
-        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
-    if origin is tuple:
-        return "[" + ", ".join(_describe(a) for a in args) + "]"
-    if origin is list:
-        return f"list of {_describe(args[0])}"
-    return tp.__name__
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(ok, value converted to tp). Ints and numeric strings are accepted for floats; bools never
-    count as numbers."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:
-        if value is None and type(None) in args:
-            return True, None
-        for arg in args:
-            if arg is not type(None):
-                ok, converted = _coerce(value, arg)
-                if ok:
-                    return True, converted
-        return False, value
-    if origin is Literal:
-        return value in args, value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            return False, value
-        items = [_coerce(v, args[0]) for v in value]
-        return all(ok for ok, _ in items), [v for _, v in items]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            return False, value
-        items = [_coerce(v, a) for v, a in zip(value, args)]
-        return all(ok for ok, _ in items), tuple(v for _, v in items)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `6e-4` (no dot) as a string
-            try:
-                return True, float(value)
-            except ValueError:
-                pass
-        return False, value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    return isinstance(value, tp), value
-
-
-def check_fields(section_obj: Any, section: str) -> None:
-    """Type-check (and normalize, e.g. int -> float) every field of a config dataclass."""
-    hints = typing.get_type_hints(type(section_obj))
-    for f in dataclasses.fields(section_obj):
-        value = getattr(section_obj, f.name)
-        ok, converted = _coerce(value, hints[f.name])
-        if not ok:
-            raise ConfigError(
-                f"{section}.{f.name}={value!r} is invalid; allowed: {_describe(hints[f.name])}"
-            )
-        object.__setattr__(section_obj, f.name, converted)
-
-
-# ------------------------------------------------------------------------------------------------
-# Loading
-# ------------------------------------------------------------------------------------------------
-
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-_SECTION_TYPES = typing.get_type_hints(Config)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key '{key}' (first on line {seen[key] + 1})", key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]:
-    """Flatten a YAML file (and its includes) to {"section.key": (value, origin)}."""
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
-    if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        doc = yaml.load(read_text(path, "config file"), Loader=_UniqueKeyLoader) or {}
-    except MegamlmError as err:
-        raise ConfigError(str(err)) from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections")
-    flat: dict[str, tuple[Any, str]] = {}
-    includes = doc.pop("include", [])
-    for inc in [includes] if isinstance(includes, str) else includes:
-        flat.update(_read_yaml(path.parent / inc, seen + (path,)))
-    for section, body in doc.items():
-        if section not in _SECTIONS:
-            raise ConfigError(
-                f"{path}: unknown section '{section}'; allowed: include, {', '.join(_SECTIONS)}"
-            )
-        if not isinstance(body, dict):
-            raise ConfigError(f"{path}: section '{section}' must be a mapping")
-        for key, value in body.items():
-            flat[f"{section}.{key}"] = (value, str(path))
-    return flat
-
-
-def config_from_dict(values: dict, overrides: list[str] = (), origin: str = "config") -> Config:
-    """A Config from nested {section: {key: value}} (e.g. a checkpoint's copy) plus dotted overrides,
-    validated as if read from a file named `origin`."""
-    flat = {f"{section}.{key}": (value, origin) for section, body in values.items() for key, value in body.items()}
-    for text in overrides:
-        key, value = parse_override(text)
-        flat[key] = (value, "command line")
-    return build_config(flat)
-
-
-def replace_config(cfg: Config, overrides: list[str] = (), origin: str = "config") -> Config:
-    """`cfg` with dotted overrides applied, validated again."""
-    return config_from_dict(cfg.to_dict(), overrides, origin)
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`model.position=alibi` -> ("model.position", "alibi"); values are parsed as YAML."""
-    key, sep, raw = text.partition("=")
-    if not sep or "." not in key:
-        raise ConfigError(f"override '{text}' must look like section.key=value")
-    try:
-        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        return key.strip(), raw
-
-
-def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
-    """Build and validate a Config from flattened, origin-tagged values."""
-    per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-    for dotted, (value, origin) in flat.items():
-        section, _, key = dotted.partition(".")
-        if section not in _SECTIONS:
-            raise ConfigError(f"{origin}: unknown section '{section}'; allowed: {', '.join(_SECTIONS)}")
-        allowed = [f.name for f in dataclasses.fields(_SECTION_TYPES[section])]
-        if key not in allowed:
-            raise ConfigError(f"{origin}: unknown key '{dotted}'; allowed: {', '.join(allowed)}")
-        per_section[section][key] = value
-    sections = {}
-    for name, values in per_section.items():
-        try:
-            sections[name] = _SECTION_TYPES[name](**values)
-        except ConfigError as err:
-            raise ConfigError(_with_origin(err, flat)) from None
-    try:
-        return Config(**sections)
-    except ConfigError as err:
-        raise ConfigError(_with_origin(err, flat)) from None
-
-
-def _with_origin(err: ConfigError, flat: dict[str, tuple[Any, str]]) -> str:
-    """Prefix the message with where its first-named key was set."""
-    message = str(err)
-    key = message.split("=", 1)[0].strip()
-    if key in flat:
-        return f"{flat[key][1]}: {message}"
-    return message
-
-
-def load_config(paths: str | Path | list = (), overrides: list[str] = ()) -> Config:
-    """Merge YAML files in order (later files win; none = the defaults), then dotted overrides."""
-    flat: dict[str, tuple[Any, str]] = {}
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        flat.update(_read_yaml(Path(path), ()))
-    for text in overrides:
-        key, value = parse_override(text)
-        flat[key] = (value, "command line")
-    return build_config(flat)

@@ -1,0 +1,88 @@
+"""Field checking shared by every config section: types, allowed values, one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from megamlm.errors import MegamlmError
+
+ARCHITECTURE = {"architecture": True}
+"""Field metadata of the ModelConfig fields that define the weights."""
+
+
+class ConfigError(MegamlmError):
+    """A configuration mistake, reported as one line that names the key."""
+
+
+def _divisors(n: int, upto: int | None = None) -> str:
+    found = [d for d in range(1, n + 1) if n % d == 0 and (upto is None or d <= upto)]
+    return ", ".join(map(str, found))
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin is typing.Union:
+        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
+    if origin is tuple:
+        return "[" + ", ".join(_describe(a) for a in args) + "]"
+    if origin is list:
+        return f"list of {_describe(args[0])}"
+    return tp.__name__
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, value converted to tp). Ints and numeric strings are accepted for floats; bools never
+    count as numbers."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return True, None
+        for arg in args:
+            if arg is not type(None):
+                ok, converted = _coerce(value, arg)
+                if ok:
+                    return True, converted
+        return False, value
+    if origin is Literal:
+        return value in args, value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        items = [_coerce(v, args[0]) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            return False, value
+        items = [_coerce(v, a) for v, a in zip(value, args)]
+        return all(ok for ok, _ in items), tuple(v for _, v in items)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `6e-4` (no dot) as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
+        return False, value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    return isinstance(value, tp), value
+
+
+def check_fields(section_obj: Any, section: str) -> None:
+    """Type-check (and normalize, e.g. int -> float) every field of a config dataclass."""
+    hints = typing.get_type_hints(type(section_obj))
+    for f in dataclasses.fields(section_obj):
+        value = getattr(section_obj, f.name)
+        ok, converted = _coerce(value, hints[f.name])
+        if not ok:
+            raise ConfigError(
+                f"{section}.{f.name}={value!r} is invalid; allowed: {_describe(hints[f.name])}"
+            )
+        object.__setattr__(section_obj, f.name, converted)
+
+

@@ -1,0 +1,135 @@
+"""Loading: YAML files with `include:`, dotted overrides, origin-tagged errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megamlm.config.checks import ConfigError
+from megamlm.config.sections import Config
+from megamlm.errors import MegamlmError
+from megamlm.files import read_text
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_TYPES = typing.get_type_hints(Config)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first on line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]:
+    """Flatten a YAML file (and its includes) to {"section.key": (value, origin)}."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        doc = yaml.load(read_text(path, "config file"), Loader=_UniqueKeyLoader) or {}
+    except MegamlmError as err:
+        raise ConfigError(str(err)) from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    flat: dict[str, tuple[Any, str]] = {}
+    includes = doc.pop("include", [])
+    for inc in [includes] if isinstance(includes, str) else includes:
+        flat.update(_read_yaml(path.parent / inc, seen + (path,)))
+    for section, body in doc.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{path}: unknown section '{section}'; allowed: include, {', '.join(_SECTIONS)}"
+            )
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: section '{section}' must be a mapping")
+        for key, value in body.items():
+            flat[f"{section}.{key}"] = (value, str(path))
+    return flat
+
+
+def config_from_dict(values: dict, overrides: list[str] = (), origin: str = "config") -> Config:
+    """A Config from nested {section: {key: value}} (e.g. a checkpoint's copy) plus dotted overrides,
+    validated as if read from a file named `origin`."""
+    flat = {f"{section}.{key}": (value, origin) for section, body in values.items() for key, value in body.items()}
+    for text in overrides:
+        key, value = parse_override(text)
+        flat[key] = (value, "command line")
+    return build_config(flat)
+
+
+def replace_config(cfg: Config, overrides: list[str] = (), origin: str = "config") -> Config:
+    """`cfg` with dotted overrides applied, validated again."""
+    return config_from_dict(cfg.to_dict(), overrides, origin)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`model.position=alibi` -> ("model.position", "alibi"); values are parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        return key.strip(), raw
+
+
+def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
+    """Build and validate a Config from flattened, origin-tagged values."""
+    per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for dotted, (value, origin) in flat.items():
+        section, _, key = dotted.partition(".")
+        if section not in _SECTIONS:
+            raise ConfigError(f"{origin}: unknown section '{section}'; allowed: {', '.join(_SECTIONS)}")
+        allowed = [f.name for f in dataclasses.fields(_SECTION_TYPES[section])]
+        if key not in allowed:
+            raise ConfigError(f"{origin}: unknown key '{dotted}'; allowed: {', '.join(allowed)}")
+        per_section[section][key] = value
+    sections = {}
+    for name, values in per_section.items():
+        try:
+            sections[name] = _SECTION_TYPES[name](**values)
+        except ConfigError as err:
+            raise ConfigError(_with_origin(err, flat)) from None
+    try:
+        return Config(**sections)
+    except ConfigError as err:
+        raise ConfigError(_with_origin(err, flat)) from None
+
+
+def _with_origin(err: ConfigError, flat: dict[str, tuple[Any, str]]) -> str:
+    """Prefix the message with where its first-named key was set."""
+    message = str(err)
+    key = message.split("=", 1)[0].strip()
+    if key in flat:
+        return f"{flat[key][1]}: {message}"
+    return message
+
+
+def load_config(paths: str | Path | list = (), overrides: list[str] = ()) -> Config:
+    """Merge YAML files in order (later files win; none = the defaults), then dotted overrides."""
+    flat: dict[str, tuple[Any, str]] = {}
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        flat.update(_read_yaml(Path(path), ()))
+    for text in overrides:
+        key, value = parse_override(text)
+        flat[key] = (value, "command line")
+    return build_config(flat)
