@@ -41,12 +41,12 @@ def test_flex_score_mod_equals_sdpa_with_materialized_bias(mode, documents):
     # each backend prepares its own inputs from padding / documents / the position encoding
     documents = groups if documents else None
     sdpa, flex = _attention("sdpa", position), _attention("flex", position)
-    torch.testing.assert_close(sdpa.backend.prepare(padding, documents, torch.float32).expand_as(bias), bias)
+    torch.testing.assert_close(sdpa.backend.prepare(padding, documents, None, torch.float32).expand_as(bias), bias)
     want = sdpa(q, k, v, bias)
     # no_grad: the CPU (eager) FlexAttention cannot trace learned slopes that require grad
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
-        got = flex(q, k, v, flex.backend.prepare(padding, documents, torch.float32))
+        got = flex(q, k, v, flex.backend.prepare(padding, documents, None, torch.float32))
     assert got.shape == (s, b, np_ * hn)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 

@@ -1,10 +1,17 @@
-"""Packed micro-batches: the bin plan (data/packing.py) on a Pile-like length distribution."""
+"""Packed micro-batches: the bin plan (data/packing.py) on a Pile-like length distribution, and a
+packed row computing exactly what the padded layout computes, for every variant."""
 
 import numpy as np
 import pytest
+import torch
 
+from megamlm.data.batch import collate
 from megamlm.data.blocks import plan_blocks
 from megamlm.data.packing import best_fit_decreasing, fill_ratio, plan_bins
+from megamlm.objectives import MaskedLM
+from tests.multiproc import run_on_ranks
+from tests.test_train import logged
+from tests.variants import VARIANTS, variant_config
 
 
 def pile_like_samples(n_docs: int = 20000, seq_length: int = 2048, seed: int = 0) -> np.ndarray:
@@ -46,3 +53,136 @@ def test_the_plan_is_seeded_per_epoch():
     other = plan_bins(lengths, 4 * 2048, window=500, seed=3, epoch=1)
     assert all(np.array_equal(a, b) for a, b in zip(plan, again)) and len(plan) == len(again)
     assert not all(np.array_equal(a, b) for a, b in zip(plan, other))
+
+
+def _samples(vocab: int, lengths=(16, 11, 7, 13), seed: int = 0):
+    """Samples <s> ... with an </s> inside (two documents in the first), as the loader builds them."""
+    g = torch.Generator().manual_seed(seed)
+    samples = [torch.randint(4, vocab, (n,), generator=g) for n in lengths]
+    for sample in samples:
+        sample[0], sample[-1] = 0, 2
+    samples[0][7] = 2
+    return [s.numpy() for s in samples]
+
+
+def _no_corruption(sample, epoch, index):
+    return sample, sample % 3 == 0  # every third id a target, none changed
+
+
+@pytest.mark.parametrize("document_mask", [False, True], ids=["samples", "documents"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_packed_row_gives_every_sample_its_padded_logits(world, variant, document_mask):
+    cfg = variant_config(variant, [f"model.document_mask={str(document_mask).lower()}"])
+    model = MaskedLM(cfg.model, world, seed=3).eval()
+    samples = [(s, i) for i, s in enumerate(_samples(cfg.model.vocab_size))]
+    padded = collate(samples, _no_corruption, 0, 16, pad_id=1)
+    packed = collate(samples, _no_corruption, 0, 56, pad_id=1, packed=True)  # 47 tokens + 9 padding
+    assert packed.inputs.shape == (1, 56) and packed.segments.max() == 3
+    assert torch.equal(padded.targets, packed.targets)  # the same targets, in the same order
+    with torch.no_grad():
+        want = model(padded.inputs, padded.target_index, padded.documents, padded.segments)
+        got = model(packed.inputs, packed.target_index, packed.documents, packed.segments)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["symmetric", "offset", "learned"])
+def test_flex_and_sdpa_agree_on_packed_rows(mode):
+    import warnings
+
+    from megamlm.model.attention import ATTENTION_BACKENDS, PackedRows
+    from megamlm.model.positions import Alibi
+
+    s, np_, hn = 40, 4, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, np_, s, hn, generator=g) for _ in range(3))
+    segments = torch.tensor([[0] * 12 + [1] * 5 + [2] * 17 + [-1] * 6])
+    position = Alibi(np_, mode, tp_rank=0, tp_size=1)
+    sdpa, flex = (ATTENTION_BACKENDS[name](position) for name in ("sdpa", "flex"))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
+        prepared = sdpa.prepare(segments < 0, None, segments, torch.float32)
+        assert isinstance(prepared, PackedRows) and prepared.bias.shape == (3, np_, 17, 17)  # no [s, s]
+        want = sdpa.attend(q, k, v, prepared, 0.0, None)
+        got = flex.attend(q, k, v, flex.prepare(segments < 0, None, segments, torch.float32), 0.0, None)
+        # each sample alone, in the padded layout
+        for start, end in ((0, 12), (12, 17), (17, 34)):
+            alone = sdpa.attend(*(t[:, :, start:end] for t in (q, k, v)),
+                                sdpa.prepare(torch.zeros(1, end - start, dtype=torch.bool), None, None,
+                                             torch.float32), 0.0, None)
+            torch.testing.assert_close(want[:, :, start:end], alone, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[:, :, :34], want[:, :, :34], rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The packed stream and packed training
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from tests.test_train import tiny_shards
+
+    return tiny_shards(tmp_path_factory, "packing")
+
+
+def _stream(shards, **options):
+    from megamlm.data.masking import Masker
+    from megamlm.data.stream import MaskedBatches, ShardSet
+    from megamlm.data.tokenizer import Tokenizer
+
+    dictionary = Tokenizer.gpt2().dictionary
+    args = dict(seq_length=64, micro_batch=4, shuffle_window=64, seed=5, packing="packed")
+    return MaskedBatches(ShardSet(shards), Masker(dictionary.mask_id, dictionary.ordinary_ids(), seed=5),
+                         **{**args, **options})
+
+
+def test_a_packed_epoch_holds_every_sample_once_in_full_rows(shards):
+    stream = _stream(shards, epochs=1)
+    batches = list(stream)
+    assert len(batches) == stream.batches_per_epoch(0) > 10
+    seen = [int(i) for b in batches for i in b.sample_ids]
+    assert len(seen) == len(set(seen)) == int(stream.counts.sum()) - stream.left_out_per_epoch()
+    assert all(b.inputs.shape == (1, 4 * 64) for b in batches)
+    fill = sum(b.real_tokens() for b in batches) / sum(b.inputs.numel() for b in batches)
+    padded = _stream(shards, epochs=1, packing="padded")
+    padded_fill = np.mean([b.fill() for b in padded])
+    assert fill > max(0.95, padded_fill)  # WikiText split at 64 pads little already (92%)
+    again = list(_stream(shards, epochs=1))  # seeded: the same micro-batches
+    assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(batches, again))
+
+
+def _packed(shards, run_dir, *overrides):
+    from tests.test_train import config
+
+    return config(shards, run_dir, "data.packing=packed", "train.micro_batch_size=2", *overrides)
+
+
+def _runs(cfgs):
+    from tests.test_train import _train
+
+    return [_train(cfg) for cfg in cfgs]
+
+
+@pytest.mark.slow
+def test_packed_dp2_and_tp2_equal_dp1_with_accumulation(shards, tmp_path):
+    common = ["train.global_batch_size=4", "model.hidden_dropout=0", "model.attention_dropout=0"]
+    (dp1,) = run_on_ranks(_runs, 1, [_packed(shards, tmp_path / "dp1", *common)])[0]
+    dp2, tp2 = run_on_ranks(_runs, 2, [_packed(shards, tmp_path / "dp2", *common),
+                                       _packed(shards, tmp_path / "tp2", *common, "parallel.tensor_parallel=2")])[0]
+    assert len(dp1["losses"]) == 8 and dp1["losses"][-1] < dp1["losses"][0] - 0.2
+    for other in (dp2, tp2):
+        assert max(abs(a - b) for a, b in zip(other["losses"], dp1["losses"])) < 1e-4
+    assert min(logged(tmp_path / "dp1", key="fill").values()) > 0.9
+
+
+@pytest.mark.slow
+def test_packed_resume_after_sigkill_reproduces_the_uninterrupted_losses(shards, tmp_path):
+    from tests.test_train import _straight_then_resume, _train
+
+    steps = ["train.steps=10", "train.save_interval=5", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+    killed = _packed(shards, tmp_path / "killed", *steps)
+    with pytest.raises(RuntimeError, match="died without a result"):
+        run_on_ranks(_train, 2, killed, None, 7)
+    straight = _packed(shards, tmp_path / "straight", *steps)
+    (full, resumed), _ = run_on_ranks(_straight_then_resume, 2, straight, killed)
+    assert len(full["losses"]) == 10 and resumed["losses"] == full["losses"][5:]  # bit for bit

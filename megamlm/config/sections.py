@@ -174,6 +174,13 @@ class DataConfig:
     """Of the selected tokens, the share left unchanged."""
     random_token_prob: float = 0.1
     """Of the selected tokens, the share replaced by a random ordinary token."""
+    packing: Literal["padded", "packed"] = "padded"
+    """padded: a micro-batch is train.micro_batch_size samples, one per row, right-padded to the
+    longest (fairseq); packed: whole samples end to end in one row of data.tokens_per_micro_batch
+    tokens (best-fit within each shuffle window, data/packing.py), positions and attention per
+    sample, so almost no compute goes to padding. An update is then a number of packed rows."""
+    tokens_per_micro_batch: int | None = None
+    """packed: the tokens of one micro-batch; null = train.micro_batch_size x data.seq_length."""
 
     def __post_init__(self):
         check_fields(self, "data")
@@ -185,6 +192,9 @@ class DataConfig:
             raise ConfigError(
                 f"data.leave_unmasked_prob + data.random_token_prob = "
                 f"{self.leave_unmasked_prob + self.random_token_prob} must be <= 1")
+        if self.tokens_per_micro_batch is not None and self.tokens_per_micro_batch < self.seq_length:
+            raise ConfigError(f"data.tokens_per_micro_batch={self.tokens_per_micro_batch} is below "
+                              f"data.seq_length={self.seq_length}: a sample must fit a packed micro-batch")
         if self.build_from and self.shards is None:
             raise ConfigError("data.build_from needs data.shards: the folder to build the shards into")
 

@@ -1,6 +1,8 @@
 """The typed micro-batch every objective trains and validates on, and how samples become one.
 
-A batch holds b samples right-padded to a width s; positions are named in row-major (b, s) order.
+A batch is b rows of width s; positions are named in row-major (b, s) order. Padded layout: one
+sample per row, right-padded. Packed layout (data.packing=packed): one row holding several samples
+end to end (`segments` says which), padded only at the end of the token budget.
 `inputs` is what the encoder reads (the corrupted text); `original` is the text before corruption;
 the objective's prediction targets are the positions `target_index` (flat b_i * s + s_i, what the
 model selects by: a [b, s] bool mask would make the device count it, a host sync mid-forward) whose
@@ -34,8 +36,8 @@ class Batch:
     targets: torch.Tensor
     """[n] original ids at target_index."""
     documents: torch.Tensor
-    """[b, s] document index of each position within its sample (the </s> before it counted),
-    -1 on padding."""
+    """[b, s] document index of each position within its row (the </s> before it counted, numbered
+    on across the samples of a packed row), -1 on padding."""
     sample_ids: torch.Tensor
     """[b] index of each sample in its epoch's order (what seeds its corruption)."""
     epoch: int = 0
@@ -43,7 +45,10 @@ class Batch:
     batch: int = 0
     """Index of this micro-batch in its rank's epoch (the stream's resume position)."""
     corrupt: int = 0
-    """Samples that could not be read and were replaced by others of the batch."""
+    """Samples that could not be read and were replaced by others of the batch (packed: left out)."""
+    segments: torch.Tensor | None = None
+    """Packed layout: [b, s] index of the sample each position belongs to within its row, -1 on
+    padding (positions restart and attention stays within a sample); None: one sample per row."""
 
     @property
     def target_mask(self) -> torch.Tensor:
@@ -61,24 +66,33 @@ class Batch:
                                             for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})
 
+    def fill(self) -> float:
+        """Real tokens / token slots."""
+        return self.real_tokens() / self.inputs.numel()
+
 
 def collate(samples: list[tuple[np.ndarray, int]], corruption: Corruption, epoch: int, width: int,
-            pad_id: int, **fields) -> Batch:
-    """[(sample ids, sample index)] -> a Batch of `width` columns; `fields`: epoch-position fields
-    (batch, corrupt)."""
-    b = len(samples)
-    original = np.full((b, width), pad_id, dtype=np.int64)
+            pad_id: int, packed: bool = False, **fields) -> Batch:
+    """[(sample ids, sample index)] -> a Batch of `width` columns: one row per sample, or with
+    `packed` one row of all of them end to end. `fields`: epoch-position fields (batch, corrupt)."""
+    rows = [samples] if packed else [[sample] for sample in samples]
+    original = np.full((len(rows), width), pad_id, dtype=np.int64)
     inputs = original.copy()
-    targeted = np.zeros((b, width), dtype=bool)
-    documents = np.full((b, width), -1, dtype=np.int64)
-    for row, (sample, index) in enumerate(samples):
-        corrupted, mask = corruption(sample, epoch, index)
-        original[row, : len(sample)] = sample
-        inputs[row, : len(sample)] = corrupted
-        targeted[row, : len(sample)] = mask
-        # document index of each position: the </s> before it counted (from the uncorrupted text)
-        documents[row, : len(sample)] = np.concatenate([[0], np.cumsum(sample[:-1] == EOS)])
+    targeted = np.zeros(original.shape, dtype=bool)
+    documents = np.full(original.shape, -1, dtype=np.int64)
+    segments = documents.copy()
+    for row, members in enumerate(rows):
+        start = first_document = 0
+        for segment, (sample, index) in enumerate(members):
+            corrupted, mask = corruption(sample, epoch, index)
+            span = slice(start, start + len(sample))
+            original[row, span], inputs[row, span], targeted[row, span] = sample, corrupted, mask
+            # document index of each position: the </s> before it counted (from the uncorrupted text)
+            docs = np.concatenate([[0], np.cumsum(sample[:-1] == EOS)]) + first_document
+            documents[row, span], segments[row, span] = docs, segment
+            start, first_document = span.stop, int(docs[-1]) + 1
     return Batch(inputs=torch.from_numpy(inputs), original=torch.from_numpy(original),
                  target_index=torch.from_numpy(np.flatnonzero(targeted)),
                  targets=torch.from_numpy(original[targeted]), documents=torch.from_numpy(documents),
-                 sample_ids=torch.tensor([index for _, index in samples]), epoch=epoch, **fields)
+                 sample_ids=torch.tensor([index for _, index in samples]), epoch=epoch,
+                 segments=torch.from_numpy(segments) if packed else None, **fields)

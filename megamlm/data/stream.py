@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from megamlm.data.batch import Batch, Corruption, collate
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
+from megamlm.data.packing import plan_bins
 from megamlm.data.shards import ShardError
 from megamlm.data.tokenizer import BOS
 
@@ -171,26 +172,37 @@ class EpochOrder:
         self.total = int(self.ends[-1])
         self._window_id, self._permutation = -1, None
 
+    def _window(self, window_id: int) -> np.ndarray:
+        size = min(self.window, self.total - window_id * self.window)
+        return np.random.default_rng([self.seed, self.epoch, window_id, 1]).permutation(size)
+
     def sample(self, position: int) -> tuple[int, int, int]:
         window_id, offset = divmod(position, self.window)
         if window_id != self._window_id:
-            size = min(self.window, self.total - window_id * self.window)
-            rng = np.random.default_rng([self.seed, self.epoch, window_id, 1])
-            self._window_id, self._permutation = window_id, rng.permutation(size)
+            self._window_id, self._permutation = window_id, self._window(window_id)
         index = window_id * self.window + int(self._permutation[offset])
         slot = int(np.searchsorted(self.ends, index, side="right"))
         shard = int(self.order[slot])
         return shard, index - int(self.ends[slot] - self.counts[shard]), index
 
+    def indices(self) -> np.ndarray:
+        """[total] the sample index of every position (`sample`'s third value, all at once)."""
+        return np.concatenate([w * self.window + self._window(w) for w in range(-(-self.total // self.window))])
+
 
 class MaskedBatches(IterableDataset):
     """Infinite (or `epochs`-long) stream of corrupted batches (data/batch.py's Batch) for one
-    data-parallel rank; `corruption` is the objective's (MLM: masking.py's Masker)."""
+    data-parallel rank; `corruption` is the objective's (MLM: masking.py's Masker).
+
+    packing="padded": a micro-batch is `micro_batch` samples, one per row. packing="packed": a
+    micro-batch is one row of `tokens_per_micro_batch` tokens holding a bin of whole samples
+    (packing.py); the unit an update is counted in is then a bin instead of a sample."""
 
     def __init__(self, shards: ShardSet, corruption: Corruption, *, seq_length: int, micro_batch: int,
                  accumulation: int = 1, block_mode: str = "complete", seed: int = 1,
                  dp_rank: int = 0, dp_size: int = 1, shuffle_window: int = 1000, pad_id: int = 1,
-                 epochs: int | None = None, position: StreamPosition | None = None, pad_multiple: int = 8):
+                 epochs: int | None = None, position: StreamPosition | None = None, pad_multiple: int = 8,
+                 packing: str = "padded", tokens_per_micro_batch: int | None = None):
         self.shards, self.corruption = shards, corruption
         # batches are padded to a multiple of this (capped at seq_length); = seq_length gives every
         # batch one shape, which compiled layers need to avoid recompiling per batch width
@@ -199,23 +211,41 @@ class MaskedBatches(IterableDataset):
         self.accumulation, self.seed, self.dp_rank, self.dp_size = accumulation, seed, dp_rank, dp_size
         self.shuffle_window, self.pad_id, self.epochs = shuffle_window, pad_id, epochs
         self.position = position or StreamPosition()
+        self.packed = packing == "packed"
+        self.budget = tokens_per_micro_batch or micro_batch * seq_length
         self.counts = shards.block_counts(seq_length, block_mode)
-        self.global_batch = micro_batch * accumulation * dp_size
+        self.units_per_micro = 1 if self.packed else micro_batch  # bins or samples
+        self.global_batch = self.units_per_micro * accumulation * dp_size
         self._bounds: dict[int, np.ndarray] = {}
+        self._bins: tuple[int, list[np.ndarray]] | None = None  # (epoch, its bins)
         if self.batches_per_epoch() == 0:
+            unit = f"packed micro-batches of {self.budget} tokens" if self.packed else "sequences"
             raise ShardError(f"{shards.folder}: {int(self.counts.sum())} samples of length "
-                             f"{seq_length} do not fill one update of {self.global_batch} sequences "
-                             f"(micro {micro_batch} x accumulation {accumulation} x DP {dp_size})")
+                             f"{seq_length} do not fill one update of {self.global_batch} {unit} "
+                             f"(micro {self.units_per_micro} x accumulation {accumulation} x DP {dp_size})")
 
-    def batches_per_epoch(self) -> int:
-        """Micro-batches per rank per epoch (whole updates only)."""
-        return int(self.counts.sum()) // self.global_batch * self.accumulation
+    def _units(self, epoch: int) -> int:
+        return len(self.bins(epoch)) if self.packed else int(self.counts.sum())
 
-    def _positions(self, k: int) -> range:
+    def batches_per_epoch(self, epoch: int = 0) -> int:
+        """Micro-batches per rank in `epoch` (whole updates only; packed: depends on the epoch)."""
+        return self._units(epoch) // self.global_batch * self.accumulation
+
+    def bins(self, epoch: int) -> list[np.ndarray]:
+        """Packed: the epoch's bins (arrays of epoch positions), planned from sample lengths."""
+        if self._bins is None or self._bins[0] != epoch:
+            order = EpochOrder(self.counts, self.seed, epoch, self.shuffle_window)
+            lengths = np.concatenate([np.diff(self._block_bounds(int(shard)), axis=1)[:, 0] + 1  # + <s>
+                                      for shard in order.order])
+            self._bins = epoch, plan_bins(lengths[order.indices()], self.budget, self.shuffle_window,
+                                          self.seed, epoch)
+        return self._bins[1]
+
+    def _positions(self, epoch: int, k: int):
         """Positions in the epoch order of this rank's micro-batch k."""
         update, micro_step = divmod(k, self.accumulation)
-        start = update * self.global_batch + (micro_step * self.dp_size + self.dp_rank) * self.micro_batch
-        return range(start, start + self.micro_batch)
+        start = update * self.global_batch + (micro_step * self.dp_size + self.dp_rank) * self.units_per_micro
+        return self.bins(epoch)[start].tolist() if self.packed else range(start, start + self.micro_batch)
 
     def _block_bounds(self, shard: int) -> np.ndarray:
         if shard not in self._bounds:
@@ -228,16 +258,21 @@ class MaskedBatches(IterableDataset):
         return np.concatenate([[BOS], self.shards.read_tokens(shard, int(start), int(end))])
 
     def _batch(self, order: EpochOrder, epoch: int, j: int) -> Batch:
-        samples = []
-        for position in self._positions(j):
+        samples, positions = [], self._positions(epoch, j)
+        for position in positions:
             shard, block, index = order.sample(position)
             try:
                 samples.append((self._sample(shard, block), index))
             except CorruptShardError as err:
-                warnings.warn(f"{err}; the sample is replaced by another of the same batch")
+                fate = "left out" if self.packed else "replaced by another of the same batch"
+                warnings.warn(f"{err}; the sample is {fate}")
         if not samples:
             raise CorruptShardError(f"every sample of batch {j} of epoch {epoch} is unreadable")
-        corrupt, readable = self.micro_batch - len(samples), list(samples)
+        corrupt = len(positions) - len(samples)
+        if self.packed:  # the row keeps its width: a left-out sample is padding
+            return collate(samples, self.corruption, epoch, self.budget, self.pad_id, packed=True, batch=j,
+                           corrupt=corrupt)
+        readable = list(samples)
         while len(samples) < self.micro_batch:  # same batch shape, same step count on every rank
             samples.append(readable[len(samples) % len(readable)])
         longest = max(len(s) for s, _ in samples)
@@ -248,19 +283,22 @@ class MaskedBatches(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, start = self.position.epoch, self.position.batch
-        per_epoch = self.batches_per_epoch()
         flat = 0  # batches of this rank's stream since the resume point
         while self.epochs is None or epoch < self.epochs:
             order = EpochOrder(self.counts, self.seed, epoch, self.shuffle_window)
-            for j in range(start, per_epoch):
+            for j in range(start, self.batches_per_epoch(epoch)):
                 if flat % workers == worker:
                     yield self._batch(order, epoch, j)
                 flat += 1
             epoch, start = epoch + 1, 0
 
     def left_out_per_epoch(self) -> int:
-        """Samples of an epoch in no update (N mod global batch)."""
-        return int(self.counts.sum()) % self.global_batch
+        """Samples of epoch 0 in no update (padded: N mod global batch; packed: those in the bins
+        after the last whole update)."""
+        if not self.packed:
+            return int(self.counts.sum()) % self.global_batch
+        bins = self.bins(0)
+        return sum(len(b) for b in bins[len(bins) // self.global_batch * self.global_batch:])
 
 
 def make_loader(stream: MaskedBatches, workers: int = 0) -> DataLoader:
@@ -271,7 +309,7 @@ def make_loader(stream: MaskedBatches, workers: int = 0) -> DataLoader:
 
 
 def advance(position: StreamPosition, batch: Batch, batches_per_epoch: int) -> StreamPosition:
-    """The position after consuming `batch`."""
+    """The position after consuming `batch` (`batches_per_epoch`: of the batch's epoch)."""
     nxt = batch.batch + 1
     if nxt >= batches_per_epoch:
         return StreamPosition(batch.epoch + 1, 0)

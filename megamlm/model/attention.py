@@ -6,8 +6,11 @@ heads only, query/key/value [s, b, np, hn], and returns [s, b, np * hn]; the wor
 `AttentionBackend` chosen by name (`ATTENTION_BACKENDS`, model.attention_backend):
 
     backend = ATTENTION_BACKENDS[name](position)    # one per encoder, shared by its layers
-    prepared = backend.prepare(padding, documents, dtype)   # once per forward
+    prepared = backend.prepare(padding, documents, segments, dtype)   # once per forward
     out = backend.attend(q, k, v, prepared, dropout_p, scale)   # in every layer
+
+Attention never crosses a sample (`segments`, packed rows) nor, when `documents` is given
+(model.document_mask), a document; padded keys are never attended to.
 
 megatron's slots have one meaning each: `attention_mask` carries `prepared` (whatever the backend
 built: a bias tensor for sdpa, a BlockMask and score parameters for flex) and `attention_bias` is
@@ -15,7 +18,9 @@ unused. A backend asks the position encoding for its score term; padding and doc
 are the backend's to express.
 
   sdpa   PyTorch scaled_dot_product_attention with one additive bias [b, np|1, s, s] (-inf on padded
-         keys and other documents, plus the position's score term), CPU and GPU.
+         keys and other documents, plus the position's score term), CPU and GPU. Packed rows are
+         first gathered per sample into [n, np, L, hn] (L the longest sample), so nothing of size
+         [T, T] is built for a row of T tokens and the bias is [n, np|1, L, L].
   eager  the same math unfused: softmax, then our dropout. sdpa runs it on CPU whenever attention
          dropout is on (torch's CPU SDPA then does this math with a slower dropout mask).
   flex   FlexAttention: the position's score term is a `score_mod`, key padding / documents a
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +42,33 @@ from megamlm.config import ConfigError, ModelConfig
 from megamlm.model.dropout import dropout
 from megamlm.model.positions import PositionEncoding
 from megamlm.parallel import tensor_parallel_rng
+
+
+@dataclass
+class PackedRows:
+    """sdpa's inputs for packed rows: where each sample's positions sit in the flat (b·s) stream."""
+
+    index: torch.Tensor
+    """[n, L] flat position of slot j of sample i (0 in empty slots)."""
+    filled: torch.Tensor
+    """[n, L] bool: the slot holds a position of the sample."""
+    bias: torch.Tensor
+    """[n, np|1, L, L] additive bias within each sample."""
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, np, s, hn] -> [n, np, L, hn], the samples side by side."""
+        b, np_local, s, hn = t.shape
+        # [b, np, s, hn] -> [np, b*s, hn] -> [np, n, L, hn] -> [n, np, L, hn]
+        return t.transpose(0, 1).reshape(np_local, b * s, hn)[:, self.index].transpose(0, 1)
+
+    def scatter(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """[n, np, L, hn] -> [b, np, s, hn] shaped like `like` (zeros where no sample is)."""
+        b, np_local, s, hn = like.shape
+        flat = out.new_zeros(np_local, b * s, hn)
+        # [n, np, L, hn] -> [np, n, L, hn]; the filled slots go back to their positions
+        flat[:, self.index[self.filled]] = out.transpose(0, 1)[:, self.filled]
+        # [np, b*s, hn] -> [b, np, s, hn]
+        return flat.view(np_local, b, s, hn).transpose(0, 1)
 
 
 class AttentionBackend:
@@ -51,9 +84,16 @@ class AttentionBackend:
         """Why this machine or config cannot run the backend, or None (checked before any work)."""
         return None
 
-    def prepare(self, padding: torch.Tensor, documents: torch.Tensor | None, dtype: torch.dtype):
-        """padding [b, s] bool, documents [b, s] (document index, -1 on padding) or None when
-        attention may span the whole sample -> the additive bias [b, np|1, s, s]."""
+    def prepare(self, padding: torch.Tensor, documents: torch.Tensor | None, segments: torch.Tensor | None,
+                dtype: torch.dtype):
+        """padding [b, s] bool; documents [b, s] (document index, -1 on padding) or None when
+        attention may span a whole sample; segments [b, s] (sample index in a packed row, -1 on
+        padding) or None for one sample per row -> the additive bias [b, np|1, s, s], or PackedRows."""
+        if segments is not None:
+            return self._prepare_packed(documents, segments, dtype)
+        return self._bias(padding, documents, dtype)
+
+    def _bias(self, padding, documents, dtype) -> torch.Tensor:
         b, s = padding.shape
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
@@ -68,10 +108,34 @@ class AttentionBackend:
             bias = bias + score[None]
         return bias
 
-    def attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
+    def _prepare_packed(self, documents, segments, dtype) -> PackedRows:
+        b, s = segments.shape
+        real = segments.flatten() >= 0
+        positions = real.nonzero().squeeze(1)  # [t] flat positions of real tokens
+        # [b, s] -> [t]: one id per sample of the batch (rows hold < s samples each)
+        sample = (segments + s * torch.arange(b, device=segments.device)[:, None]).flatten()[real]
+        sample = torch.unique_consecutive(sample, return_inverse=True)[1]
+        lengths = torch.bincount(sample)
+        starts = torch.cumsum(lengths, 0) - lengths
+        slot = torch.arange(len(sample), device=segments.device) - starts[sample]
+        n, longest = len(lengths), int(lengths.max())
+        index = torch.zeros(n, longest, dtype=torch.long, device=segments.device)
+        filled = torch.zeros(n, longest, dtype=torch.bool, device=segments.device)
+        index[sample, slot], filled[sample, slot] = positions, True
+        # within each sample, the layout of one padded row per sample: [n, L] -> [n, np|1, L, L]
+        docs = None if documents is None else documents.flatten()[index].masked_fill(~filled, -1)
+        return PackedRows(index, filled, self._bias(~filled, docs, dtype))
+
+    def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
         """q, k, v [b, np, s, hn] -> [b, np, s, hn]."""
+        if isinstance(prepared, PackedRows):
+            out = self._attend(*(prepared.gather(t) for t in (q, k, v)), prepared.bias, dropout_p, scale)
+            return prepared.scatter(out, q)
+        return self._attend(q, k, v, prepared, dropout_p, scale)
+
+    def _attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
         if dropout_p > 0 and q.device.type == "cpu":
-            return EagerAttention.attend(self, q, k, v, bias, dropout_p, scale)
+            return EagerAttention._attend(self, q, k, v, bias, dropout_p, scale)
         # heads are sharded: each TP rank needs its own dropout stream
         with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
@@ -82,7 +146,7 @@ class EagerAttention(AttentionBackend):
 
     name = "eager"
 
-    def attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
+    def _attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
         scale = scale if scale is not None else q.size(-1) ** -0.5
         # [b, np, s, hn] x [b, np, hn, s] -> [b, np, s, s]
         scores = torch.matmul(q * scale, k.transpose(-2, -1))
@@ -108,9 +172,10 @@ class FlexAttention(AttentionBackend):
                     "backward on CPU); use model.attention_backend=sdpa")
         return None
 
-    def prepare(self, padding, documents, dtype):
-        """(BlockMask, the position's score parameters or None)."""
-        groups = documents if documents is not None else padding.long().neg()  # -1 on padding
+    def prepare(self, padding, documents, segments, dtype):
+        """(BlockMask over the rows as they are, packed or not; the position's score parameters or
+        None). Distances in a packed row are distances within its samples (they never mix)."""
+        groups = next(g for g in (documents, segments, padding.long().neg()) if g is not None)  # -1 on padding
         return flex_block_mask(groups), self.position.score_params()
 
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:

@@ -36,8 +36,10 @@ class TokenEmbedding(nn.Module):
                           if model.embedding_layernorm else None)
         self.scale = math.sqrt(model.hidden_size) if model.scale_embeddings else 1.0
 
-    def forward(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-        """tokens, padding [b, s] -> embeddings [s, b, h] (zero at padded positions)."""
+    def forward(self, tokens: torch.Tensor, padding: torch.Tensor,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, padding [b, s] -> embeddings [s, b, h] (zero at padded positions); `segments`:
+        packed rows (positions restart at each sample)."""
         model = self.model
         if model.zero_mask:
             is_mask = tokens >= model.vocab_size
@@ -49,7 +51,7 @@ class TokenEmbedding(nn.Module):
             e = e * ~is_mask[..., None]
         x = e * self.scale
         if self.positions is not None:
-            x = x + self.positions.embed(tokens)
+            x = x + self.positions.embed(tokens, segments)
         if self.layernorm is not None:
             x = self.layernorm(x)
         x = dropout(x, model.hidden_dropout, self.training) * ~padding[..., None]

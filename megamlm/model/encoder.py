@@ -124,12 +124,15 @@ class Encoder(nn.Module):
         """Parameters of the whole model (all TP ranks together), vocabulary padding excluded."""
         return parameter_count(self, self.ctx.tp_size, self.config.vocab_size)
 
-    def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> last-layer features [s, b, h]; `documents` [b, s] (document index, -1 on
-        padding) keeps attention within each document, used only with model.document_mask."""
+    def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
+                      segments: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> last-layer features [s, b, h]. `documents` [b, s] (document index, -1 on
+        padding) keeps attention within each document, used only with model.document_mask;
+        `segments` [b, s] marks the samples of packed rows (Batch.segments; None: one per row)."""
         padding = tokens.eq(self.config.pad_token_id)
-        x = self.embedding(tokens, padding)
-        prepared = self.attention.prepare(padding, documents if self.config.document_mask else None, x.dtype)
+        x = self.embedding(tokens, padding, segments)
+        documents = documents if self.config.document_mask else None
+        prepared = self.attention.prepare(padding, documents, segments, x.dtype)
         # megatron's attention_mask slot carries the backend's prepared inputs (attention.py)
         return self.encoder(hidden_states=x, attention_mask=prepared)
 

@@ -41,7 +41,8 @@ class PositionEncoding(nn.Module):
     def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> PositionEncoding:
         return cls()
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, s] -> [b, s, h]; `segments` (packed rows): positions restart at each sample."""
         raise NotImplementedError(f"{type(self).__name__} has no input term")
 
     def score_params(self) -> torch.Tensor | None:
@@ -65,10 +66,19 @@ class PositionEncoding(nn.Module):
         return self.score_function()(params, heads, positions[:, None], positions[None, :]).to(dtype)
 
 
-def fairseq_position_ids(tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """[b, s] token ids -> [b, s] position ids; pads get pad_token_id, real tokens pad_id+1, +2, ..."""
-    not_pad = tokens.ne(pad_token_id).int()
-    return (torch.cumsum(not_pad, dim=1) * not_pad).long() + pad_token_id
+def fairseq_position_ids(tokens: torch.Tensor, pad_token_id: int,
+                         segments: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s] token ids -> [b, s] position ids; pads get pad_token_id, real tokens pad_id+1, +2, ...
+    With `segments` [b, s] (packed rows: the sample of each position, -1 on padding) the count
+    restarts at every sample."""
+    if segments is None:
+        not_pad = tokens.ne(pad_token_id).int()
+        return (torch.cumsum(not_pad, dim=1) * not_pad).long() + pad_token_id
+    index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
+    # [b, s]: the index where each position's sample starts (a running max over the sample starts)
+    starts = segments.ne(torch.nn.functional.pad(segments, (1, 0), value=-2)[:, :-1])
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    return torch.where(segments >= 0, index - first + pad_token_id + 1, pad_token_id)
 
 
 class LearnedPositions(PositionEncoding):
@@ -86,14 +96,15 @@ class LearnedPositions(PositionEncoding):
     def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> LearnedPositions:
         return cls(model.max_positions, model.hidden_size, model.pad_token_id)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.size(1) > self.max_positions:
+    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        # packed rows are longer, but each sample fits (the config checks seq_length <= max_positions)
+        if segments is None and tokens.size(1) > self.max_positions:
             raise MegamlmError(
                 f"sequence length {tokens.size(1)} exceeds the learned position table "
                 f"(max_positions={self.max_positions}); learned positions cannot extrapolate"
             )
         # [b, s] -> [b, s, h]
-        return nn.functional.embedding(fairseq_position_ids(tokens, self.pad_token_id), self.weight,
+        return nn.functional.embedding(fairseq_position_ids(tokens, self.pad_token_id, segments), self.weight,
                                        padding_idx=self.pad_token_id)
 
     embed = forward
@@ -125,13 +136,13 @@ class SinusoidalPositions(PositionEncoding):
     def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> SinusoidalPositions:
         return cls(model.hidden_size, model.pad_token_id)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         needed = tokens.size(1) + self.pad_token_id + 1
         if self.table.size(0) < needed:
             self.table = sinusoidal_table(needed, self.hidden_size, self.pad_token_id).to(
                 self.table.device)
         # [b, s] -> [b, s, h]
-        return self.table[fairseq_position_ids(tokens, self.pad_token_id)]
+        return self.table[fairseq_position_ids(tokens, self.pad_token_id, segments)]
 
     embed = forward
 

@@ -55,7 +55,7 @@ class MaskedLM(Encoder):
         return [(self.lm_head, self.embedding.word_embeddings.weight)]
 
     def forward(self, tokens: torch.Tensor, masked_positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Training: masked_positions selects positions in row-major (b, s) order, either as a
         [b, s] bool mask or as the [n] flat indices b_i * s + s_i (Batch.target_index: selecting by
         a mask makes the device count it, a host sync in the middle of the forward); the result is
@@ -63,7 +63,7 @@ class MaskedLM(Encoder):
         Inference: without masked_positions, logits at every position over the whole vocabulary,
         [b, s, vocab_size] (gathered over tensor-parallel ranks; differentiable only at TP=1).
         """
-        hidden = self.hidden_states(tokens, documents)  # [s, b, h]
+        hidden = self.hidden_states(tokens, documents, segments)  # [s, b, h]
         if masked_positions is None:
             features = hidden.transpose(0, 1).reshape(-1, hidden.size(-1))  # [s, b, h] -> [b*s, h]
         else:
@@ -121,7 +121,7 @@ class MaskedLanguageModeling(Objective):
                       d.random_token_prob, seed=seed)
 
     def loss(self, model, batch: Batch) -> LossOutput:
-        logits = model(batch.inputs, batch.target_index, batch.documents)
+        logits = model(batch.inputs, batch.target_index, batch.documents, batch.segments)
         module = getattr(model, "module", model)  # the DeepSpeed engine's model
         return LossOutput(module.loss(logits, batch.targets, reduction="sum"), self.count(batch), {})
 

@@ -65,7 +65,8 @@ def _stream(cfg: Config, ctx: ParallelContext, data: Data, split: str, seed: int
                          data.objective.corruption(dictionary, seed), seq_length=cfg.data.seq_length,
                          micro_batch=cfg.train.micro_batch_size, block_mode=cfg.data.block_mode,
                          seed=seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                         pad_id=cfg.model.pad_token_id, pad_multiple=_pad_multiple(cfg), **options)
+                         pad_id=cfg.model.pad_token_id, pad_multiple=_pad_multiple(cfg),
+                         packing=cfg.data.packing, tokens_per_micro_batch=cfg.data.tokens_per_micro_batch, **options)
 
 
 def _pad_multiple(cfg: Config) -> int:
@@ -161,11 +162,11 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_patience, cfg.train.spike_window)
     preemption = Preemption()
     peak, peak_source = device_peak(ctx.device, cfg.train.precision)
-    tokens_per_update = cfg.train.micro_batch_size * accumulation * ctx.dp_size * cfg.data.seq_length
+    update = (f"{stream.units_per_micro} micro x {accumulation} accumulation x {ctx.dp_size} DP = "
+              + (f"{stream.global_batch} packed rows of {stream.budget} tokens" if stream.packed
+                 else f"{stream.global_batch} sequences of <= {cfg.data.seq_length} tokens"))
     log.event("start", state.step,
-              f"{parameters / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | "
-              f"update = {cfg.train.micro_batch_size} micro x {accumulation} accumulation x {ctx.dp_size} DP"
-              f" = {tokens_per_update // cfg.data.seq_length} sequences of <= {cfg.data.seq_length} tokens"
+              f"{parameters / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | update = {update}"
               f" | ZeRO-{cfg.train.zero_stage} {cfg.train.precision} | peak {peak / 1e12:.2f} TFLOP/s"
               f" ({peak_source}) | {stream.batches_per_epoch()} micro-batches per rank per epoch")
 
@@ -180,7 +181,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
 
     first_valid = validate("before training" if state.step == 0 else "resumed")
     losses: list[float] = []
-    window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+    window_start, window_tokens, window_slots, window_wait = time.perf_counter(), 0, 0, 0.0
     run_start, start_step = time.perf_counter(), state.step
     corrupt = torch.zeros((), dtype=torch.float64, device=ctx.device)  # samples skipped as damaged
 
@@ -208,12 +209,13 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             for name, value in out.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0) + value.detach().double()
             window_tokens += batch.real_tokens() * ctx.dp_size
+            window_slots += batch.inputs.numel() * ctx.dp_size
         sums = torch.stack([loss_sum, *metric_sums.values()])
         dist.all_reduce(sums, group=ctx.dp_group)
         loss, *metric_values = (sums / counts).tolist()  # the update's one host sync (spike guard, logs)
         state.step += 1
         for batch in micro_batches:
-            state.position = advance(state.position, batch, stream.batches_per_epoch())
+            state.position = advance(state.position, batch, stream.batches_per_epoch(batch.epoch))
         if loss_hook is not None:
             loss = loss_hook(state.step, loss)
 
@@ -235,6 +237,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
                       "grad_norm": _float(engine.get_global_grad_norm()),
                       "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
                       "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
+                      "fill": window_tokens / window_slots,
                       "corrupt_samples": int(corrupt.item())}
             extra = {**dict(zip(metric_sums, metric_values)), **objective.log_values(engine.module)}
             values.update(extra)
@@ -244,11 +247,11 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
                       + "".join(f" | {name} {value:.3f}" for name, value in extra.items())
                       + f" | {tokens_per_s:,.0f} tok/s | MFU "
                       + (f"{100 * utilization:.2f}%" if utilization is not None else "n/a")
-                      + f" | data wait {100 * values['data_wait']:.1f}%"
+                      + f" | fill {100 * values['fill']:.1f}% | data wait {100 * values['data_wait']:.1f}%"
                       + (f" | corrupt samples skipped {values['corrupt_samples']}" if values["corrupt_samples"] else "")
                       + f" | ETA {_duration(eta)}",
                       **values)
-            window_start, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+            window_start, window_tokens, window_slots, window_wait = time.perf_counter(), 0, 0, 0.0
 
         if state.step % cfg.train.eval_interval == 0 and state.step < cfg.train.steps:
             validate("periodic")
