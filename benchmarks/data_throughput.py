@@ -23,7 +23,7 @@ from megamlm.data.masking import Masker
 from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, make_loader
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.model import MaskedLM
+from megamlm.objectives import MaskedLM
 from megamlm.parallel import init_distributed, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def read_rate(folder: Path, tokenizer: Tokenizer, seq_length: int, micro_batch: 
                            epochs=1)
     tokens, start = 0, time.perf_counter()
     for batch in make_loader(stream, workers=workers):
-        tokens += int((batch["tokens"] != 1).sum())
+        tokens += batch.real_tokens()
     return tokens / (time.perf_counter() - start)
 
 

@@ -6,13 +6,15 @@
 # (roberta.large at 2048), attention (ALiBi kernels 512..8192), profile (megamlm base's top
 # kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention
 # dropout on SDPA, eager and compiled, and at 8192 on FlexAttention, also with attention kept within
-# each packed document (the BlockMask skips the other documents' blocks), bf16, WikiText-103). Each step
-# has its own time limit and log file; a failed step is reported and the next one runs.
+# each packed document (the BlockMask skips the other documents' blocks), bf16, WikiText-103), packed
+# (the same loop at 2048 with data.packing=packed on SDPA and on compiled FlexAttention, next to the
+# padded SDPA row; real tokens/s and the fill are in each log's update lines). Each step has its own
+# time limit and log file; a failed step is reported and the next one runs.
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}
 shift || true
-STEPS=${*:-throughput compiled large attention profile loop}
+STEPS=${*:-throughput compiled large attention profile loop packed}
 mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
 TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
@@ -62,6 +64,10 @@ for s in $STEPS; do
         train_run loop-2048-compiled 2048 8 "train.compile=true" 60
         train_run loop-8192 8192 2 "$FLEX train.compile=true" 40
         train_run loop-8192-documents 8192 2 "$FLEX train.compile=true model.document_mask=true" 40 ;;
-    *) echo "unknown step $s (throughput compiled large attention profile loop)"; exit 2 ;;
+    packed)
+        train_run packed-2048-padded-sdpa 2048 8 "" 60
+        train_run packed-2048-sdpa 2048 8 "data.packing=packed" 60
+        train_run packed-2048-flex 2048 8 "$FLEX train.compile=true data.packing=packed" 60 ;;
+    *) echo "unknown step $s (throughput compiled large attention profile loop packed)"; exit 2 ;;
     esac
 done

@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 
 from megamlm.config import ParallelConfig, load_config
-from megamlm.model import MaskedLM
+from megamlm.model.encoder import encoder_flops_per_token
+from megamlm.objectives import MaskedLM
+from megamlm.objectives.mlm import mlm_head_flops_per_token
 from megamlm.parallel import init_distributed, seed_everything
-from megamlm.train.flops import device_peak, flops_per_token, measured_matmul_peak
+from megamlm.train.flops import device_peak, measured_matmul_peak
 from megamlm.train.layers import compile_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,6 +132,10 @@ def main() -> None:
     else:
         peak, peak_source = statistics.median(matmul), f"CPU {args.dtype} matmul, same run (median of rounds)"
     fraction = masked.float().mean().item()
+
+    def flops_per_token(model, seq_length, head_fraction):  # MLM: the encoder + a head on a share of positions
+        return encoder_flops_per_token(model, seq_length) + mlm_head_flops_per_token(model, head_fraction)
+
     model_flops = {"megamlm": flops_per_token(ours_cfg, args.seq_length, fraction),
                    "hf": flops_per_token(m, args.seq_length, 1.0)}
     useful = {"megamlm": model_flops["megamlm"],  # what an MLM update of each model needs

@@ -50,8 +50,10 @@ class PackedRows:
 
     index: torch.Tensor
     """[n, L] flat position of slot j of sample i (0 in empty slots)."""
-    filled: torch.Tensor
-    """[n, L] bool: the slot holds a position of the sample."""
+    positions: torch.Tensor
+    """[t] flat positions of the real tokens, and `slots` [t] their slot (i·L + j): the way back,
+    precomputed so that compiled layers index with tensors, never with a data-dependent mask."""
+    slots: torch.Tensor
     bias: torch.Tensor
     """[n, np|1, L, L] additive bias within each sample."""
 
@@ -64,9 +66,10 @@ class PackedRows:
     def scatter(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """[n, np, L, hn] -> [b, np, s, hn] shaped like `like` (zeros where no sample is)."""
         b, np_local, s, hn = like.shape
-        flat = out.new_zeros(np_local, b * s, hn)
-        # [n, np, L, hn] -> [np, n, L, hn]; the filled slots go back to their positions
-        flat[:, self.index[self.filled]] = out.transpose(0, 1)[:, self.filled]
+        n, _, length, _ = out.shape
+        # [n, np, L, hn] -> [np, n*L, hn]; the filled slots go back to their positions
+        filled = out.transpose(0, 1).reshape(np_local, n * length, hn)[:, self.slots]
+        flat = out.new_zeros(np_local, b * s, hn).index_copy(1, self.positions, filled)
         # [np, b*s, hn] -> [b, np, s, hn]
         return flat.view(np_local, b, s, hn).transpose(0, 1)
 
@@ -124,7 +127,7 @@ class AttentionBackend:
         index[sample, slot], filled[sample, slot] = positions, True
         # within each sample, the layout of one padded row per sample: [n, L] -> [n, np|1, L, L]
         docs = None if documents is None else documents.flatten()[index].masked_fill(~filled, -1)
-        return PackedRows(index, filled, self._bias(~filled, docs, dtype))
+        return PackedRows(index, positions, sample * longest + slot, self._bias(~filled, docs, dtype))
 
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
         """q, k, v [b, np, s, hn] -> [b, np, s, hn]."""
