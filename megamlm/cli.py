@@ -261,7 +261,7 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
 def cmd_plan(cfg: Config, args) -> int:
     from megamlm.plan import check_budget, make_plan
 
-    plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu)
+    plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu, args.fill)
     print(plan.table(args.gpu_memory))
     check_budget(plan, args.gpu_memory)
     return 0
@@ -273,6 +273,9 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB")
     parser.add_argument("--gpu", default="A100", help="peak FLOP/s table entry: A100, H100, H200, V100")
     parser.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilization to assume")
+    parser.add_argument("--fill", type=float, default=None,
+                        help="real tokens / token slots to assume (default: 0.99 packed, 0.745 padded, "
+                             "measured; a run's own: the `fill` column of its log)")
 
 
 def cmd_deepspeed_config(cfg: Config, args) -> int:

@@ -7,7 +7,10 @@ Memory per GPU (bytes; P = parameters, TP/DP the parallel degrees, w = 2 for bf1
   optimizer    P/TP · (8 + 4 master if w == 2)   Adam moments (+ fp32 master copy)  (ZeRO-1+: / DP)
   activations  L · s · b · h · (34 + 5 · a · s / h) · w/2 / TP   (Korthikanti et al. 2022, no
                recomputation; attention scores a·s² dominate at long sequences)
-Wall time = flops/token (the objective's) · tokens · updates / (GPUs · peak · MFU).
+Wall time = flops/token (the objective's) · token slots · updates / (GPUs · peak · MFU). Of the slots,
+the fill (real tokens / slots) trains: measured 0.99 for data.packing=packed (best fit) and 0.745 padded
+(the reference's `complete` samples of Pile-like documents at 2048; BENCHMARKS.md); the training log's
+`fill` column gives a run's own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from dataclasses import dataclass
 from megamlm.config import Config, ConfigError
 from megamlm.objectives import get_objective
 from megamlm.train.flops import GPU_PEAKS
+
+FILL = {"packed": 0.99, "padded": 0.745}
+"""Default fill by data.packing (see the module docstring)."""
 
 
 def parameter_count(cfg: Config) -> int:
@@ -50,6 +56,9 @@ class Plan:
     accumulation: int
     global_batch: int
     tokens_per_update: int
+    """Token slots (real tokens + padding)."""
+    fill: float
+    """Real tokens / slots assumed."""
     updates: int
     memory: dict  # name -> bytes per GPU
     hours: float
@@ -60,8 +69,9 @@ class Plan:
             f"layout        {self.gpus} GPUs = TP {self.tp} x DP {self.dp}",
             f"batch         micro {self.micro} x accumulation {self.accumulation} x DP {self.dp} "
             f"= {self.global_batch} sequences per update",
-            f"tokens        {self.tokens_per_update:,} per update (at full length), "
-            f"{self.tokens_per_update * self.updates / 1e9:.2f}B in {self.updates:,} updates",
+            f"tokens        {self.tokens_per_update:,} slots per update, ~{self.fill * self.tokens_per_update:,.0f}"
+            f" real at fill {self.fill:.3g}: {self.fill * self.tokens_per_update * self.updates / 1e9:.2f}B real"
+            f" in {self.updates:,} updates",
             "memory / GPU  " + ", ".join(f"{k} {v:.2f}" for k, v in gib.items() if k != "total")
             + f" -> total {gib['total']:.2f} GiB of {budget_gib:g}",
             f"wall time     {self.hours:.1f} h ({self.hours / 24:.1f} days)",
@@ -69,7 +79,7 @@ class Plan:
         return "\n".join(rows)
 
 
-def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float) -> Plan:
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float, fill: float | None = None) -> Plan:
     gpus = nodes * gpus_per_node
     tp = cfg.parallel.tensor_parallel
     if gpus % tp:
@@ -79,6 +89,10 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float)
     train, m, s = cfg.train, cfg.model, cfg.data.seq_length
     accumulation = train.accumulation_steps(dp)
     global_batch = train.micro_batch_size * accumulation * dp
+    # token slots of one micro-batch: micro rows of s, or one packed row of its budget
+    micro_tokens = train.micro_batch_size * s
+    if cfg.data.packing == "packed":
+        micro_tokens = cfg.data.tokens_per_micro_batch or micro_tokens
     params = parameter_count(cfg)
     w = 4 if train.precision == "fp32" else 2
     stage = train.zero_stage
@@ -86,16 +100,19 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float)
         "weights": params / tp * w / (dp if stage >= 3 else 1),
         "gradients": params / tp * w / (dp if stage >= 2 else 1),
         "optimizer": params / tp * (8 + (4 if w == 2 else 0)) / (dp if stage >= 1 else 1),
-        "activations": (m.num_layers * s * train.micro_batch_size * m.hidden_size
+        "activations": (m.num_layers * micro_tokens * m.hidden_size
                         * (34 + 5 * m.num_attention_heads * s / m.hidden_size) * w / 2 / tp),
     }
     memory["total"] = sum(memory.values())
     if gpu not in GPU_PEAKS:
         raise ConfigError(f"--gpu {gpu}; known: {', '.join(GPU_PEAKS)}")
     peak = GPU_PEAKS[gpu][train.precision]
-    tokens = global_batch * s
+    tokens = micro_tokens * accumulation * dp
+    fill = FILL[cfg.data.packing] if fill is None else fill
+    if not 0 < fill <= 1:
+        raise ConfigError(f"--fill {fill} must be in (0, 1]")
     seconds = get_objective(cfg).flops_per_token(s) * tokens * train.steps / (gpus * peak * mfu)
-    return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens,
+    return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens, fill,
                 train.steps, memory, seconds / 3600)
 
 

@@ -69,3 +69,17 @@ def test_model_flops_per_token_follow_the_documented_formula():
     assert flops_per_token(base, 2048, 0.15) == pytest.approx(want) == pytest.approx(771_374_361.6)
     clap = load_config([CONFIGS / "model/base.yaml", CONFIGS / "variants/learned-clap.yaml"])
     assert flops_per_token(base, 2048, 0.15) - flops_per_token(clap, 2048, 0.15) == pytest.approx(6 * 768**2 * 0.15)
+
+
+def test_the_plan_counts_real_tokens_at_the_layouts_fill():
+    padded = make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"]), 1, 8, "A100", 0.35)
+    packed = make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"], ["data.packing=packed"]), 1, 8, "A100", 0.35)
+    # the same token slots and wall time; packing trains 0.99 / 0.745 more real tokens in them
+    assert packed.tokens_per_update == padded.tokens_per_update == 512 * 2048
+    assert packed.hours == padded.hours and (padded.fill, packed.fill) == (0.745, 0.99)
+    assert "~1,038,090 real at fill 0.99" in packed.table(80)
+    bigger = make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"], ["data.packing=packed",
+                                   "data.tokens_per_micro_batch=16384"]), 1, 8, "A100", 0.35, fill=0.9)
+    assert bigger.tokens_per_update == 16384 * 16 * 8 and bigger.fill == 0.9
+    with pytest.raises(ConfigError, match="--fill 1.5 must be in"):
+        make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"]), 1, 8, "A100", 0.35, fill=1.5)
