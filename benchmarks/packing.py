@@ -53,7 +53,7 @@ def measure(cfg, shards: Path, packing: str, steps: int, tokenizer: Tokenizer) -
     objective = get_objective(cfg)
     model = objective.build_model(ctx)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    stream = MaskedBatches(ShardSet(shards), objective.corruption(tokenizer.dictionary, 1),
+    stream = MaskedBatches(ShardSet(shards), objective.corruption(tokenizer, 1),
                            seq_length=cfg.data.seq_length, micro_batch=cfg.train.micro_batch_size,
                            block_mode="complete", shuffle_window=1000, pad_multiple=cfg.data.seq_length,
                            packing=packing)

@@ -29,7 +29,8 @@ class MaskThirtyTargetAll:
 class ReconstructAll(MaskedLanguageModeling):
     name = "reconstruct-all"
 
-    def corruption(self, dictionary, seed):
+    def corruption(self, tokenizer, seed):
+        dictionary = tokenizer.dictionary
         return MaskThirtyTargetAll(Masker(dictionary.mask_id, dictionary.ordinary_ids(), 0.3, seed=seed))
 
     def loss(self, model, batch: Batch) -> LossOutput:

@@ -168,12 +168,19 @@ class DataConfig:
     permutation); larger mixes more, 1 keeps the shard order."""
     loader_workers: int = 0
     """DataLoader worker processes per rank (0: read in the training process)."""
+    masking: Literal["token", "whole_word", "span"] = "token"
+    """What is masked (data/masking.py): token (fairseq, the reference), whole_word (a word's tokens
+    all or none), span (SpanBERT: geometric spans of whole words)."""
     mask_prob: float = 0.15
-    """Fraction of tokens selected for prediction."""
+    """Fraction of tokens selected for prediction (token, span; whole_word: of words)."""
     leave_unmasked_prob: float = 0.1
     """Of the selected tokens, the share left unchanged."""
     random_token_prob: float = 0.1
     """Of the selected tokens, the share replaced by a random ordinary token."""
+    span_p: float = 0.2
+    """span: parameter of the geometric span-length law (in words)."""
+    span_max_words: int = 10
+    """span: longest span in words (longer draws are redrawn; mean 3.8 words with span_p 0.2)."""
     packing: Literal["padded", "packed"] = "padded"
     """padded: a micro-batch is train.micro_batch_size samples, one per row, right-padded to the
     longest (fairseq); packed: whole samples end to end in one row of data.tokens_per_micro_batch
@@ -192,6 +199,10 @@ class DataConfig:
             raise ConfigError(
                 f"data.leave_unmasked_prob + data.random_token_prob = "
                 f"{self.leave_unmasked_prob + self.random_token_prob} must be <= 1")
+        if not 0.0 < self.span_p < 1.0:
+            raise ConfigError(f"data.span_p={self.span_p} must be in (0, 1)")
+        if self.span_max_words < 1:
+            raise ConfigError(f"data.span_max_words={self.span_max_words} must be >= 1")
         if self.tokens_per_micro_batch is not None and self.tokens_per_micro_batch < self.seq_length:
             raise ConfigError(f"data.tokens_per_micro_batch={self.tokens_per_micro_batch} is below "
                               f"data.seq_length={self.seq_length}: a sample must fit a packed micro-batch")

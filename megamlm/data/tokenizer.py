@@ -122,13 +122,21 @@ class Tokenizer:
         # BPE id -> fairseq id (unknown to dict.txt -> <unk>), and back (-1: not a BPE token)
         self._to_fairseq = np.full(len(vocab), UNK, dtype=np.int64)
         self._to_bpe = np.full(len(dictionary), -1, dtype=np.int64)
-        for bpe_id in vocab.values():
+        # fairseq id -> starts a word (whole-word / span masking): its byte-level piece begins with
+        # the space marker Ġ; specials, madeupwords, <mask> (and zero-clap's mask id) are words alone
+        self._word_starts = np.ones(len(dictionary) + 1, dtype=bool)
+        for piece, bpe_id in vocab.items():
             fairseq_id = index.get(str(bpe_id))
             if fairseq_id is not None:
                 self._to_fairseq[bpe_id] = fairseq_id
                 self._to_bpe[fairseq_id] = bpe_id
+                self._word_starts[fairseq_id] = piece.startswith("\u0120")
         self.sha256 = hashlib.sha256(
             self.encoder_json.read_bytes() + self.vocab_bpe.read_bytes()).hexdigest()
+
+    def word_starts(self) -> np.ndarray:
+        """[len(dictionary) + 1] bool: the fairseq id begins a word (whole-word and span masking)."""
+        return self._word_starts
 
     @classmethod
     def gpt2(cls, zero_clap: bool = False) -> Tokenizer:

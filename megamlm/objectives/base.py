@@ -6,7 +6,7 @@ loop, validation, `megamlm eval`, `megamlm plan`, model folders and conversion g
 
     objective = get_objective(cfg)                  # cfg.objective.name, default "mlm"
     model = objective.build_model(ctx)
-    stream = MaskedBatches(shards, objective.corruption(dictionary, seed), ...)
+    stream = MaskedBatches(shards, objective.corruption(tokenizer, seed), ...)
     out = objective.loss(model, batch)               # LossOutput(loss_sum, count, metrics)
 
 Adding one = a module with a subclass decorated by `@register_objective` + a config + its tests
@@ -22,7 +22,7 @@ from torch import nn
 
 from megamlm.config import Config, ConfigError
 from megamlm.data.batch import Batch, Corruption
-from megamlm.data.tokenizer import Dictionary
+from megamlm.data.tokenizer import Tokenizer
 from megamlm.parallel import ParallelContext
 
 
@@ -55,8 +55,9 @@ class Objective:
         """The trainable module (an Encoder with this objective's heads), seeded by train.seed."""
         raise NotImplementedError
 
-    def corruption(self, dictionary: Dictionary, seed: int) -> Corruption:
-        """How a sample is corrupted and which positions are targets, seeded by (seed, epoch, sample)."""
+    def corruption(self, tokenizer: Tokenizer, seed: int) -> Corruption:
+        """How a sample is corrupted and which positions are targets, seeded by (seed, epoch, sample);
+        `tokenizer` gives the dictionary's ids (mask, ordinary) and word starts."""
         raise NotImplementedError
 
     def count(self, batch: Batch) -> int:

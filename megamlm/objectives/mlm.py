@@ -7,7 +7,7 @@
 
 The head is RoBERTa's (dense -> GELU -> LayerNorm -> tied embedding + bias) or CLAP's
 (beta · <h, normalize(E_v)>), both over the vocab-parallel embedding (model/heads.py). Corruption is
-fairseq's dynamic masking (data/masking.py) with the data section's rates.
+dynamic masking (data/masking.py: token, whole_word or span) with the data section's rates.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 from megamlm.config import ModelConfig
 from megamlm.data.batch import Batch
 from megamlm.data.masking import Masker
-from megamlm.data.tokenizer import Dictionary
+from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.encoder import Encoder, encoder_flops_per_token
 from megamlm.model.heads import ClapHead, RobertaLMHead
 from megamlm.objectives.base import LossOutput, Objective, register_objective
@@ -115,10 +115,11 @@ class MaskedLanguageModeling(Objective):
     def build_model(self, ctx: ParallelContext, params_dtype: torch.dtype = torch.float32) -> MaskedLM:
         return MaskedLM(self.cfg.model, ctx, seed=self.cfg.train.seed, params_dtype=params_dtype)
 
-    def corruption(self, dictionary: Dictionary, seed: int) -> Masker:
-        d = self.cfg.data
+    def corruption(self, tokenizer: Tokenizer, seed: int) -> Masker:
+        d, dictionary = self.cfg.data, tokenizer.dictionary
         return Masker(dictionary.mask_id, dictionary.ordinary_ids(), d.mask_prob, d.leave_unmasked_prob,
-                      d.random_token_prob, seed=seed)
+                      d.random_token_prob, seed=seed, strategy=d.masking, word_starts=tokenizer.word_starts(),
+                      span_p=d.span_p, span_max_words=d.span_max_words)
 
     def loss(self, model, batch: Batch) -> LossOutput:
         logits = model(batch.inputs, batch.target_index, batch.documents, batch.segments)

@@ -60,9 +60,8 @@ def prepare_data(cfg: Config, ctx: ParallelContext, objective: Objective) -> Dat
 def _stream(cfg: Config, ctx: ParallelContext, data: Data, split: str, seed: int,
             **options) -> MaskedBatches:
     """This rank's corrupted batches of one split; `options` are the split-specific ones."""
-    dictionary = data.tokenizer.dictionary
-    return MaskedBatches(ShardSet(data.shards, split, dictionary.sha256),
-                         data.objective.corruption(dictionary, seed), seq_length=cfg.data.seq_length,
+    return MaskedBatches(ShardSet(data.shards, split, data.tokenizer.dictionary.sha256),
+                         data.objective.corruption(data.tokenizer, seed), seq_length=cfg.data.seq_length,
                          micro_batch=cfg.train.micro_batch_size, block_mode=cfg.data.block_mode,
                          seed=seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
                          pad_id=cfg.model.pad_token_id, pad_multiple=_pad_multiple(cfg),
