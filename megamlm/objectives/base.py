@@ -15,6 +15,7 @@ Adding one = a module with a subclass decorated by `@register_objective` + a con
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -37,7 +38,7 @@ class LossOutput(NamedTuple):
     """Further sums over the same terms (e.g. correct predictions); logged divided by the count."""
 
 
-class Objective:
+class Objective(ABC):
     """Base of every objective; `cfg` is the whole experiment."""
 
     name: ClassVar[str]
@@ -51,31 +52,31 @@ class Objective:
         """Why this machine or config cannot train the objective (checked before any work), or None."""
         return None
 
+    @abstractmethod
     def build_model(self, ctx: ParallelContext, params_dtype: torch.dtype = torch.float32) -> nn.Module:
         """The trainable module (an Encoder with this objective's heads), seeded by train.seed."""
-        raise NotImplementedError
 
+    @abstractmethod
     def corruption(self, tokenizer: Tokenizer, seed: int) -> Corruption:
         """How a sample is corrupted and which positions are targets, seeded by (seed, epoch, sample);
         `tokenizer` gives the dictionary's ids (mask, ordinary) and word starts."""
-        raise NotImplementedError
 
     def count(self, batch: Batch) -> int:
         """Loss terms of the batch (the update's loss is their sum / their number)."""
         return int(batch.target_index.numel())
 
+    @abstractmethod
     def loss(self, model, batch: Batch) -> LossOutput:
         """Forward + loss on a batch already on the device. `model` is what build_model returned, or
         the DeepSpeed engine wrapping it (call it for the forward; `.module` is the model)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def flops_per_token(self, seq_length: int) -> float:
         """Model FLOPs per token of a training update (forward + backward), for MFU and plans."""
-        raise NotImplementedError
 
+    @abstractmethod
     def summary(self, loss: float) -> dict[str, float]:
         """Metrics derived from the mean loss (validation, logs): {metric: value}."""
-        raise NotImplementedError
 
     def log_values(self, model: nn.Module) -> dict[str, float]:
         """Scalars of the model worth a column in the training log (e.g. CLAP's beta)."""
