@@ -6,7 +6,7 @@ blocks.py; at most seq_length tokens). Per epoch, from sample lengths alone (eve
 same plan, no communication):
 
 1. the epoch's sample order (stream.EpochOrder: shards permuted, shuffled within windows) is cut into
-   consecutive windows of `window` positions;
+   consecutive windows of max(data.shuffle_window, MIN_WINDOW) positions;
 2. each window's samples go into bins of `budget` tokens, best-fit decreasing; a bin lists its
    samples in epoch order;
 3. the bins of a window are shuffled by (seed, epoch, window), so the long samples that best-fit
@@ -21,6 +21,10 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
+
+MIN_WINDOW = 1024
+"""Samples per packing window at least: best fit needs candidates, also where the order is not
+shuffled (validation streams use a shuffle window of 1)."""
 
 
 def best_fit_decreasing(lengths: np.ndarray, budget: int) -> list[list[int]]:
@@ -47,7 +51,7 @@ def best_fit_decreasing(lengths: np.ndarray, budget: int) -> list[list[int]]:
 def plan_bins(lengths: np.ndarray, budget: int, window: int, seed: int, epoch: int) -> list[np.ndarray]:
     """lengths [N] of the epoch's samples in epoch order -> the epoch's bins, each an array of epoch
     positions (ascending)."""
-    window = max(1, window)
+    window = max(MIN_WINDOW, window)
     bins: list[np.ndarray] = []
     for window_id, start in enumerate(range(0, len(lengths), window)):
         packed = best_fit_decreasing(lengths[start:start + window], budget)
