@@ -8,7 +8,8 @@
 # dropout on SDPA, eager and compiled, and at 8192 on FlexAttention, also with attention kept within
 # each packed document (the BlockMask skips the other documents' blocks), bf16, WikiText-103), packed
 # (the same loop at 2048 with data.packing=packed on SDPA and on compiled FlexAttention, next to the
-# padded SDPA row; real tokens/s and the fill are in each log's update lines). Each step has its own
+# padded SDPA row, and the learned-position baseline padded on SDPA vs packed on varlen FlashAttention;
+# real tokens/s and the fill are in each log's update lines). Each step has its own
 # time limit and log file; a failed step is reported and the next one runs.
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
@@ -67,7 +68,11 @@ for s in $STEPS; do
     packed)
         train_run packed-2048-padded-sdpa 2048 8 "" 60
         train_run packed-2048-sdpa 2048 8 "data.packing=packed" 60
-        train_run packed-2048-flex 2048 8 "$FLEX train.compile=true data.packing=packed" 60 ;;
+        train_run packed-2048-flex 2048 8 "$FLEX train.compile=true data.packing=packed" 60
+        # varlen FlashAttention has no ALiBi score term: the learned-position baseline, padded and packed
+        BASE="--config configs/variants/baseline.yaml model.attention_dropout=0"
+        train_run packed-2048-baseline-padded-sdpa 2048 8 "$BASE" 60
+        train_run packed-2048-baseline-varlen 2048 8 "$BASE model.attention_backend=varlen data.packing=packed" 60 ;;
     *) echo "unknown step $s (throughput compiled large attention profile loop packed)"; exit 2 ;;
     esac
 done

@@ -189,3 +189,39 @@ def test_packed_resume_after_sigkill_reproduces_the_uninterrupted_losses(shards,
     straight = _packed(shards, tmp_path / "straight", *steps)
     (full, resumed), _ = run_on_ranks(_straight_then_resume, 2, straight, killed)
     assert len(full["losses"]) == 10 and resumed["losses"] == full["losses"][5:]  # bit for bit
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "documents"])
+def test_varlen_takes_only_the_real_tokens_and_equals_sdpa(layout):
+    """The varlen backend's layout (sequences end to end, cu_seqlens) with its CPU stand-in kernel
+    equals sdpa; on a GPU the kernel is torch's varlen FlashAttention (benchmarks/gpu.sh)."""
+    from megamlm.model.attention import ATTENTION_BACKENDS, Sequences
+    from megamlm.model.positions import PositionEncoding
+
+    g = torch.Generator().manual_seed(0)
+    if layout == "padded":  # two right-padded rows
+        padding = torch.tensor([[False] * 9 + [True] * 3, [False] * 12])
+        segments = documents = None
+    else:  # one packed row: samples of 5, 4 and 8 tokens, 3 of padding
+        segments = torch.tensor([[0] * 5 + [1] * 4 + [2] * 8 + [-1] * 3])
+        padding = segments < 0
+        documents = torch.tensor([[0] * 5 + [1] * 2 + [2] * 2 + [3] * 8 + [-1] * 3]) if layout == "documents" else None
+    b, s = padding.shape
+    q, k, v = (torch.randn(b, 4, s, 8, generator=g) for _ in range(3))
+    sdpa, varlen = (ATTENTION_BACKENDS[name](PositionEncoding()) for name in ("sdpa", "varlen"))
+    prepared = varlen.prepare(padding, documents, segments, torch.float32)
+    assert isinstance(prepared, Sequences) and int(prepared.cu_seqlens[-1]) == int((~padding).sum())
+    want = sdpa.attend(q, k, v, sdpa.prepare(padding, documents, segments, torch.float32), 0.0, None)
+    got = varlen.attend(q, k, v, prepared, 0.0, None)
+    real = ~padding[:, None, :, None].expand_as(want)
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-6)
+    assert not got[~real].any()  # padding computes nothing
+
+
+def test_varlen_refuses_what_it_cannot_compute():
+    from megamlm.model.attention import VarlenAttention
+
+    alibi = variant_config("alibi", ["model.attention_backend=varlen"]).model
+    assert "no score term for ALiBi; use model.attention_backend=flex" in VarlenAttention.unsupported_here(alibi)
+    dropout = variant_config("baseline", ["model.attention_backend=varlen", "model.attention_dropout=0.1"]).model
+    assert "no attention dropout" in VarlenAttention.unsupported_here(dropout)

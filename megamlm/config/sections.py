@@ -69,12 +69,13 @@ class ModelConfig:
     document_mask: bool = False
     """Attention stays within each document of a packed sample (data.block_mode=complete packs
     several); off = fairseq's behaviour, attention spans the whole sample."""
-    attention_backend: Literal["sdpa", "eager", "flex"] = "sdpa"
+    attention_backend: Literal["sdpa", "eager", "flex", "varlen"] = "sdpa"
     """sdpa: PyTorch scaled_dot_product_attention with a cached additive bias (CPU and GPU);
     eager: the same math unfused (softmax, dropout, matmul; what sdpa runs on CPU with attention
     dropout), for debugging; flex: FlexAttention with the ALiBi score_mod, no materialized bias,
     memory linear in length (CUDA only; batches are padded to data.seq_length so the compiled kernel
-    sees one shape). model/attention.py's ATTENTION_BACKENDS."""
+    sees one shape); varlen: torch's variable-length FlashAttention over the real tokens only (CUDA;
+    no ALiBi, no attention dropout). model/attention.py's ATTENTION_BACKENDS."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization (BERT's init)."""
 

@@ -26,6 +26,10 @@ are the backend's to express.
   flex   FlexAttention: the position's score term is a `score_mod`, key padding / documents a
          BlockMask; nothing [s, s] is materialized and key blocks a query block cannot see are
          skipped. CUDA only for training: torch 2.13 has no FlexAttention backward on CPU.
+  varlen torch's variable-length FlashAttention (torch.nn.attention.varlen) over the real tokens only:
+         every sample (or document) is one sequence of `cu_seqlens`, no padding is computed, padded
+         or packed rows alike. CUDA only; no score term (not for ALiBi: use flex) and no attention
+         dropout. On CPU a per-sequence SDPA stands in for the kernel (tests check the layout with it).
 """
 
 from __future__ import annotations
@@ -195,8 +199,77 @@ class FlexAttention(AttentionBackend):
                                               block_mask=block_mask, scale=scale)
 
 
+@dataclass
+class Sequences:
+    """varlen's inputs: the real tokens of the batch as sequences end to end."""
+
+    positions: torch.Tensor
+    """[t] flat (b·s) positions of the real tokens, sequence after sequence."""
+    cu_seqlens: torch.Tensor
+    """[n + 1] int32 start of each sequence in the [t] stream, then t."""
+    longest: int
+
+
+class VarlenAttention(AttentionBackend):
+    """Variable-length FlashAttention over the real tokens (module docstring)."""
+
+    name = "varlen"
+
+    @staticmethod
+    def unsupported_here(model: ModelConfig) -> str | None:
+        if model.position == "alibi":
+            return ("model.attention_backend=varlen has no score term for ALiBi; use "
+                    "model.attention_backend=flex (or sdpa)")
+        if model.attention_dropout > 0:
+            return "model.attention_backend=varlen has no attention dropout; set model.attention_dropout=0"
+        if not torch.cuda.is_available():
+            return "model.attention_backend=varlen needs a CUDA GPU (torch's varlen FlashAttention); use sdpa"
+        return None
+
+    def prepare(self, padding, documents, segments, dtype) -> Sequences:
+        groups = next(g for g in (documents, segments, padding.long().neg()) if g is not None)  # -1 on padding
+        b, s = groups.shape
+        real = groups.flatten() >= 0
+        # [b, s] -> [t]: one id per sequence of the batch (rows hold < s sequences each)
+        ids = (groups + s * torch.arange(b, device=groups.device)[:, None]).flatten()[real]
+        lengths = torch.bincount(torch.unique_consecutive(ids, return_inverse=True)[1])
+        cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+        return Sequences(real.nonzero().squeeze(1), cu_seqlens, int(lengths.max()))
+
+    def attend(self, q, k, v, prepared: Sequences, dropout_p: float, scale: float | None) -> torch.Tensor:
+        if dropout_p > 0:
+            raise ConfigError("model.attention_backend=varlen has no attention dropout; set model.attention_dropout=0")
+        b, np_local, s, hn = q.shape
+
+        def tokens(t):  # [b, np, s, hn] -> [b*s, np, hn] -> [t, np, hn]
+            return t.transpose(1, 2).reshape(b * s, np_local, hn)[prepared.positions]
+
+        cu, longest = prepared.cu_seqlens, prepared.longest
+        out = _varlen_attention(q.device.type)(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest,
+                                               scale=scale)
+        # [t, np, hn] -> [b*s, np, hn] (zeros on padding) -> [b, np, s, hn]
+        full = out.new_zeros(b * s, np_local, hn).index_copy(0, prepared.positions, out)
+        return full.view(b, s, np_local, hn).transpose(1, 2)
+
+
+def _sequence_by_sequence(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):
+    """What varlen_attn computes, one SDPA per sequence ([t, np, hn] in and out): the CPU stand-in."""
+    bounds = cu_q.tolist()
+    parts = [F.scaled_dot_product_attention(*(t[start:end].transpose(0, 1) for t in (q, k, v)), scale=scale)
+             for start, end in zip(bounds[:-1], bounds[1:])]
+    return torch.cat([p.transpose(0, 1) for p in parts])
+
+
+def _varlen_attention(device_type: str):
+    if device_type != "cuda":
+        return _sequence_by_sequence
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
-    cls.name: cls for cls in (AttentionBackend, EagerAttention, FlexAttention)}
+    cls.name: cls for cls in (AttentionBackend, EagerAttention, FlexAttention, VarlenAttention)}
 """model.attention_backend -> backend class (the names of ModelConfig.attention_backend)."""
 
 
