@@ -10,7 +10,7 @@ for _message in ("Transformer Engine and Apex are not installed", "Apex is not i
 
 __version__ = "0.1.0"
 
-from megamlm.model import Encoder  # noqa: E402  (after the warning filters above)
+from megamlm.model.encoder import Encoder  # noqa: E402  (after the warning filters above)
 from megamlm.objectives import MaskedLM, from_pretrained  # noqa: E402
 
 __all__ = ["Encoder", "MaskedLM", "__version__", "from_pretrained"]

@@ -91,12 +91,13 @@ def evaluate_lengths(checkpoint: str | Path, data: str | Path, lengths: list[int
     cfg, model = load_pretrained(checkpoint, ctx or init_distributed(ParallelConfig()))
     tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
     stream = token_stream(data, tokenizer, max_tokens)
+    objective = get_objective(cfg)
     rows = []
     for length in lengths:
         if cfg.model.position == "learned" and length > cfg.model.max_positions:
             rows.append({"length": length, "skipped": f"learned position table holds {cfg.model.max_positions}"})
             continue
-        rows.append({"length": length, **mlm_perplexity(get_objective(cfg), model, samples(stream, length), tokenizer,
+        rows.append({"length": length, **mlm_perplexity(objective, model, samples(stream, length), tokenizer,
                                                         max(1, batch_size * min(lengths) // length))})
     return rows
 

@@ -1,6 +1,4 @@
-"""The encoder and its parts: position encodings, attention backends, layers, heads; model folders."""
+"""The encoder and its parts: position encodings, attention backends, layers, heads; model folders.
 
-from megamlm.model.encoder import Encoder
-from megamlm.model.positions import alibi_bias, alibi_slopes
-
-__all__ = ["Encoder", "alibi_bias", "alibi_slopes"]
+Import from the modules (megamlm.model.encoder, ...): this package file imports nothing, so that
+low modules (tp.py, init.py) can import their siblings without a cycle through it."""

@@ -116,13 +116,7 @@ class AttentionBackend:
         return bias
 
     def _prepare_packed(self, documents, segments, dtype) -> PackedRows:
-        b, s = segments.shape
-        real = segments.flatten() >= 0
-        positions = real.nonzero().squeeze(1)  # [t] flat positions of real tokens
-        # [b, s] -> [t]: one id per sample of the batch (rows hold < s samples each)
-        sample = (segments + s * torch.arange(b, device=segments.device)[:, None]).flatten()[real]
-        sample = torch.unique_consecutive(sample, return_inverse=True)[1]
-        lengths = torch.bincount(sample)
+        positions, sample, lengths = _sequences(segments)
         starts = torch.cumsum(lengths, 0) - lengths
         slot = torch.arange(len(sample), device=segments.device) - starts[sample]
         n, longest = len(lengths), int(lengths.max())
@@ -142,7 +136,7 @@ class AttentionBackend:
 
     def _attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
         if dropout_p > 0 and q.device.type == "cpu":
-            return EagerAttention._attend(self, q, k, v, bias, dropout_p, scale)
+            return _eager(q, k, v, bias, dropout_p, scale)
         # heads are sharded: each TP rank needs its own dropout stream
         with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
@@ -154,17 +148,7 @@ class EagerAttention(AttentionBackend):
     name = "eager"
 
     def _attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
-        scale = scale if scale is not None else q.size(-1) ** -0.5
-        # [b, np, s, hn] x [b, np, hn, s] -> [b, np, s, s]
-        scores = torch.matmul(q * scale, k.transpose(-2, -1))
-        if bias is not None:
-            scores.add_(bias)  # in place: a fresh [b, np, s, s] buffer costs more than the add
-        probs = torch.softmax(scores, dim=-1)
-        if dropout_p > 0:
-            with tensor_parallel_rng.fork(q.device):
-                probs = dropout(probs, dropout_p, training=True)
-        # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
-        return torch.matmul(probs, v)
+        return _eager(q, k, v, bias, dropout_p, scale)
 
 
 class FlexAttention(AttentionBackend):
@@ -228,13 +212,9 @@ class VarlenAttention(AttentionBackend):
 
     def prepare(self, padding, documents, segments, dtype) -> Sequences:
         groups = next(g for g in (documents, segments, padding.long().neg()) if g is not None)  # -1 on padding
-        b, s = groups.shape
-        real = groups.flatten() >= 0
-        # [b, s] -> [t]: one id per sequence of the batch (rows hold < s sequences each)
-        ids = (groups + s * torch.arange(b, device=groups.device)[:, None]).flatten()[real]
-        lengths = torch.bincount(torch.unique_consecutive(ids, return_inverse=True)[1])
+        positions, _, lengths = _sequences(groups)
         cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
-        return Sequences(real.nonzero().squeeze(1), cu_seqlens, int(lengths.max()))
+        return Sequences(positions, cu_seqlens, int(lengths.max()))
 
     def attend(self, q, k, v, prepared: Sequences, dropout_p: float, scale: float | None) -> torch.Tensor:
         if dropout_p > 0:
@@ -250,6 +230,32 @@ class VarlenAttention(AttentionBackend):
         # [t, np, hn] -> [b*s, np, hn] (zeros on padding) -> [b, np, s, hn]
         full = out.new_zeros(b * s, np_local, hn).index_copy(0, prepared.positions, out)
         return full.view(b, s, np_local, hn).transpose(1, 2)
+
+
+def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + bias), our dropout (the tensor-parallel stream), @ v."""
+    scale = scale if scale is not None else q.size(-1) ** -0.5
+    # [b, np, s, hn] x [b, np, hn, s] -> [b, np, s, s]
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    if bias is not None:
+        scores.add_(bias)  # in place: a fresh [b, np, s, s] buffer costs more than the add
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        with tensor_parallel_rng.fork(q.device):
+            probs = dropout(probs, dropout_p, training=True)
+    # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
+    return torch.matmul(probs, v)
+
+
+def _sequences(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[b, s] group ids (sample or document, -1 on padding; a new group where the id changes) ->
+    (flat positions of the real tokens [t], their sequence 0..n-1 [t], sequence lengths [n])."""
+    b, s = groups.shape
+    real = groups.flatten() >= 0
+    # [b, s] -> [t]: one id per sequence of the batch (rows hold < s sequences each)
+    ids = (groups + s * torch.arange(b, device=groups.device)[:, None]).flatten()[real]
+    sequence = torch.unique_consecutive(ids, return_inverse=True)[1]
+    return real.nonzero().squeeze(1), sequence, torch.bincount(sequence)
 
 
 def _sequence_by_sequence(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):

@@ -1,8 +1,7 @@
 """Pretraining objectives by name (base.py: the interface and registry; one module per objective)."""
 
-from megamlm.objectives import mlm  # noqa: F401  (registers "mlm")
 from megamlm.objectives.base import OBJECTIVES, LossOutput, Objective, get_objective, register_objective
-from megamlm.objectives.mlm import MaskedLM, perplexity
+from megamlm.objectives.mlm import MaskedLM, perplexity  # importing it registers "mlm"
 from megamlm.objectives.pretrained import from_pretrained, load_encoder, load_pretrained
 
 __all__ = ["OBJECTIVES", "LossOutput", "MaskedLM", "Objective", "from_pretrained", "get_objective",
