@@ -63,7 +63,7 @@ def measure(cfg, shards: Path, packing: str, steps: int, tokenizer: Tokenizer) -
         if i == 1:
             real, slots, start = 0, 0, time.perf_counter()
         out = objective.loss(model, batch)
-        (out.loss_sum / out.count).backward()
+        out.mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         real, slots = real + batch.real_tokens(), slots + batch.inputs.numel()

@@ -22,7 +22,7 @@ from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import BOS, EOS, PAD, Tokenizer
 from megamlm.errors import MegamlmError
 from megamlm.files import read_text
-from megamlm.objectives import Objective, get_objective, load_pretrained
+from megamlm.objectives import LossTotals, Objective, get_objective, load_pretrained
 from megamlm.parallel import init_distributed
 
 
@@ -74,14 +74,12 @@ def mlm_perplexity(objective: Objective, model, tokens: np.ndarray, tokenizer: T
     dictionary = tokenizer.dictionary
     masker = Masker(dictionary.mask_id, dictionary.ordinary_ids(), seed=seed)
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    totals = LossTotals(objective)
     for start in range(0, len(tokens), batch_size):
         rows = [(row, start + i) for i, row in enumerate(tokens[start:start + batch_size])]
-        out = objective.loss(model, collate(rows, masker, 0, tokens.shape[1], PAD).to(device))
-        total += out.loss_sum.item()
-        count += out.count
-    loss = total / count
-    return {"loss": loss, **objective.summary(loss), "masked_tokens": count, "samples": len(tokens)}
+        totals.add(objective.loss(model, collate(rows, masker, 0, tokens.shape[1], PAD).to(device)))
+    result = totals.reduce()
+    return {**result, "masked_tokens": result.pop("units"), "samples": len(tokens)}
 
 
 def evaluate_lengths(checkpoint: str | Path, data: str | Path, lengths: list[int], max_tokens: int,

@@ -27,6 +27,9 @@ def encode_masked(text: str, tokenizer: Tokenizer) -> torch.Tensor:
 @torch.no_grad()
 def fill_mask(model, tokenizer: Tokenizer, text: str, topk: int = 5) -> list[tuple[str, float, str]]:
     """[(filled sentence, probability, token)] for the first mask, most probable first."""
+    if not hasattr(model, "gather_logits"):
+        raise MegamlmError(f"fill-mask needs a masked-LM head; this model ({type(model).__name__}) has none "
+                           f"(ELECTRA: fill-mask scores the generator, exported only with objective.export_generator)")
     tokens = encode_masked(text, tokenizer).to(model.ctx.device)
     masked = tokens.eq(tokenizer.dictionary.mask_id)
     first = masked.nonzero()[0]

@@ -37,7 +37,7 @@ class ReconstructAll(MaskedLanguageModeling):
         logits = model(batch.inputs, batch.target_index, batch.documents)
         module = getattr(model, "module", model)
         correct = (module.gather_logits(logits.detach()).argmax(-1) == batch.targets).sum()
-        return LossOutput(module.loss(logits, batch.targets, reduction="sum"), self.count(batch),
+        return LossOutput(module.loss(logits, batch.targets, reduction="sum").reshape(1), self.count(batch),
                           {"accuracy": correct})
 
     def flops_per_token(self, seq_length: int) -> float:

@@ -153,7 +153,10 @@ def test_a_pickle_with_code_is_refused_and_nothing_runs(tmp_path, capsys):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_shard_table_matches_the_model_parameters(world, variant):
-    model = MaskedLM(variant_config(variant).model, world)
+    assert_shard_table_matches(MaskedLM(variant_config(variant).model, world))
+
+
+def assert_shard_table_matches(model):
     for name, param in model.named_parameters():
         dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
         assert shard_rule(name) == (dim, getattr(param, "vocab_parallel", False)), name

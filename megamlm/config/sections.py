@@ -332,10 +332,24 @@ class ObjectiveConfig:
     """The pretraining objective (megamlm/objectives/; the masking rates are in the data section)."""
 
     name: str = "mlm"
-    """A registered objective: mlm (masked language modeling, the reference's)."""
+    """A registered objective: mlm (masked language modeling, the reference's) | electra (replaced-token
+    detection, Clark et al. 2020)."""
+    generator_size: float = 0.25
+    """electra: the generator's width as a fraction of the discriminator's (heads, hidden and FFN size
+    scale together, same depth, same head size); Clark et al. found 1/4 to 1/2 best."""
+    rtd_weight: float = 50.0
+    """electra: λ in loss = generator MLM + λ · replaced-token detection (the paper's 50)."""
+    export_generator: bool = False
+    """electra: also write the generator into exported model folders (<run_dir>/final); training
+    checkpoints always hold it. Without it the folder is the discriminator alone."""
 
     def __post_init__(self):
         check_fields(self, "objective")
+        if not 0.0 < self.generator_size <= 1.0:
+            raise ConfigError(f"objective.generator_size={self.generator_size} must be in (0, 1]: the "
+                              f"generator is a fraction of the discriminator, never larger")
+        if self.rtd_weight <= 0:
+            raise ConfigError(f"objective.rtd_weight={self.rtd_weight} must be > 0 (the paper's λ is 50)")
 
 
 @dataclass

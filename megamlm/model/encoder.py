@@ -81,7 +81,9 @@ class Encoder(nn.Module):
     """A RoBERTa-style encoder, tensor-parallel over `ctx.tp_group`.
 
     `initialize=False` leaves the weights unset for a subclass that adds heads first and then calls
-    `initialize` once over all of them."""
+    `initialize` once over all of them. `input_size` builds an encoder without a token embedding of
+    its own: it reads embeddings [s, b, input_size] made by another encoder's (ELECTRA's generator
+    shares the discriminator's), projected to its hidden size when the two differ."""
 
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
@@ -89,7 +91,8 @@ class Encoder(nn.Module):
         return ATTENTION_BACKENDS[model.attention_backend].unsupported_here(model)
 
     def __init__(self, model: ModelConfig, ctx: ParallelContext, seed: int = 1,
-                 params_dtype: torch.dtype = torch.float32, *, initialize: bool = True):
+                 params_dtype: torch.dtype = torch.float32, *, initialize: bool = True,
+                 input_size: int | None = None):
         super().__init__()
         if (problem := Encoder.unsupported_here(model)) is not None:
             raise ConfigError(problem)
@@ -98,8 +101,13 @@ class Encoder(nn.Module):
         tcfg = transformer_config(model, ctx.tp_size, params_dtype)
         self.padded_vocab_size = model.padded_vocab_size(ctx.tp_size)
         position = build_position(model, ctx.tp_rank, ctx.tp_size)
-        self.embedding = TokenEmbedding(model, tcfg, ctx.tp_group, self.padded_vocab_size,
-                                        position if position.input_term else None)
+        if input_size is None:
+            self.embedding = TokenEmbedding(model, tcfg, ctx.tp_group, self.padded_vocab_size,
+                                            position if position.input_term else None)
+        else:  # the embedding (and any position table in it) is the other encoder's
+            self.embedding = None
+            self.embedding_projection = (nn.Linear(input_size, model.hidden_size)
+                                         if input_size != model.hidden_size else None)
         self.alibi = position if isinstance(position, Alibi) else None  # wave 1's name: alibi.log_slopes
         self.attention = ATTENTION_BACKENDS[model.attention_backend](position)
         self.encoder = TransformerBlock(tcfg, encoder_layer_spec(model, self.attention),
@@ -125,12 +133,16 @@ class Encoder(nn.Module):
         return parameter_count(self, self.ctx.tp_size, self.config.vocab_size)
 
     def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
-                      segments: torch.Tensor | None = None) -> torch.Tensor:
+                      segments: torch.Tensor | None = None, embedded: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> last-layer features [s, b, h]. `documents` [b, s] (document index, -1 on
         padding) keeps attention within each document, used only with model.document_mask;
-        `segments` [b, s] marks the samples of packed rows (Batch.segments; None: one per row)."""
+        `segments` [b, s] marks the samples of packed rows (Batch.segments; None: one per row);
+        `embedded` [s, b, input_size]: the tokens' embeddings, for an encoder built with input_size."""
         padding = tokens.eq(self.config.pad_token_id)
-        x = self.embedding(tokens, padding, segments)
+        if embedded is None:
+            x = self.embedding(tokens, padding, segments)
+        else:
+            x = embedded if self.embedding_projection is None else self.embedding_projection(embedded)
         documents = documents if self.config.document_mask else None
         prepared = self.attention.prepare(padding, documents, segments, x.dtype)
         # megatron's attention_mask slot carries the backend's prepared inputs (attention.py)

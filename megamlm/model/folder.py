@@ -113,8 +113,9 @@ def _load_tensors(path: Path) -> dict:
 
 
 def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
-                      zero_stage: int = 0) -> Path:
-    """Collective: gather the full model (also from ZeRO-3 partitions); rank 0 writes it."""
+                      zero_stage: int = 0, keep=lambda name: True) -> Path:
+    """Collective: gather the full model (also from ZeRO-3 partitions); rank 0 writes the
+    parameters whose names `keep` accepts."""
     folder = Path(folder)
     gather = contextlib.nullcontext()
     if zero_stage == 3:
@@ -122,7 +123,7 @@ def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
 
         gather = deepspeed.zero.GatheredParameters(list(model.parameters()))
     with gather:
-        full = full_state_dict(model)
+        full = {name: tensor for name, tensor in full_state_dict(model).items() if keep(name)}
     if dist.get_rank() == 0:
         write_model_folder(folder, cfg, full, overwrite=True)  # <run_dir>/final: this run's own
     dist.barrier()

@@ -19,6 +19,13 @@ from torch import nn
 from megamlm.config import ModelConfig
 
 
+def vocab_padding_bias(vocab_start: int, vocab_local: int, vocab_size: int) -> torch.Tensor:
+    """[V_local] column bias of a vocabulary shard: 0 on real columns, -inf on vocabulary padding
+    (which must never take probability mass)."""
+    padded = torch.arange(vocab_start, vocab_start + vocab_local) >= vocab_size
+    return torch.zeros(vocab_local).masked_fill(padded, float("-inf"))
+
+
 def mark_vocab_parallel(param: nn.Parameter) -> nn.Parameter:
     """Rows are split over TP ranks like the embedding (init and checkpoint tools rely on it)."""
     set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
@@ -29,10 +36,11 @@ def mark_vocab_parallel(param: nn.Parameter) -> nn.Parameter:
 class RobertaLMHead(nn.Module):
     """fairseq RobertaLMHead: LayerNorm(gelu(dense(h))) @ Eᵀ + bias (exact erf GELU)."""
 
-    def __init__(self, model: ModelConfig, vocab_local: int, tp_group):
+    def __init__(self, model: ModelConfig, vocab_local: int, tp_group, input_size: int | None = None):
+        """`input_size`: width of the features when it is not the model's (ELECTRA's generator)."""
         super().__init__()
         self.tp_group = tp_group
-        self.dense = nn.Linear(model.hidden_size, model.hidden_size)
+        self.dense = nn.Linear(input_size or model.hidden_size, model.hidden_size)
         self.layernorm = nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
         self.bias = mark_vocab_parallel(nn.Parameter(torch.zeros(vocab_local)))
         self.weight = (None if model.tie_embeddings else

@@ -24,6 +24,8 @@ LM_HEAD_BIAS = "lm_head.bias"
 LM_HEAD_DENSE = "lm_head.dense.{kind}"
 LM_HEAD_NORM = "lm_head.layernorm.{kind}"
 CLAP_BETA = "lm_head.beta"
+GENERATOR_PREFIX = "generator."
+"""ELECTRA's generator: an encoder's names (and its head's lm_head.*) under this prefix."""
 
 LAYER_NORM_SLOTS = {"post": {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_mlp_layernorm"},
                     "pre": {"attn_norm": "input_layernorm", "mlp_norm": "pre_mlp_layernorm"}}

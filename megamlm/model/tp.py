@@ -35,8 +35,9 @@ SHARD_RULES: list[tuple[str, int, bool]] = [
 
 
 def _pattern(template: str) -> re.Pattern:
+    """The template's names, also under ELECTRA's generator prefix (a second encoder's names)."""
     escaped = re.escape(template).replace(r"\{i\}", r"\d+").replace(r"\{kind\}", "(weight|bias)")
-    return re.compile(escaped + "$")
+    return re.compile(f"({re.escape(names.GENERATOR_PREFIX)})?{escaped}$")
 
 
 _RULES = [(_pattern(template), dim, vocab) for template, dim, vocab in SHARD_RULES]

@@ -1,8 +1,9 @@
 """Pretraining objectives by name (base.py: the interface and registry; one module per objective)."""
 
-from megamlm.objectives.base import OBJECTIVES, LossOutput, Objective, get_objective, register_objective
+from megamlm.objectives.base import OBJECTIVES, LossOutput, LossTotals, Objective, get_objective, register_objective
 from megamlm.objectives.mlm import MaskedLM, perplexity  # importing it registers "mlm"
+from megamlm.objectives import electra  # noqa: F401  (registers "electra")
 from megamlm.objectives.pretrained import from_pretrained, load_encoder, load_pretrained
 
-__all__ = ["OBJECTIVES", "LossOutput", "MaskedLM", "Objective", "from_pretrained", "get_objective",
+__all__ = ["OBJECTIVES", "LossOutput", "LossTotals", "MaskedLM", "Objective", "from_pretrained", "get_objective",
            "load_encoder", "load_pretrained", "perplexity", "register_objective"]

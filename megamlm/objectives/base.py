@@ -7,7 +7,12 @@ loop, validation, `megamlm eval`, `megamlm plan`, model folders and conversion g
     objective = get_objective(cfg)                  # cfg.objective.name, default "mlm"
     model = objective.build_model(ctx)
     stream = MaskedBatches(shards, objective.corruption(tokenizer, seed), ...)
-    out = objective.loss(model, batch)               # LossOutput(loss_sum, count, metrics)
+    out = objective.loss(model, batch)               # LossOutput(loss_sum [k], count [k], metrics)
+
+An objective's loss is a sum of k terms, each a mean over its own units (MLM: one term over the masked
+tokens; ELECTRA: the generator's over the masked tokens + λ · the discriminator's over every real
+token). Each term is summed over the whole update (all ranks and micro-batches) and divided by its
+number of units there, so the result does not depend on how the global batch is split.
 
 Adding one = a module with a subclass decorated by `@register_objective` + a config + its tests
 (README, "Extending megamlm").
@@ -28,14 +33,22 @@ from megamlm.parallel import ParallelContext
 
 
 class LossOutput(NamedTuple):
-    """One micro-batch's loss as fairseq weighs it: Σ over the update / Σ count over the update."""
+    """One micro-batch's loss as fairseq weighs it: per term, Σ over the update / Σ count over the update."""
 
     loss_sum: torch.Tensor
-    """Summed loss (nats) over the batch's `count` terms; differentiable, float32 or wider."""
-    count: int
-    """Loss terms (e.g. masked tokens), known from the batch before the forward (objective.count)."""
+    """[k] summed loss (nats, coefficient included) of each term (Objective.loss_terms) over the
+    batch's units of that term; differentiable, float32 or wider."""
+    count: list[int]
+    """[k] units of each term (e.g. masked tokens), known from the batch before the forward
+    (objective.count)."""
     metrics: dict[str, torch.Tensor]
-    """Further sums over the same terms (e.g. correct predictions); logged divided by the count."""
+    """Further sums over the batch (e.g. correct predictions), any shape; the objective's
+    `finish_metrics` turns the update's sums into logged values."""
+
+    def mean(self) -> torch.Tensor:
+        """This batch's loss on its own: Σ_k loss_sum_k / count_k."""
+        counts = torch.tensor(self.count, dtype=self.loss_sum.dtype, device=self.loss_sum.device)
+        return (self.loss_sum / counts.clamp(min=1)).sum()
 
 
 class Objective(ABC):
@@ -44,6 +57,8 @@ class Objective(ABC):
     name: ClassVar[str]
     metric: ClassVar[str] = "ppl"
     """The validation metric `summary` adds next to the loss (lower is better)."""
+    loss_terms: ClassVar[tuple[str, ...]] = ("mlm",)
+    """Names of the loss's terms, in LossOutput order; the loss is their sum."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -61,9 +76,10 @@ class Objective(ABC):
         """How a sample is corrupted and which positions are targets, seeded by (seed, epoch, sample);
         `tokenizer` gives the dictionary's ids (mask, ordinary) and word starts."""
 
-    def count(self, batch: Batch) -> int:
-        """Loss terms of the batch (the update's loss is their sum / their number)."""
-        return int(batch.target_index.numel())
+    def count(self, batch: Batch) -> list[int]:
+        """Units of each loss term in the batch, from the batch alone (no forward): by default the
+        prediction targets of the one term."""
+        return [int(batch.target_index.numel())]
 
     @abstractmethod
     def loss(self, model, batch: Batch) -> LossOutput:
@@ -75,12 +91,26 @@ class Objective(ABC):
         """Model FLOPs per token of a training update (forward + backward), for MFU and plans."""
 
     @abstractmethod
-    def summary(self, loss: float) -> dict[str, float]:
-        """Metrics derived from the mean loss (validation, logs): {metric: value}."""
+    def summary(self, terms: dict[str, float]) -> dict[str, float]:
+        """Metrics derived from the mean loss of each term (validation, logs): {metric: value, ...}."""
+
+    def finish_metrics(self, sums: dict[str, torch.Tensor], counts: list[float]) -> dict[str, float]:
+        """Logged values from the metric sums over an update or a validation (all ranks) and the
+        units of each loss term there; by default each sum per unit of the first term."""
+        return {name: float(value) / max(counts[0], 1.0) for name, value in sums.items()}
 
     def log_values(self, model: nn.Module) -> dict[str, float]:
         """Scalars of the model worth a column in the training log (e.g. CLAP's beta)."""
         return {}
+
+    def exported(self, name: str) -> bool:
+        """Whether parameter `name` goes into exported model folders (<run_dir>/final); checkpoints
+        keep everything."""
+        return True
+
+    def build_pretrained(self, ctx: ParallelContext, saved: set[str]) -> nn.Module:
+        """The model for a folder holding the parameters `saved` (an export may leave a part out)."""
+        return self.build_model(ctx)
 
 
 OBJECTIVES: dict[str, type[Objective]] = {}
@@ -101,3 +131,52 @@ def get_objective(cfg: Config) -> Objective:
         raise ConfigError(f"objective.name={cfg.objective.name!r} is not an objective; "
                           f"allowed: {' | '.join(sorted(OBJECTIVES))}") from None
     return cls(cfg)
+
+
+class LossTotals:
+    """Adds up LossOutputs over micro-batches (on the device, no host sync) and over a process group
+    in one all-reduce: what an update's log line and a validation report."""
+
+    def __init__(self, objective: Objective, counts: torch.Tensor | None = None):
+        """`counts`: [k] units of each term, when already known for every rank (training counts them
+        before the forward); None: summed from the outputs and reduced with the rest."""
+        self.objective = objective
+        self.known_counts = counts
+        self.loss: torch.Tensor | None = None
+        self.counts = torch.zeros(len(objective.loss_terms), dtype=torch.float64)
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def add(self, out: LossOutput) -> None:
+        loss = out.loss_sum.detach().double().reshape(-1)
+        self.loss = loss if self.loss is None else self.loss + loss
+        self.counts += torch.tensor(out.count, dtype=torch.float64)
+        for name, value in out.metrics.items():
+            value = value.detach().double()
+            self.metrics[name] = value if name not in self.metrics else self.metrics[name] + value
+
+    def reduce(self, group=None) -> dict[str, float]:
+        """{"loss": Σ terms, "<term>_loss" (k > 1), the objective's summary and finished metrics,
+        "units": units of the first term}; one all-reduce over `group` (None: this process only)."""
+        device = self.loss.device
+        counts = self.counts.to(device) if self.known_counts is None else self.known_counts.to(device, torch.float64)
+        parts = [self.loss, *(m.reshape(-1) for m in self.metrics.values())]
+        flat = torch.cat(parts + ([counts] if self.known_counts is None else []))
+        if group is not None and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flat, group=group)
+        values = flat.tolist()  # the one host sync
+        k = len(self.objective.loss_terms)
+        if self.known_counts is None:
+            counts = values[-k:]
+        else:
+            counts = counts.tolist()
+        means = [total / max(count, 1.0) for total, count in zip(values[:k], counts)]
+        terms = dict(zip(self.objective.loss_terms, means))
+        sums, offset = {}, k
+        for name, metric in self.metrics.items():
+            sums[name] = torch.tensor(values[offset:offset + metric.numel()]).reshape(metric.shape)
+            offset += metric.numel()
+        result = {"loss": sum(means)}
+        if k > 1:
+            result.update({f"{name}_loss": value for name, value in terms.items()})
+        return {**result, **self.objective.summary(terms), **self.objective.finish_metrics(sums, counts),
+                "units": int(counts[0])}

@@ -23,7 +23,7 @@ from megamlm.data.batch import Batch
 from megamlm.data.masking import Masker
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.encoder import Encoder, encoder_flops_per_token
-from megamlm.model.heads import ClapHead, RobertaLMHead
+from megamlm.model.heads import ClapHead, RobertaLMHead, vocab_padding_bias
 from megamlm.objectives.base import LossOutput, Objective, register_objective
 from megamlm.parallel import ParallelContext
 
@@ -31,6 +31,14 @@ from megamlm.parallel import ParallelContext
 def perplexity(loss: float) -> float:
     """exp(MLM loss in nats), capped at e^50 so that a diverged loss still prints as a number."""
     return math.exp(min(loss, 50.0))
+
+
+def vocab_parallel_loss(logits_local: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy (nats) of [n, V_local] vocabulary shards against targets [n] (real ids), mean or sum."""
+    # copy: megatron's kernel subtracts the max in place
+    logits = logits_local.to(torch.float32, copy=True)
+    losses = vocab_parallel_cross_entropy(logits, targets)
+    return losses.sum() if reduction == "sum" else losses.mean()
 
 
 class MaskedLM(Encoder):
@@ -42,11 +50,8 @@ class MaskedLM(Encoder):
         vocab_local = self.padded_vocab_size // ctx.tp_size
         self.lm_head = (ClapHead(model, ctx.tp_group) if model.head == "clap"
                         else RobertaLMHead(model, vocab_local, ctx.tp_group))
-        # columns of this rank that are vocabulary padding must never take probability mass: -inf
-        first = self.embedding.word_embeddings.vocab_start_index
-        padded = torch.arange(first, first + vocab_local) >= model.vocab_size
-        self.register_buffer("column_bias", torch.zeros(vocab_local).masked_fill(padded, float("-inf")),
-                             persistent=False)
+        self.register_buffer("column_bias", vocab_padding_bias(
+            self.embedding.word_embeddings.vocab_start_index, vocab_local, model.vocab_size), persistent=False)
         self.initialize(seed, params_dtype)
 
     def external_parameters(self):
@@ -80,10 +85,7 @@ class MaskedLM(Encoder):
     def loss(self, logits_local: torch.Tensor, targets: torch.Tensor,
              reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy (nats) over the selected positions, mean or sum; targets [n] are real ids."""
-        # copy: megatron's kernel subtracts the max in place
-        logits = logits_local.to(torch.float32, copy=True)
-        losses = vocab_parallel_cross_entropy(logits, targets)
-        return losses.sum() if reduction == "sum" else losses.mean()
+        return vocab_parallel_loss(logits_local, targets, reduction)
 
     def gather_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
         """[..., V_local] shards -> [..., vocab_size] on every rank (padding columns dropped), for
@@ -124,14 +126,14 @@ class MaskedLanguageModeling(Objective):
     def loss(self, model, batch: Batch) -> LossOutput:
         logits = model(batch.inputs, batch.target_index, batch.documents, batch.segments)
         module = getattr(model, "module", model)  # the DeepSpeed engine's model
-        return LossOutput(module.loss(logits, batch.targets, reduction="sum"), self.count(batch), {})
+        return LossOutput(module.loss(logits, batch.targets, reduction="sum").reshape(1), self.count(batch), {})
 
     def flops_per_token(self, seq_length: int) -> float:
         model = self.cfg.model
         return encoder_flops_per_token(model, seq_length) + mlm_head_flops_per_token(model, self.cfg.data.mask_prob)
 
-    def summary(self, loss: float) -> dict[str, float]:
-        return {"ppl": perplexity(loss)}
+    def summary(self, terms: dict[str, float]) -> dict[str, float]:
+        return {"ppl": perplexity(terms["mlm"])}
 
     def log_values(self, model: MaskedLM) -> dict[str, float]:
         return {"beta": float(model.lm_head.beta.item())} if self.cfg.model.head == "clap" else {}

@@ -26,7 +26,7 @@ def load_pretrained(folder: str | Path, ctx: ParallelContext | None = None,
     ctx = ctx or init_distributed(ParallelConfig())
     saved = read_model_folder(folder)
     cfg = _config(saved, folder, ctx, overrides)
-    model = get_objective(cfg).build_model(ctx)
+    model = get_objective(cfg).build_pretrained(ctx, set(saved.full))
     load_full_state_dict(model, saved.full)
     return cfg, model.eval()
 

@@ -26,7 +26,8 @@ from megamlm.data.tokenizer import Tokenizer
 from megamlm.errors import CorruptFileError
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
-from megamlm.objectives import Objective, get_objective
+from megamlm.objectives import LossTotals, Objective, get_objective
+
 from megamlm.parallel import ParallelContext, init_distributed, seed_everything
 from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
 from megamlm.train.engine import build_engine
@@ -98,17 +99,15 @@ def evaluate(objective: Objective, model, stream: MaskedBatches, max_batches: in
     """Validation loss (nats per loss term, all DP ranks) and the objective's metric."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    totals = LossTotals(objective)
     for i, batch in enumerate(stream):
         if i == max_batches:
             break
-        out = objective.loss(model, batch.to(ctx.device))
-        totals[0] += out.loss_sum.double()
-        totals[1] += out.count
-    dist.all_reduce(totals, group=ctx.dp_group)
+        totals.add(objective.loss(model, batch.to(ctx.device)))
     model.train(was_training)
-    loss = (totals[0] / totals[1]).item()
-    return {"loss": loss, **objective.summary(loss), "tokens": int(totals[1].item())}
+    result = totals.reduce(ctx.dp_group)
+    result["tokens"] = result.pop("units")
+    return result
 
 
 def init_from_folder(model, cfg: Config, folder: str) -> None:
@@ -190,28 +189,26 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         fetch_start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(accumulation)]
         window_wait += time.perf_counter() - fetch_start  # time the step waited for data
-        # loss terms (masked tokens) and corrupt samples (replaced by the loader) of the update, all DP ranks
-        totals = torch.tensor([sum(objective.count(b) for b in micro_batches),
-                               sum(b.corrupt for b in micro_batches)], dtype=torch.float64, device=ctx.device)
+        # units of each loss term (MLM: masked tokens) and corrupt samples (replaced by the loader)
+        # of the update, all DP ranks
+        units = [sum(column) for column in zip(*(objective.count(b) for b in micro_batches))]
+        totals = torch.tensor([*units, sum(b.corrupt for b in micro_batches)], dtype=torch.float64,
+                              device=ctx.device)
         dist.all_reduce(totals, group=ctx.dp_group)
-        counts = totals[0].clamp(min=1.0)
-        corrupt += totals[1]
+        counts = totals[:-1].clamp(min=1.0)
+        corrupt += totals[-1]
         # stays on the device (no sync before the forward); DeepSpeed averages over DP and accumulation
         weight = (ctx.dp_size * accumulation / counts).float()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        metric_sums: dict[str, torch.Tensor] = {}
+        update_totals = LossTotals(objective, counts)
         for batch in micro_batches:
             out = objective.loss(engine, batch.to(ctx.device))
-            engine.backward(out.loss_sum * weight)
+            engine.backward((out.loss_sum * weight).sum())
             engine.step()
-            loss_sum += out.loss_sum.detach().double()
-            for name, value in out.metrics.items():
-                metric_sums[name] = metric_sums.get(name, 0) + value.detach().double()
+            update_totals.add(out)
             window_tokens += batch.real_tokens() * ctx.dp_size
             window_slots += batch.inputs.numel() * ctx.dp_size
-        sums = torch.stack([loss_sum, *metric_sums.values()])
-        dist.all_reduce(sums, group=ctx.dp_group)
-        loss, *metric_values = (sums / counts).tolist()  # the update's one host sync (spike guard, logs)
+        result = update_totals.reduce(ctx.dp_group)  # the update's one host sync (spike guard, logs)
+        loss = result.pop("loss")
         state.step += 1
         for batch in micro_batches:
             state.position = advance(state.position, batch, stream.batches_per_epoch(batch.epoch))
@@ -232,13 +229,14 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
                               ctx.tp_size * ctx.dp_size)
             done = state.step - start_step
             eta = (time.perf_counter() - run_start) / done * (cfg.train.steps - state.step)
-            values = {"loss": loss, **objective.summary(loss), "lr": schedule.get_last_lr()[0],
+            values = {"loss": loss, objective.metric: result[objective.metric], "lr": schedule.get_last_lr()[0],
                       "grad_norm": _float(engine.get_global_grad_norm()),
                       "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
                       "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
                       "fill": window_tokens / window_slots,
                       "corrupt_samples": int(corrupt.item())}
-            extra = {**dict(zip(metric_sums, metric_values)), **objective.log_values(engine.module)}
+            extra = {**{k: v for k, v in result.items() if k not in (objective.metric, "units")},
+                     **objective.log_values(engine.module)}
             values.update(extra)
             log.event("train", state.step,
                       f"update {state.step}/{cfg.train.steps} | loss {loss:.4f} | {objective.metric} "
@@ -266,7 +264,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     # ---- end of run ------------------------------------------------------------------------
     final_valid = validate("end of training")
     checkpoints.save(engine, state, cfg)
-    final_dir = export_pretrained(engine.module, cfg, run_dir / "final", cfg.train.zero_stage)
+    final_dir = export_pretrained(engine.module, cfg, run_dir / "final", cfg.train.zero_stage, objective.exported)
     summary = {"steps": state.step, "rollbacks": state.rollbacks, "losses": losses,
                "valid_before": first_valid, "valid_after": final_valid, "model_dir": str(final_dir),
                "minutes": (time.perf_counter() - run_start) / 60, "corrupt_samples": int(corrupt.item())}
