@@ -102,6 +102,25 @@ def test_bad_masking_settings_are_one_line(gpt2):
             load_config([], [override])
 
 
+def test_word_masking_refuses_a_tokenizer_without_word_starts(tmp_path):
+    import json
+
+    from megamlm.config import ConfigError, load_config
+    from megamlm.objectives import get_objective
+
+    (tmp_path / "encoder.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))  # no Ġ piece
+    (tmp_path / "vocab.bpe").write_text("#version: 0.2\na b\n")
+    (tmp_path / "dict.txt").write_text("0 5\n1 5\n2 5\n")
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert tokenizer.word_starts() is None
+    for strategy in ("span", "whole_word"):
+        cfg = load_config([], [f"data.masking={strategy}", f"data.tokenizer={tmp_path}"])
+        with pytest.raises(ConfigError, match=f"data.masking={strategy} needs word boundaries, but data.tokenizer="
+                                              f".* has no word-start rule"):
+            get_objective(cfg).corruption(tokenizer, 1)
+    get_objective(load_config([], [f"data.tokenizer={tmp_path}"])).corruption(tokenizer, 1)  # token: fine
+
+
 def _train(cfg):
     from megamlm.train.loop import train
 

@@ -131,12 +131,15 @@ class Tokenizer:
                 self._to_fairseq[bpe_id] = fairseq_id
                 self._to_bpe[fairseq_id] = bpe_id
                 self._word_starts[fairseq_id] = piece.startswith("\u0120")
+        # a vocabulary without a single Ġ piece has no word-start rule (every id would be a word)
+        self._has_word_rule = any(piece.startswith("\u0120") for piece in vocab)
         self.sha256 = hashlib.sha256(
             self.encoder_json.read_bytes() + self.vocab_bpe.read_bytes()).hexdigest()
 
-    def word_starts(self) -> np.ndarray:
-        """[len(dictionary) + 1] bool: the fairseq id begins a word (whole-word and span masking)."""
-        return self._word_starts
+    def word_starts(self) -> np.ndarray | None:
+        """[len(dictionary) + 1] bool: the fairseq id begins a word (whole-word and span masking);
+        None when the vocabulary has no word-start rule (no piece begins with the space marker Ġ)."""
+        return self._word_starts if self._has_word_rule else None
 
     @classmethod
     def gpt2(cls, zero_clap: bool = False) -> Tokenizer:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
-from megamlm.config import ModelConfig
+from megamlm.config import ConfigError, ModelConfig
 from megamlm.data.batch import Batch
 from megamlm.data.masking import Masker
 from megamlm.data.tokenizer import Tokenizer
@@ -119,6 +119,10 @@ class MaskedLanguageModeling(Objective):
 
     def corruption(self, tokenizer: Tokenizer, seed: int) -> Masker:
         d, dictionary = self.cfg.data, tokenizer.dictionary
+        if d.masking != "token" and tokenizer.word_starts() is None:
+            raise ConfigError(f"data.masking={d.masking} needs word boundaries, but data.tokenizer={d.tokenizer} "
+                              f"has no word-start rule (no piece begins with the space marker Ġ); use "
+                              f"data.masking=token")
         return Masker(dictionary.mask_id, dictionary.ordinary_ids(), d.mask_prob, d.leave_unmasked_prob,
                       d.random_token_prob, seed=seed, strategy=d.masking, word_starts=tokenizer.word_starts(),
                       span_p=d.span_p, span_max_words=d.span_max_words)
