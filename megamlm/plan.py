@@ -26,25 +26,8 @@ FILL = {"packed": 0.99, "padded": 0.745}
 
 
 def parameter_count(cfg: Config) -> int:
-    """Parameters of the model, from the architecture alone (vocabulary padding excluded)."""
-    m = cfg.model
-    h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, m.vocab_size
-    count = V * h
-    if m.position == "learned":
-        count += (m.max_positions + m.pad_token_id + 1) * h
-    if m.embedding_layernorm:
-        count += 2 * h
-    layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-    count += L * layer
-    if m.layernorm == "pre":
-        count += 2 * h
-    if m.position == "alibi" and m.alibi_mode == "learned":
-        count += 2 * m.num_attention_heads
-    if m.head == "clap":
-        count += 1
-    else:
-        count += (h * h + h) + 2 * h + V + (0 if m.tie_embeddings else V * h)
-    return count
+    """Parameters of the objective's model, from the architecture alone (vocabulary padding excluded)."""
+    return get_objective(cfg).parameter_count()
 
 
 @dataclass

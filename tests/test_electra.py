@@ -91,6 +91,15 @@ def test_shard_table_covers_the_generator(world, tmp_path):
     assert_shard_table_matches(model)
 
 
+@pytest.mark.parametrize("extra", [[], ["model.position=alibi", "model.alibi_mode=learned"],
+                                   ["objective.generator_size=1", "model.head=clap"]])
+def test_plan_counts_both_models(world, tmp_path, extra):
+    from megamlm.plan import parameter_count
+
+    cfg = config(tmp_path, tmp_path, *ELECTRA, *extra)
+    assert parameter_count(cfg) == get_objective(cfg).build_model(world).parameter_count()
+
+
 def test_generator_is_a_fraction_of_the_discriminator():
     from megamlm.config import ModelConfig
 

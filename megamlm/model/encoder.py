@@ -77,6 +77,27 @@ def encoder_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     return 6 * L * (4 * h * h + 2 * h * f) + 12 * L * seq_length * h
 
 
+def encoder_parameter_count(model: ModelConfig, input_size: int | None = None) -> int:
+    """Parameters of the Encoder from the architecture alone (vocabulary padding excluded); with
+    `input_size`, the encoder without an embedding of its own (its projection instead, if any)."""
+    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
+    if input_size is None:
+        count = V * h
+        if model.position == "learned":
+            count += (model.max_positions + model.pad_token_id + 1) * h
+        if model.embedding_layernorm:
+            count += 2 * h
+    else:
+        count = input_size * h + h if input_size != h else 0
+    layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+    count += L * layer
+    if model.layernorm == "pre":
+        count += 2 * h
+    if model.position == "alibi" and model.alibi_mode == "learned":
+        count += 2 * model.num_attention_heads
+    return count
+
+
 class Encoder(nn.Module):
     """A RoBERTa-style encoder, tensor-parallel over `ctx.tp_group`.
 

@@ -87,6 +87,11 @@ class Objective(ABC):
         the DeepSpeed engine wrapping it (call it for the forward; `.module` is the model)."""
 
     @abstractmethod
+    def parameter_count(self) -> int:
+        """Parameters of build_model's model from the config alone (`megamlm plan`), vocabulary
+        padding excluded."""
+
+    @abstractmethod
     def flops_per_token(self, seq_length: int) -> float:
         """Model FLOPs per token of a training update (forward + backward), for MFU and plans."""
 

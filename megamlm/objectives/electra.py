@@ -33,10 +33,15 @@ from torch import nn
 from megamlm.config import Config, ConfigError, ModelConfig
 from megamlm.data.batch import Batch
 from megamlm.model import names
-from megamlm.model.encoder import Encoder, encoder_flops_per_token
+from megamlm.model.encoder import Encoder, encoder_flops_per_token, encoder_parameter_count
 from megamlm.model.heads import RobertaLMHead, vocab_padding_bias
 from megamlm.objectives.base import LossOutput, register_objective
-from megamlm.objectives.mlm import MaskedLanguageModeling, perplexity, vocab_parallel_loss
+from megamlm.objectives.mlm import (
+    MaskedLanguageModeling,
+    mlm_head_parameter_count,
+    perplexity,
+    vocab_parallel_loss,
+)
 from megamlm.parallel import ParallelContext
 
 AUC_BINS = torch.linspace(-16.0, 16.0, 129)
@@ -231,6 +236,13 @@ class Electra(MaskedLanguageModeling):
         """The generator's MLM perplexity (the validation metric) and the discriminator's mean BCE."""
         return {"ppl": perplexity(terms["generator"]),
                 "rtd_bce": terms["discriminator"] / self.cfg.objective.rtd_weight}
+
+    def parameter_count(self) -> int:
+        """The discriminator and its head, the generator without an embedding of its own, and its head."""
+        model, h = self.cfg.model, self.cfg.model.hidden_size
+        return (encoder_parameter_count(model) + (h * h + h) + (h + 1)
+                + encoder_parameter_count(self.generator, input_size=h)
+                + mlm_head_parameter_count(model, input_size=self.generator.hidden_size))
 
     def flops_per_token(self, seq_length: int) -> float:
         """Both models, forward + backward: the discriminator's body and head on every token, the

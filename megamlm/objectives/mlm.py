@@ -22,7 +22,7 @@ from megamlm.config import ConfigError, ModelConfig
 from megamlm.data.batch import Batch
 from megamlm.data.masking import Masker
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.model.encoder import Encoder, encoder_flops_per_token
+from megamlm.model.encoder import Encoder, encoder_flops_per_token, encoder_parameter_count
 from megamlm.model.heads import ClapHead, RobertaLMHead, vocab_padding_bias
 from megamlm.objectives.base import LossOutput, Objective, register_objective
 from megamlm.parallel import ParallelContext
@@ -98,6 +98,15 @@ class MaskedLM(Encoder):
             return torch.cat(shards, dim=-1)[..., : self.config.vocab_size]
 
 
+def mlm_head_parameter_count(model: ModelConfig, input_size: int | None = None) -> int:
+    """Parameters of the MLM head (the tied table not counted again); `input_size`: its features'
+    width when not the model's (ELECTRA's generator)."""
+    h, V = model.hidden_size, model.vocab_size
+    if model.head == "clap" and input_size is None:
+        return 1
+    return ((input_size or h) * h + h) + 2 * h + V + (0 if model.tie_embeddings else V * h)
+
+
 def mlm_head_flops_per_token(model: ModelConfig, head_fraction: float) -> float:
     """Forward + backward FLOPs per token of the MLM head: 6·(h² [RoBERTa's dense] + h·V) on the
     share of positions it projects."""
@@ -131,6 +140,9 @@ class MaskedLanguageModeling(Objective):
         logits = model(batch.inputs, batch.target_index, batch.documents, batch.segments)
         module = getattr(model, "module", model)  # the DeepSpeed engine's model
         return LossOutput(module.loss(logits, batch.targets, reduction="sum").reshape(1), self.count(batch), {})
+
+    def parameter_count(self) -> int:
+        return encoder_parameter_count(self.cfg.model) + mlm_head_parameter_count(self.cfg.model)
 
     def flops_per_token(self, seq_length: int) -> float:
         model = self.cfg.model
