@@ -100,6 +100,26 @@ def test_plan_counts_both_models(world, tmp_path, extra):
     assert parameter_count(cfg) == get_objective(cfg).build_model(world).parameter_count()
 
 
+def test_activation_checkpointing_covers_both_models_with_equal_gradients(world, tmp_path):
+    from megamlm.parallel import seed_everything
+    from megamlm.train.layers import apply_activation_checkpointing, encoder_layers
+
+    cfg = config(tmp_path, tmp_path, *ELECTRA, "model.hidden_dropout=0.1", "model.attention_dropout=0.1")
+    objective = get_objective(cfg)
+    batch = _batch(cfg)
+    grads = []
+    for checkpointed in (False, True):
+        seed_everything(3, world)
+        model = objective.build_model(world)
+        if checkpointed:
+            apply_activation_checkpointing(model)
+        assert len(encoder_layers(model)) == 2 * cfg.model.num_layers
+        objective.loss(model, batch).mean().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name  # the same dropout masks recomputed
+
+
 def test_generator_is_a_fraction_of_the_discriminator():
     from megamlm.config import ModelConfig
 

@@ -17,6 +17,7 @@ import functools
 import torch.utils.checkpoint
 from torch import nn
 
+from megamlm.model.encoder import Encoder
 from megamlm.parallel import tensor_parallel_rng
 
 
@@ -36,17 +37,22 @@ def _replay_tensor_parallel_rng():
     return contextlib.nullcontext(), replay()
 
 
+def encoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer layers of every Encoder in `model` (ELECTRA has two: discriminator, generator)."""
+    return [layer for module in model.modules() if isinstance(module, Encoder) for layer in module.encoder.layers]
+
+
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every layer of `model.encoder.layers` in the backward pass (parameter names and
+    """Recompute every encoder layer (`encoder_layers`) in the backward pass (parameter names and
     the state dict are unchanged: only each layer's forward is wrapped)."""
-    for layer in model.encoder.layers:
+    for layer in encoder_layers(model):
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward,
                                           use_reentrant=False, context_fn=_replay_tensor_parallel_rng)
 
 
 def compile_layers(model: nn.Module) -> None:
-    """torch.compile every layer of `model.encoder.layers` in place (parameter names and the state
+    """torch.compile every encoder layer (`encoder_layers`) in place (parameter names and the state
     dict are unchanged). The embedding and head stay eager: the number of masked positions the head
     projects changes with every batch."""
-    for layer in model.encoder.layers:
+    for layer in encoder_layers(model):
         layer.compile()
