@@ -1,6 +1,8 @@
 """ELECTRA (objective.name=electra): TP- and DP-invariant, resumable, unbiased sampling, the shared
 embedding learns from both models, exports the discriminator, refuses bad settings in one line."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -201,6 +203,14 @@ def _export_and_reload(cfg):
         fill_mask(model, tokenizer, "The capital of France is <mask>.")
     except Exception as err:  # noqa: BLE001 - the message is what is tested
         result["fill_mask"] = str(err)
+    from megamlm.convert.pipeline import convert
+    from megamlm.errors import MegamlmError
+
+    try:
+        convert("megamlm", "hf", folder, folder + "-hf", log=lambda *_: None)
+    except MegamlmError as err:
+        result["convert"] = str(err)
+    result["convert_wrote"] = Path(folder + "-hf").exists()
     cfg2, model2 = load_pretrained(folder)
     tokens = np.random.default_rng(0).integers(4, 50000, (4, 32))
     try:
@@ -221,6 +231,7 @@ def test_export_holds_the_discriminator_unless_the_generator_is_asked_for(shards
     assert plain["model_parameters"] - plain["encoder_parameters"] == h * h + h + h + 1
     assert "has none" in plain["fill_mask"] and "has none" in both["fill_mask"]
     assert "no generator" in plain["eval"]
+    assert "objective.name=electra: conversion" in plain["convert"] and not plain["convert_wrote"]
     assert both["eval"]["ppl"] > 1 and 0 <= both["eval"]["rtd_accuracy"] <= 1
 
 

@@ -115,6 +115,11 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
              "zero": lambda: read_zero(src)}[source]()
     cfg, out = model.cfg, Path(out)
+    if cfg.objective.name != "mlm":
+        raise fs.ConversionError(
+            f"{src} was trained with objective.name={cfg.objective.name}: conversion (and its logit parity "
+            f"check) covers masked-LM models; its folder already loads at any TP degree and `megamlm glue` "
+            f"fine-tunes it; nothing was written")
     tokens = probe_tokens(cfg)
     ours = megamlm_logits(cfg, model.full, tokens)
     pad = cfg.model.pad_token_id
