@@ -56,6 +56,13 @@ def last_event(run_dir: Path, event: str) -> dict:
     return [e for e in events if e["event"] == event][-1]
 
 
+def glue_finished(glue_out: Path) -> bool:
+    """A GLUE run whose report has every task's results (a failed one, e.g. without data, is redone)."""
+    report = glue_out / "results.json"
+    return report.is_file() and all("summary" in json.loads(report.read_text())["tasks"].get(task, {})
+                                    for task in TASKS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--glue-dir", default=str(ROOT.parent / "shared/data/glue"))
@@ -83,7 +90,7 @@ def main() -> None:
                       "budget_pflops": per_token * 16 * 128 * updates / 1e15, "valid_ppl": valid["ppl"]}
         glue_out = run_dir / "glue"
         if not args.skip_glue:
-            if not (glue_out / "results.json").is_file():
+            if not glue_finished(glue_out):
                 rows[name]["glue_seconds"] = run([
                     *megamlm, "glue", "--checkpoint", str(run_dir / "final"), "--data-dir", args.glue_dir,
                     "--tasks", ",".join(TASKS), "--seeds", args.seeds, "--epochs", "3", "--lr", "1e-4",

@@ -47,9 +47,10 @@ def make_batch(batch: int, length: int, vocab: int, mask_id: int, device, seed: 
 
 
 def megamlm_step(model, optimizer, inputs, masked_index, targets, dtype):
-    # as the training loop: flat indices and targets prepared by the loader (no host sync)
+    # as the training loop: flat indices and targets prepared by the loader (no host sync), the summed
+    # loss as model.head_loss computes it
     with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        loss = model.loss(model(inputs, masked_index), targets)
+        loss = model(inputs, masked_index, targets=targets) / len(targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

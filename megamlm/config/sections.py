@@ -76,6 +76,17 @@ class ModelConfig:
     memory linear in length (CUDA only; batches are padded to data.seq_length so the compiled kernel
     sees one shape); varlen: torch's variable-length FlashAttention over the real tokens only (CUDA;
     no ALiBi, no attention dropout). model/attention.py's ATTENTION_BACKENDS."""
+    head_loss: Literal["unfused", "fused"] = "unfused"
+    """How training computes the MLM loss. unfused: the head's logits [n, V_local] over the masked
+    positions, then megatron's vocab-parallel cross-entropy (which copies them to fp32 and keeps the
+    softmax); fused: the head's vocabulary projection and the cross-entropy in chunks of positions,
+    gradients formed per chunk, so no [n, V_local] tensor is kept (model/head_loss.py; equal to
+    unfused up to floating-point order). Evaluation, inference and ELECTRA's generator (which samples
+    from its logits) always form the logits."""
+    head_loss_chunk: int = 1 << 21
+    """Logit elements per chunk of the fused head loss (8 MiB in fp32: 41 positions at V_local =
+    50,304). Smaller chunks hold less, larger ones run larger matmuls (GPU: measure with
+    benchmarks/head_memory.py --set model.head_loss_chunk=...)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization (BERT's init)."""
 
@@ -108,7 +119,7 @@ class ModelConfig:
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                    "vocab_size", "max_positions", "make_vocab_size_divisible_by"):
+                    "vocab_size", "max_positions", "make_vocab_size_divisible_by", "head_loss_chunk"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be positive")
 

@@ -6,6 +6,9 @@ projection the features pass `copy_to_tensor_model_parallel_region` (identity fo
 backward) so that the replicated parameters below receive the gradient of the whole vocabulary.
 `column_bias` [V_local] (0, or -inf on vocabulary-padding columns) is added inside the projection's
 addmm: masking the [n, V_local] logits afterwards would cost a pass over them forward and backward.
+`project` is that last step: F.linear for the logits, or a loss over its operands (x, weight, bias)
+that never forms them (model/head_loss.py); it runs inside the head's forward, where ZeRO-3 has
+gathered the head's parameters.
 """
 
 from __future__ import annotations
@@ -46,12 +49,17 @@ class RobertaLMHead(nn.Module):
         self.weight = (None if model.tie_embeddings else
                        mark_vocab_parallel(nn.Parameter(torch.empty(vocab_local, model.hidden_size))))
 
-    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor,
-                column_bias: torch.Tensor) -> torch.Tensor:
+    def projection(self, features: torch.Tensor, embedding_weight: torch.Tensor,
+                   column_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x [n, h], weight [V_local, h], bias [V_local]) with logits = x · weightᵀ + bias."""
         x = self.layernorm(F.gelu(self.dense(features)))
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         weight = embedding_weight if self.weight is None else self.weight
-        return F.linear(x, weight, self.bias + column_bias)
+        return x, weight, self.bias + column_bias
+
+    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor, column_bias: torch.Tensor,
+                project=F.linear) -> torch.Tensor:
+        return project(*self.projection(features, embedding_weight, column_bias))
 
 
 class ClapHead(nn.Module):
@@ -69,9 +77,14 @@ class ClapHead(nn.Module):
         # which a 0-dim tensor cannot do (the converters reshape)
         self.beta = nn.Parameter(torch.full((1,), float(model.clap_initial_beta)))
 
-    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor,
-                column_bias: torch.Tensor) -> torch.Tensor:
+    def projection(self, features: torch.Tensor, embedding_weight: torch.Tensor,
+                   column_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x [n, h], weight [V_local, h], bias [V_local]) with logits = x · weightᵀ + bias."""
         x = copy_to_tensor_model_parallel_region(features, group=self.tp_group)
         beta = copy_to_tensor_model_parallel_region(self.beta, group=self.tp_group)
         # beta * (h · E_v) computed as (beta * h) · E_v: scales [n, h], not the [n, V_local] logits
-        return F.linear(beta * x, F.normalize(embedding_weight, dim=-1), column_bias)
+        return beta * x, F.normalize(embedding_weight, dim=-1), column_bias
+
+    def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor, column_bias: torch.Tensor,
+                project=F.linear) -> torch.Tensor:
+        return project(*self.projection(features, embedding_weight, column_bias))

@@ -2,6 +2,7 @@
 
     logits_local = model(tokens [b, s], target_index [n])     # [n, V_local] this rank's vocab shard
     loss = model.loss(logits_local, targets [n])               # mean CE in nats (vocab-parallel)
+    loss_sum = model(tokens, target_index, targets=targets)    # Σ CE [1], model.head_loss decides how
     logits = model.gather_logits(logits_local)                 # [n, vocab_size]
     logits = model(tokens)                                     # [b, s, vocab_size], every position
 
@@ -12,6 +13,7 @@ dynamic masking (data/masking.py: token, whole_word or span) with the data secti
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,6 +25,7 @@ from megamlm.data.batch import Batch
 from megamlm.data.masking import Masker
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.encoder import Encoder, encoder_flops_per_token, encoder_parameter_count
+from megamlm.model.head_loss import fused_vocab_parallel_cross_entropy
 from megamlm.model.heads import ClapHead, RobertaLMHead, vocab_padding_bias
 from megamlm.objectives.base import LossOutput, Objective, register_objective
 from megamlm.parallel import ParallelContext
@@ -60,11 +63,14 @@ class MaskedLM(Encoder):
         return [(self.lm_head, self.embedding.word_embeddings.weight)]
 
     def forward(self, tokens: torch.Tensor, masked_positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """Training: masked_positions selects positions in row-major (b, s) order, either as a
         [b, s] bool mask or as the [n] flat indices b_i * s + s_i (Batch.target_index: selecting by
         a mask makes the device count it, a host sync in the middle of the forward); the result is
-        this rank's vocabulary shard [n, V_local] (padded columns -inf), ready for `loss`.
+        this rank's vocabulary shard [n, V_local] (padded columns -inf), ready for `loss`, or with
+        targets [n] (the real ids at those positions) the summed cross-entropy [1] in nats, computed
+        as model.head_loss says.
         Inference: without masked_positions, logits at every position over the whole vocabulary,
         [b, s, vocab_size] (gathered over tensor-parallel ranks; differentiable only at TP=1).
         """
@@ -76,11 +82,23 @@ class MaskedLM(Encoder):
                 masked_positions = masked_positions.flatten().nonzero().squeeze(1)
             s = tokens.size(1)
             features = hidden[masked_positions % s, masked_positions // s]  # [n, h]
+        if targets is not None:
+            return self.loss_sum(features, targets)
         logits = self.lm_head(features, self.embedding.word_embeddings.weight, self.column_bias)
         if masked_positions is None:
             # [b*s, V] -> [b, s, V]
             return self.gather_logits(logits).view(*tokens.shape, -1)
         return logits
+
+    def loss_sum(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Σ cross-entropy [1] (nats) of the head at features [n, h] against targets [n]."""
+        table = self.embedding.word_embeddings
+        if self.config.head_loss == "fused":
+            fused = functools.partial(fused_vocab_parallel_cross_entropy, targets=targets,
+                                      vocab_start=table.vocab_start_index, tp_group=self.ctx.tp_group,
+                                      chunk_elements=self.config.head_loss_chunk)
+            return self.lm_head(features, table.weight, self.column_bias, project=fused).reshape(1)
+        return self.loss(self.lm_head(features, table.weight, self.column_bias), targets, "sum").reshape(1)
 
     def loss(self, logits_local: torch.Tensor, targets: torch.Tensor,
              reduction: str = "mean") -> torch.Tensor:
@@ -137,9 +155,8 @@ class MaskedLanguageModeling(Objective):
                       span_p=d.span_p, span_max_words=d.span_max_words)
 
     def loss(self, model, batch: Batch) -> LossOutput:
-        logits = model(batch.inputs, batch.target_index, batch.documents, batch.segments)
-        module = getattr(model, "module", model)  # the DeepSpeed engine's model
-        return LossOutput(module.loss(logits, batch.targets, reduction="sum").reshape(1), self.count(batch), {})
+        loss_sum = model(batch.inputs, batch.target_index, batch.documents, batch.segments, targets=batch.targets)
+        return LossOutput(loss_sum, self.count(batch), {})
 
     def parameter_count(self) -> int:
         return encoder_parameter_count(self.cfg.model) + mlm_head_parameter_count(self.cfg.model)
