@@ -36,11 +36,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def _tp_rank_state(folder: Path, tp_rank: int, zero_stage: int) -> dict[str, torch.Tensor]:
+def _tp_rank_state(folder: Path, tp_rank: int) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob(f"*mp_rank_{tp_rank:02d}_*.pt"))
     if not files:
         raise FileNotFoundError(f"{folder}: no DeepSpeed files for tensor-parallel rank {tp_rank}")
-    if zero_stage == 0:
+    # ZeRO partitions the optimizer (stages 1-3) into zero_pp_rank_* files; a stage-0 engine (also
+    # every fp32 run on one data-parallel rank) keeps the whole model in mp_rank_*_model_states.pt
+    if not any(folder.glob(f"zero_pp_rank_*_mp_rank_{tp_rank:02d}_optim_states.pt")):
         module = torch.load(folder / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu",
                             weights_only=False)["module"]
         return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}
@@ -61,6 +63,6 @@ def consolidate(path: str | Path) -> tuple[Config, dict[str, torch.Tensor], Path
     verify_files(folder, meta.get("files", {}), source=str(folder / "megamlm.json"))  # names a damaged file
     cfg = config_from_dict(meta["config"], origin=str(folder / "megamlm.json"))
     tp = cfg.parallel.tensor_parallel
-    shards = [_tp_rank_state(folder, rank, cfg.train.zero_stage) for rank in range(tp)]
+    shards = [_tp_rank_state(folder, rank) for rank in range(tp)]
     full = merge_shards(shards, cfg.model)
     return cfg, full, folder

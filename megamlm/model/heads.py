@@ -55,7 +55,7 @@ class RobertaLMHead(nn.Module):
         x = self.layernorm(F.gelu(self.dense(features)))
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         weight = embedding_weight if self.weight is None else self.weight
-        return x, weight, self.bias + column_bias
+        return x, weight, self.bias + column_bias.to(self.bias.dtype)  # buffers stay fp32 under DeepSpeed bf16
 
     def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor, column_bias: torch.Tensor,
                 project=F.linear) -> torch.Tensor:
@@ -83,7 +83,7 @@ class ClapHead(nn.Module):
         x = copy_to_tensor_model_parallel_region(features, group=self.tp_group)
         beta = copy_to_tensor_model_parallel_region(self.beta, group=self.tp_group)
         # beta * (h · E_v) computed as (beta * h) · E_v: scales [n, h], not the [n, V_local] logits
-        return beta * x, F.normalize(embedding_weight, dim=-1), column_bias
+        return beta * x, F.normalize(embedding_weight, dim=-1), column_bias.to(embedding_weight.dtype)
 
     def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor, column_bias: torch.Tensor,
                 project=F.linear) -> torch.Tensor:

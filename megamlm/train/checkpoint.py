@@ -103,7 +103,8 @@ class Checkpoints:
         if self.rank == 0:
             meta = {"step": state.step, "position": state.position.state_dict(),
                     "data_seed": state.data_seed, "rollbacks": state.rollbacks,
-                    "world_size": dist.get_world_size(), "config": cfg.to_dict(), "files": files}
+                    "world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(),
+                    "config": cfg.to_dict(), "files": files}
             text = json.dumps(meta, indent=1, default=list)
             _atomic_write(folder / META_FILE, text)
             _atomic_write(folder / COMPLETE_FILE, hashlib.sha256(text.encode()).hexdigest())
@@ -200,12 +201,21 @@ class Checkpoints:
         if meta["world_size"] != dist.get_world_size():
             raise RunDirError(f"{folder} was written by {meta['world_size']} processes, this run has "
                               f"{dist.get_world_size()}; resume with the same layout")
+        written, running = written_zero_stage(meta), engine.zero_optimization_stage()
+        if written != running:
+            raise RunDirError(f"{folder} was written by a ZeRO-{written} engine, this run's is ZeRO-{running} "
+                              f"(fp32 on one data-parallel rank runs at stage 0); resume with the same layout")
         engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
                                load_lr_scheduler_states=True)
         return TrainState(step=meta["step"], position=StreamPosition(**meta["position"]),
                           data_seed=meta["data_seed"], rollbacks=meta["rollbacks"],
                           rng=torch.load(folder / f"rank{self.rank:05d}.pt", weights_only=False))
 
+
+
+def written_zero_stage(meta: dict) -> int:
+    """The ZeRO stage of the engine that wrote a checkpoint (older ones record only the config's)."""
+    return meta.get("zero_stage", meta["config"]["train"]["zero_stage"])
 
 
 def complete_tags(root: Path) -> list[str]:

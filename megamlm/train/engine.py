@@ -52,6 +52,7 @@ class ModelParallelUnit:
 def deepspeed_config(cfg: Config, dp_size: int) -> dict:
     """The DeepSpeed JSON for this run (or the user's file, checked against our batch arithmetic)."""
     train = cfg.train
+    stage = train.engine_zero_stage(dp_size)
     accumulation = train.accumulation_steps(dp_size)
     global_batch = train.micro_batch_size * accumulation * dp_size
     if train.deepspeed_config:
@@ -73,8 +74,9 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict:
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": global_batch,
-        "gradient_clipping": cfg.optim.clip_grad,
-        "zero_optimization": {"stage": train.zero_stage},
+        # fp32 at stage 0: DeepSpeed neither reports the norm nor needs to clip (GradNorm does both)
+        "gradient_clipping": 0.0 if _plain_fp32(cfg, stage) else cfg.optim.clip_grad,
+        "zero_optimization": {"stage": stage},
         # our optimizer is torch's AdamW (no fused/CPU-Adam kernels to build)
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # we log ourselves
@@ -89,6 +91,35 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict:
     return ds
 
 
+def _plain_fp32(cfg: Config, stage: int) -> bool:
+    """DeepSpeed steps the torch optimizer directly (no ZeRO, no mixed-precision wrapper)."""
+    return stage == 0 and cfg.train.precision == "fp32"
+
+
+class GradNorm:
+    """Optimizer step pre-hook for DeepSpeed's plain fp32 path, which computes no gradient norm: the
+    global L2 norm as ZeRO computes it (tensor-parallel shards counted once each, replicated
+    parameters once), clipped as ZeRO clips (gradients × 1 / max(1, (norm + 1e-6) / clip)) when
+    clip > 0, and stored where `engine.get_global_grad_norm()` reads it. No host sync."""
+
+    def __init__(self, engine, ctx: ParallelContext, clip: float):
+        self.engine, self.ctx, self.clip = engine, ctx, clip
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        counted = [p.grad for p in parameters if self.ctx.tp_rank == 0 or is_model_parallel_parameter(p)]
+        squares = torch.stack(torch._foreach_norm(counted)).square().sum()
+        if self.ctx.tp_size > 1:
+            torch.distributed.all_reduce(squares, group=self.ctx.tp_group)
+        norm = squares.sqrt()
+        if self.clip > 0:
+            factor = ((norm + 1e-6) / self.clip).clamp(min=1.0)
+            torch._foreach_mul_([p.grad for p in parameters], 1.0 / factor)
+        self.engine._global_grad_norm = norm
+
+
 def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext):
     """(engine, optimizer, schedule) from a model whose parameters are already initialized."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
@@ -100,7 +131,8 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext):
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
                                   eps=optim.eps, weight_decay=optim.weight_decay,
                                   fused=True)  # one kernel per step: 5x faster than foreach on CPU too
-    if cfg.train.zero_stage == 3:
+    stage = cfg.train.engine_zero_stage(ctx.dp_size)
+    if stage == 3:
         # e.g. the tied embedding, used by the MLM head outside the embedding's own forward
         for module, param in getattr(model, "external_parameters", list)():
             deepspeed.zero.register_external_parameter(module, param)
@@ -108,4 +140,6 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext):
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, ctx.dp_size),
         mpu=ModelParallelUnit(ctx),
         lr_scheduler=lambda opt: Schedule(opt, cfg.optim, cfg.train.steps))
+    if _plain_fp32(cfg, stage) and not cfg.train.deepspeed_config:
+        optimizer.register_step_pre_hook(GradNorm(engine, ctx, cfg.optim.clip_grad))
     return engine, optimizer, schedule

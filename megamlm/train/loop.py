@@ -165,7 +165,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
                  else f"{stream.global_batch} sequences of <= {cfg.data.seq_length} tokens"))
     log.event("start", state.step,
               f"{parameters / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | update = {update}"
-              f" | ZeRO-{cfg.train.zero_stage} {cfg.train.precision} | peak {peak / 1e12:.2f} TFLOP/s"
+              f" | ZeRO-{engine.zero_optimization_stage()} {cfg.train.precision} | peak {peak / 1e12:.2f} TFLOP/s"
               f" ({peak_source}) | {stream.batches_per_epoch()} micro-batches per rank per epoch")
 
     def validate(tag: str) -> dict | None:
@@ -264,7 +264,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     # ---- end of run ------------------------------------------------------------------------
     final_valid = validate("end of training")
     checkpoints.save(engine, state, cfg)
-    final_dir = export_pretrained(engine.module, cfg, run_dir / "final", cfg.train.zero_stage, objective.exported)
+    final_dir = export_pretrained(engine.module, cfg, run_dir / "final", engine.zero_optimization_stage(),
+                                  objective.exported)
     summary = {"steps": state.step, "rollbacks": state.rollbacks, "losses": losses,
                "valid_before": first_valid, "valid_after": final_valid, "model_dir": str(final_dir),
                "minutes": (time.perf_counter() - run_start) / 60, "corrupt_samples": int(corrupt.item())}
