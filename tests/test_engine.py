@@ -72,3 +72,9 @@ def test_a_stage0_checkpoint_resumes_and_a_zero1_one_is_refused_in_one_line(shar
     with pytest.raises(MegamlmError, match="written by a ZeRO-1 engine, this run's is ZeRO-0") as err:
         _train(config(shards, tmp_path / "old", *steps), resume="auto")
     assert "\n" not in str(err.value)
+
+
+def test_bf16_trains_on_cpu(shards, tmp_path):
+    """DeepSpeed casts parameters, not buffers, to bf16: the heads' fp32 column bias must follow."""
+    run = _train(config(shards, tmp_path / "bf16", "train.precision=bf16", "train.steps=4"))
+    assert len(run["losses"]) == 4 and run["losses"][-1] < run["losses"][0]
