@@ -251,3 +251,23 @@ def test_generator_heads_must_divide_over_tensor_parallel(tmp_path):
     with pytest.raises(ConfigError, match=r"objective.generator_size=0.25 gives the generator 1 attention "
                                           r"head\(s\), not divisible by parallel.tensor_parallel=2"):
         get_objective(cfg)
+
+
+@pytest.mark.slow
+def test_the_discriminator_learns_to_spot_replacements_it_can_see(shards, tmp_path, monkeypatch):
+    """With replacements drawn uniformly from the vocabulary (a generator that never learns), the
+    discriminator must leave the prior: it reads the corrupted text at the right positions and its
+    loss reaches the encoder. (A learning generator's samples soon fit the context; at the demo's
+    scale the discriminator then stays at the prior, BENCHMARKS.md "Objectives at equal compute".)"""
+    import megamlm.objectives.electra as electra
+
+    def uniform(logits_local, vocab_start, vocab_size, seed, tp_group=None):
+        return torch.randint(4, vocab_size - 1, (len(logits_local),), generator=torch.Generator().manual_seed(seed))
+
+    monkeypatch.setattr(electra, "sample_vocab_parallel", uniform)
+    run_dir = tmp_path / "uniform"
+    _train(config(shards, run_dir, *ELECTRA, "train.steps=100", "train.log_interval=10"))
+    auc, bce, share = (logged(run_dir, key=k) for k in ("rtd_auc", "rtd_bce", "replaced_share"))
+    assert auc[10] < 0.65 and min(auc[s] for s in (80, 90, 100)) > 0.75
+    prior = max(-(p * np.log(p) + (1 - p) * np.log(1 - p)) for p in share.values())  # BCE of the base rate
+    assert max(bce[s] for s in (80, 90, 100)) < 0.85 * prior
