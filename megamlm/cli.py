@@ -172,7 +172,7 @@ def cmd_glue(args) -> int:
     from megamlm.glue.finetune import FinetuneOptions
     from megamlm.glue.run import merge_reports, run_glue
 
-    options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr)
+    options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, packing=args.packing)
     if args.merge:
         merge_reports(args.merge)
         print((Path(args.merge) / "results.md").read_text())
@@ -196,6 +196,9 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's per task")
     parser.add_argument("--lr", type=float, default=None, help="default: the recipe's per task")
+    parser.add_argument("--packing", choices=("packed", "padded"), default="packed",
+                        help="packed: a batch's sequences end to end in rows, no compute on padding; "
+                             "padded: one row per sequence (fairseq's layout)")
     parser.add_argument("--max-train-samples", type=int, default=None, help="subsample training rows")
     parser.add_argument("--max-eval-samples", type=int, default=None, help="subsample dev rows")
     parser.add_argument("--parallel", type=int, default=1, help="tasks in parallel processes")

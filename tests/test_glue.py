@@ -105,8 +105,10 @@ def test_two_update_fine_tune_runs_on_every_available_task_and_reports(tiny_fold
     assert table[4].startswith("| – | – |") and "| MNLI | skipped |" not in table  # MNLI/QQP not run
 
 
-def test_fine_tuning_learns_a_learnable_task(tiny_folder, tmp_path):
-    """SST-2 layout, label = which of two words the sentence holds: the pipeline must learn it."""
+@pytest.mark.parametrize("packing", ["packed", "padded"])
+def test_fine_tuning_learns_a_learnable_task(tiny_folder, tmp_path, packing):
+    """SST-2 layout, label = which of two words the sentence holds: the pipeline must learn it, in
+    both batch layouts (sentences of 3-13 words: packed rows hold several)."""
     folder = tmp_path / "glue" / "SST-2"
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -116,7 +118,7 @@ def test_fine_tuning_learns_a_learnable_task(tiny_folder, tmp_path):
         lines = ["sentence\tlabel"]
         for _ in range(n):
             label = int(rng.integers(2))
-            words = list(rng.choice(filler, 6)) + ["wonderful" if label else "terrible"]
+            words = list(rng.choice(filler, int(rng.integers(2, 12)))) + ["wonderful" if label else "terrible"]
             rng.shuffle(words)
             lines.append(f"{' '.join(words)}\t{label}")
         return "\n".join(lines) + "\n"
@@ -124,7 +126,7 @@ def test_fine_tuning_learns_a_learnable_task(tiny_folder, tmp_path):
     (folder / "train.tsv").write_text(rows(96))
     (folder / "dev.tsv").write_text(rows(32))
     report = run_glue(str(tiny_folder), str(tmp_path / "glue"), ["SST-2"], [1], str(tmp_path / "out"),
-                      FinetuneOptions(epochs=4, batch_size=8, lr=1e-2), log=lambda *a: None)
+                      FinetuneOptions(epochs=4, batch_size=8, lr=1e-2, packing=packing), log=lambda *a: None)
     accuracies = [e["accuracy"] for e in report["tasks"]["SST-2"]["seeds"][1]["epochs"]]
     assert accuracies[-1] >= 0.9, accuracies
 
@@ -191,3 +193,24 @@ def test_data_parallel_and_parallel_processes_give_the_single_process_results(ti
     for task in tasks:
         assert spawned["tasks"][task]["seeds"][3]["epochs"][-1]["train_loss"] == pytest.approx(
             one[task]["seeds"][3]["epochs"][-1]["train_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["baseline", "zero-clap", "sinusoidal"])
+def test_packed_batches_give_each_sequence_its_padded_logits(world, variant):
+    import torch
+
+    from megamlm.glue.finetune import SentenceClassifier, classify, pack
+    from megamlm.model.encoder import Encoder
+
+    cfg = variant_config(variant)
+    model = SentenceClassifier(Encoder(cfg.model, world, seed=3), num_classes=3, seed=1).eval()
+    rng = np.random.default_rng(0)
+    sequences = [[0, *rng.integers(4, 1000, n).tolist(), 2] for n in (30, 5, 12, 22, 3, 17, 9)]
+    tokens, segments, starts = pack(sequences, pad=1)
+    assert tokens.shape == (4, 32) and (segments >= 0).sum() == sum(map(len, sequences)) == 112  # 4 rows, not 7
+    assert all(tokens.flatten()[starts].eq(0))  # every start is a sequence's <s>
+    with torch.no_grad():
+        padded = classify(model, sequences, 1, "padded", world.device)
+        packed = classify(model, sequences, 1, "packed", world.device)
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+
