@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import weakref
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from megamlm.config import ParallelConfig, load_config
 from megamlm.objectives import MaskedLM
 from megamlm.parallel import init_distributed, seed_everything
+from train_throughput import timed  # benchmarks/ is the script's folder: on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,17 +82,6 @@ def peak_bytes(step) -> int:
     return mode.peak
 
 
-def timed(step, steps: int, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", choices=("tiny", "base", "large"))
@@ -135,8 +124,8 @@ def main() -> None:
     step_time: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):
         for mode in modes:
-            head_time[mode].append(timed(heads[mode], args.steps, ctx.device))
-            step_time[mode].append(timed(steps[mode], args.steps, ctx.device))
+            head_time[mode].append(timed(heads[mode], args.steps, ctx.device) / args.steps)
+            step_time[mode].append(timed(steps[mode], args.steps, ctx.device) / args.steps)
     n, vocab_local = len(targets), models["unfused"].padded_vocab_size
     logits_mb = n * vocab_local * torch.finfo(dtype).bits / 8 / 2**20
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "CPU"
