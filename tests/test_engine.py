@@ -1,6 +1,6 @@
 """One data-parallel rank runs fp32 without ZeRO (issue 22): the same losses as the ZeRO-1 engine it
 replaces (bit for bit without clipping), the same gradient norm logged and clipped, checkpoints that
-resume and convert, and a one-line refusal to resume a checkpoint of the other engine."""
+resume on the engine that wrote them and convert, and bf16 on CPU."""
 
 import json
 
@@ -57,7 +57,10 @@ def test_stage0_equals_the_zero1_engine_in_losses_and_gradient_norms(shards, tmp
 
 
 @pytest.mark.slow
-def test_a_stage0_checkpoint_resumes_and_a_zero1_one_is_refused_in_one_line(shards, tmp_path):
+def test_checkpoints_resume_on_the_engine_that_wrote_them(shards, tmp_path, capsys):
+    """A stage-0 checkpoint resumes and converts; a ZeRO-1 one written at DP=1 (before the stage-0
+    rule) resumes on ZeRO-1 with the losses of its uninterrupted run; a user's JSON that asks for
+    another stage is refused in one line."""
     from megamlm.convert.zero import consolidate
 
     steps = ["train.steps=4", "train.save_interval=2"]
@@ -68,9 +71,16 @@ def test_a_stage0_checkpoint_resumes_and_a_zero1_one_is_refused_in_one_line(shar
     cfg, full, _ = consolidate(tmp_path / "straight")  # stage-0 files: the whole model in mp_rank_00
     assert cfg.train.zero_stage == 1 and full[WORD_EMBEDDINGS].shape[0] >= 50265
     zero1 = f"train.deepspeed_config={_zero1_file(tmp_path, 0.0)}"
+    zero1_straight = _train(config(shards, tmp_path / "zero1", *steps, zero1))
     _train(config(shards, tmp_path / "old", *steps, zero1, "train.steps=2"))
-    with pytest.raises(MegamlmError, match="written by a ZeRO-1 engine, this run's is ZeRO-0") as err:
-        _train(config(shards, tmp_path / "old", *steps), resume="auto")
+    capsys.readouterr()
+    old = _train(config(shards, tmp_path / "old", *steps), resume="auto")  # no JSON now
+    assert "ZeRO-1 fp32" in capsys.readouterr().out
+    assert old["losses"] == zero1_straight["losses"][2:]
+    stage2 = tmp_path / "stage2.json"
+    stage2.write_text(json.dumps({"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}))
+    with pytest.raises(MegamlmError, match="written by a ZeRO-1 engine, this run's is ZeRO-2") as err:
+        _train(config(shards, tmp_path / "old", *steps, f"train.deepspeed_config={stage2}"), resume="auto")
     assert "\n" not in str(err.value)
 
 

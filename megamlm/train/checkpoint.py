@@ -193,6 +193,10 @@ class Checkpoints:
                               f"or --resume auto)")
         return self.root / tag
 
+    def zero_stage(self, tag: str) -> int:
+        """The ZeRO stage of the engine that wrote checkpoint `tag`."""
+        return written_zero_stage(json.loads((self.require_complete(tag) / META_FILE).read_text()))
+
     def load(self, engine, tag: str) -> TrainState:
         """Collective: restore the engine and the loop state (RNG states included, applied by
         `TrainState.restore_rng` so nothing in between can advance them)."""
@@ -204,7 +208,7 @@ class Checkpoints:
         written, running = written_zero_stage(meta), engine.zero_optimization_stage()
         if written != running:
             raise RunDirError(f"{folder} was written by a ZeRO-{written} engine, this run's is ZeRO-{running} "
-                              f"(fp32 on one data-parallel rank runs at stage 0); resume with the same layout")
+                              f"(train.deepspeed_config sets another stage); resume with the same engine")
         engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
                                load_lr_scheduler_states=True)
         return TrainState(step=meta["step"], position=StreamPosition(**meta["position"]),

@@ -49,10 +49,11 @@ class ModelParallelUnit:
         return self.ctx.dp_group
 
 
-def deepspeed_config(cfg: Config, dp_size: int) -> dict:
-    """The DeepSpeed JSON for this run (or the user's file, checked against our batch arithmetic)."""
+def deepspeed_config(cfg: Config, dp_size: int, stage: int | None = None) -> dict:
+    """The DeepSpeed JSON for this run (or the user's file, checked against our batch arithmetic);
+    `stage`: the ZeRO stage (default: the one the layout gets, `TrainConfig.engine_zero_stage`)."""
     train = cfg.train
-    stage = train.engine_zero_stage(dp_size)
+    stage = train.engine_zero_stage(dp_size) if stage is None else stage
     accumulation = train.accumulation_steps(dp_size)
     global_batch = train.micro_batch_size * accumulation * dp_size
     if train.deepspeed_config:
@@ -120,8 +121,9 @@ class GradNorm:
         self.engine._global_grad_norm = norm
 
 
-def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext):
-    """(engine, optimizer, schedule) from a model whose parameters are already initialized."""
+def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stage: int | None = None):
+    """(engine, optimizer, schedule) from a model whose parameters are already initialized, at ZeRO
+    `stage` (default: the one the layout gets)."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
     import deepspeed
 
@@ -131,13 +133,13 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext):
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
                                   eps=optim.eps, weight_decay=optim.weight_decay,
                                   fused=True)  # one kernel per step: 5x faster than foreach on CPU too
-    stage = cfg.train.engine_zero_stage(ctx.dp_size)
+    stage = cfg.train.engine_zero_stage(ctx.dp_size) if stage is None else stage
     if stage == 3:
         # e.g. the tied embedding, used by the MLM head outside the embedding's own forward
         for module, param in getattr(model, "external_parameters", list)():
             deepspeed.zero.register_external_parameter(module, param)
     engine, optimizer, _, schedule = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(cfg, ctx.dp_size),
+        model=model, optimizer=optimizer, config=deepspeed_config(cfg, ctx.dp_size, stage),
         mpu=ModelParallelUnit(ctx),
         lr_scheduler=lambda opt: Schedule(opt, cfg.optim, cfg.train.steps))
     if _plain_fp32(cfg, stage) and not cfg.train.deepspeed_config:

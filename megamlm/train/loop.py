@@ -146,11 +146,15 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     if cfg.train.compile:
         compile_layers(model)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
-    engine, optimizer, schedule = build_engine(model, cfg, ctx)
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last)
+    tag = None if resume is None else _resume_tag(checkpoints, resume, log)
+    # a resumed run keeps the engine that wrote its checkpoint (e.g. ZeRO-1 at DP=1 from before the
+    # stage-0 rule); a new one runs the stage its layout gets
+    stage = cfg.train.engine_zero_stage(ctx.dp_size) if tag is None else checkpoints.zero_stage(tag)
+    engine, optimizer, schedule = build_engine(model, cfg, ctx, stage)
     state = TrainState(data_seed=cfg.train.seed)
-    if resume is not None:
-        state = _resume(cfg, checkpoints, engine, resume, log) or state
+    if tag is not None:
+        state = _resume(cfg, checkpoints, engine, tag, log)
     if rank0:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
@@ -287,22 +291,25 @@ def check_before_work(cfg: Config, objective: Objective) -> None:
         raise ConfigError(f"train.init_from={cfg.train.init_from}: not a model folder (no config.yaml)")
 
 
-def _resume(cfg: Config, checkpoints: Checkpoints, engine, resume: str, log: Log) -> TrainState | None:
-    """Load `resume` (a tag, or `auto`: the newest checkpoint whose files verify); None when `auto`
-    finds none. Checkpoints newer than the one loaded are set aside; log lines after it dropped."""
+def _resume_tag(checkpoints: Checkpoints, resume: str, log: Log) -> str | None:
+    """The checkpoint `resume` names (a tag, or `auto`: the newest whose files verify); None when
+    `auto` finds none."""
     if resume == "auto":
         tag, skipped = checkpoints.newest_verified()
         for line in skipped:
             log.event("warning", 0, f"warning: {line}; resuming from the previous one", message=line)
         if tag is None:
             log.drop_after(0)
-            return None
-    else:
-        tag = resume
-        checkpoints.require_complete(tag)
-        problem = checkpoints.verify(tag)
-        if problem is not None:
-            raise CorruptFileError(f"--resume {tag}: {problem}")
+        return tag
+    checkpoints.require_complete(resume)
+    problem = checkpoints.verify(resume)
+    if problem is not None:
+        raise CorruptFileError(f"--resume {resume}: {problem}")
+    return resume
+
+
+def _resume(cfg: Config, checkpoints: Checkpoints, engine, tag: str, log: Log) -> TrainState:
+    """Load checkpoint `tag`; checkpoints newer than it are set aside, log lines after it dropped."""
     state = checkpoints.load(engine, tag)
     if state.step > cfg.train.steps:
         raise ConfigError(f"train.steps={cfg.train.steps} but {tag} is at update {state.step}: raise "
