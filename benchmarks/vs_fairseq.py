@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -106,19 +108,6 @@ def export_documents(length: int, work: Path, fork_python: str, fork_src: str) -
     return out
 
 
-def _yaml(value, indent: int = 0) -> str:
-    if isinstance(value, dict):
-        return "".join(f"\n{' ' * indent}{k}:" + (_yaml(v, indent + 2) if isinstance(v, dict) else f" {_scalar(v)}")
-                       for k, v in value.items())
-    return f" {_scalar(value)}"
-
-
-def _scalar(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    return json.dumps(value) if isinstance(value, list) else str(value)
-
-
 def fork_config(variant: str, length: int, updates: int, work: Path) -> str:
     name = f"{variant}-{length}"
     own = VARIANTS[variant][1]
@@ -129,7 +118,7 @@ def fork_config(variant: str, length: int, updates: int, work: Path) -> str:
               "optimization": {"clip_norm": 0, "lr": [0.0005], "max_update": updates, "update_freq": [1]},
               "model": {**own["model"], **COMMON["model"], "max_positions": max(512, length)}}
     (work / "configs").mkdir(parents=True, exist_ok=True)
-    (work / "configs" / f"{name}.yaml").write_text("# @package _group_" + _yaml(config) + "\n")
+    (work / "configs" / f"{name}.yaml").write_text("# @package _group_\n" + yaml.safe_dump(config, sort_keys=False))
     return name
 
 

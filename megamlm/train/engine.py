@@ -103,27 +103,29 @@ class GradNorm:
     parameters once), clipped as ZeRO clips (gradients × 1 / max(1, (norm + 1e-6) / clip)) when
     clip > 0, and stored where `engine.get_global_grad_norm()` reads it. No host sync."""
 
-    def __init__(self, engine, ctx: ParallelContext, clip: float):
-        self.engine, self.ctx, self.clip = engine, ctx, clip
-
-    def __call__(self, optimizer, args, kwargs) -> None:
+    def __init__(self, engine, optimizer, ctx: ParallelContext, clip: float):
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
-        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        counted = [p.grad for p in parameters if self.ctx.tp_rank == 0 or is_model_parallel_parameter(p)]
-        squares = torch.stack(torch._foreach_norm(counted)).square().sum()
+        self.engine, self.ctx, self.clip = engine, ctx, clip
+        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        # which parameters the norm counts is fixed by the layout: decided once, not every step
+        self.counted = [p for p in self.parameters if ctx.tp_rank == 0 or is_model_parallel_parameter(p)]
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        squares = torch.stack(torch._foreach_norm([p.grad for p in self.counted if p.grad is not None]))
+        squares = squares.square().sum()
         if self.ctx.tp_size > 1:
             torch.distributed.all_reduce(squares, group=self.ctx.tp_group)
         norm = squares.sqrt()
         if self.clip > 0:
             factor = ((norm + 1e-6) / self.clip).clamp(min=1.0)
-            torch._foreach_mul_([p.grad for p in parameters], 1.0 / factor)
+            torch._foreach_mul_([p.grad for p in self.parameters if p.grad is not None], 1.0 / factor)
         self.engine._global_grad_norm = norm
 
 
-def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stage: int | None = None):
+def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stage: int):
     """(engine, optimizer, schedule) from a model whose parameters are already initialized, at ZeRO
-    `stage` (default: the one the layout gets)."""
+    `stage` (a new run: `TrainConfig.engine_zero_stage`; a resumed one: its checkpoint's)."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
     import deepspeed
 
@@ -133,7 +135,6 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stag
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
                                   eps=optim.eps, weight_decay=optim.weight_decay,
                                   fused=True)  # one kernel per step: 5x faster than foreach on CPU too
-    stage = cfg.train.engine_zero_stage(ctx.dp_size) if stage is None else stage
     if stage == 3:
         # e.g. the tied embedding, used by the MLM head outside the embedding's own forward
         for module, param in getattr(model, "external_parameters", list)():
@@ -143,5 +144,5 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stag
         mpu=ModelParallelUnit(ctx),
         lr_scheduler=lambda opt: Schedule(opt, cfg.optim, cfg.train.steps))
     if _plain_fp32(cfg, stage) and not cfg.train.deepspeed_config:
-        optimizer.register_step_pre_hook(GradNorm(engine, ctx, cfg.optim.clip_grad))
+        optimizer.register_step_pre_hook(GradNorm(engine, optimizer, ctx, cfg.optim.clip_grad))
     return engine, optimizer, schedule

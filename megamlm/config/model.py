@@ -1,0 +1,135 @@
+"""The model section: the encoder's architecture and how it executes (one dataclass, a docstring per field)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megamlm.config.checks import ARCHITECTURE, ConfigError, _divisors, check_fields
+
+
+@dataclass
+class ModelConfig:
+    """Encoder architecture. fairseq `roberta` knob names are given where they differ. Fields with
+    ARCHITECTURE metadata decide which weights a model has and what they mean: a folder's weights
+    load into a model only if these agree (`architecture_fields`)."""
+
+    num_layers: int = field(default=12, metadata=ARCHITECTURE)
+    """Transformer layers (fairseq `encoder_layers`)."""
+    hidden_size: int = field(default=768, metadata=ARCHITECTURE)
+    """Model width h (fairseq `encoder_embed_dim`)."""
+    num_attention_heads: int = field(default=12, metadata=ARCHITECTURE)
+    """Attention heads; must divide hidden_size and be divisible by parallel.tensor_parallel."""
+    ffn_hidden_size: int = field(default=3072, metadata=ARCHITECTURE)
+    """Feed-forward inner width (fairseq `encoder_ffn_embed_dim`)."""
+    vocab_size: int = field(default=50265, metadata=ARCHITECTURE)
+    """Real vocabulary size = len(fairseq dictionary): 50265 for GPT-2 BPE with `<mask>`,
+    50262 for zero-clap (no `<mask>` row, the two last madeupwords removed)."""
+    pad_token_id: int = 1
+    """Padding id (fairseq `<pad>` = 1). Padded keys are never attended to."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this × tensor_parallel rows; padded rows get
+    logit -inf, so they never win a softmax or take probability mass."""
+    max_positions: int = field(default=512, metadata=ARCHITECTURE)
+    """Longest sequence the learned position table holds (it has max_positions + 2 rows, fairseq
+    layout). Other position kinds accept any length."""
+    position: Literal["learned", "sinusoidal", "none", "alibi"] = field(default="learned", metadata=ARCHITECTURE)
+    """Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, or ALiBi."""
+    alibi_mode: Literal["symmetric", "offset", "learned"] | None = field(default=None, metadata=ARCHITECTURE)
+    """ALiBi variant (only with position=alibi; default offset, the blog's choice): symmetric
+    `-m|i-j|`; offset: keys after the query get `-m(|i-j|-0.5)`; learned: separate learnable
+    slopes for keys before/after the query, initialized from Press et al."""
+    layernorm: Literal["post", "pre"] = field(default="post", metadata=ARCHITECTURE)
+    """post: LayerNorm after each residual add, no final LayerNorm (RoBERTa); pre: before each
+    sublayer plus a final LayerNorm."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon (fairseq 1e-5)."""
+    embedding_layernorm: bool = field(default=True, metadata=ARCHITECTURE)
+    """LayerNorm on the summed input embeddings (fairseq `layernorm_embedding`)."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(hidden_size) (fairseq `no_scale_embedding: false`)."""
+    normalize_embeddings: bool = False
+    """L2-normalize input token embeddings (CLAP variants, fairseq `l2norm_embedding`)."""
+    zero_mask: bool = False
+    """zero-clap: token id == vocab_size is the mask token and is embedded as the zero vector."""
+    head: Literal["roberta", "clap"] = field(default="roberta", metadata=ARCHITECTURE)
+    """roberta: dense -> GELU -> LayerNorm -> tied weight + bias; clap: beta * <h, normalize(E)>."""
+    tie_embeddings: bool = field(default=True, metadata=ARCHITECTURE)
+    """Share the output projection with the input embedding (always true in the reference)."""
+    clap_initial_beta: float = 1.0
+    """Initial inverse temperature of the CLAP head (fairseq `initial_beta`)."""
+    hidden_dropout: float = 0.1
+    """Dropout on embeddings and sublayer outputs (fairseq `dropout`)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (fairseq `attention_dropout`)."""
+    document_mask: bool = False
+    """Attention stays within each document of a packed sample (data.block_mode=complete packs
+    several); off = fairseq's behaviour, attention spans the whole sample."""
+    attention_backend: Literal["sdpa", "eager", "flex", "varlen"] = "sdpa"
+    """sdpa: PyTorch scaled_dot_product_attention with a cached additive bias (CPU and GPU);
+    eager: the same math unfused (softmax, dropout, matmul; what sdpa runs on CPU with attention
+    dropout), for debugging; flex: FlexAttention with the ALiBi score_mod, no materialized bias,
+    memory linear in length (CUDA only; batches are padded to data.seq_length so the compiled kernel
+    sees one shape); varlen: torch's variable-length FlashAttention over the real tokens only (CUDA;
+    no ALiBi, no attention dropout). model/attention.py's ATTENTION_BACKENDS."""
+    head_loss: Literal["unfused", "fused"] = "unfused"
+    """How training computes the MLM loss. unfused: the head's logits [n, V_local] over the masked
+    positions, then megatron's vocab-parallel cross-entropy (which copies them to fp32 and keeps the
+    softmax); fused: the head's vocabulary projection and the cross-entropy in chunks of positions,
+    gradients formed per chunk, so no [n, V_local] tensor is kept (model/head_loss.py; equal to
+    unfused up to floating-point order). Evaluation, inference and ELECTRA's generator (which samples
+    from its logits) always form the logits."""
+    head_loss_chunk: int = 1 << 21
+    """Logit elements per chunk of the fused head loss (8 MiB in fp32: 41 positions at V_local =
+    50,304). Smaller chunks hold less, larger ones run larger matmuls (GPU: measure with
+    benchmarks/head_memory.py --set model.head_loss_chunk=...)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialization (BERT's init)."""
+
+    def __post_init__(self):
+        check_fields(self, "model")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; "
+                f"allowed head counts: {_divisors(self.hidden_size, upto=64)}"
+            )
+        if self.alibi_mode is not None and self.position != "alibi":
+            raise ConfigError(
+                f"model.alibi_mode={self.alibi_mode} needs model.position=alibi, got "
+                f"position={self.position} (ALiBi replaces positional embeddings, as in fairseq)"
+            )
+        if self.position == "alibi" and self.alibi_mode is None:
+            self.alibi_mode = "offset"
+        if self.head == "clap" and not self.tie_embeddings:
+            raise ConfigError(
+                "model.tie_embeddings=false is impossible with model.head=clap: the CLAP head "
+                "projects onto the normalized input embedding; allowed: tie_embeddings=true"
+            )
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ConfigError(
+                f"model.pad_token_id={self.pad_token_id} must be in [0, model.vocab_size="
+                f"{self.vocab_size})"
+            )
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                    "vocab_size", "max_positions", "make_vocab_size_divisible_by", "head_loss_chunk"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """Embedding rows: vocab_size rounded up to a multiple of divisible_by × tensor_parallel."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+    @classmethod
+    def architecture_fields(cls) -> tuple[str, ...]:
+        """The fields whose values must agree for weights to carry over (train.init_from)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("architecture"))
