@@ -100,7 +100,8 @@ def cmd_train(cfg: Config, args) -> int:
     from megamlm.train.loop import train
 
     try:
-        summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite,
+                        allow_batch_change=args.allow_batch_change)
         if args.fill_mask and not summary.get("preempted"):
             print_fill_mask(summary["model_dir"], args.fill_mask, topk=3)
     except RuntimeError as err:
@@ -253,7 +254,12 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "parallel.tensor_parallel x data parallel")
     parser.add_argument("--resume", default=None, metavar="auto|TAG",
                         help="auto: continue from the newest complete, verified checkpoint of "
-                             "train.run_dir (if any); TAG: that checkpoint (stepNNNNNNNN)")
+                             "train.run_dir (if any); TAG: that checkpoint (stepNNNNNNNN). The layout "
+                             "(TP, DP, ZeRO stage, micro-batch) may differ from the checkpoint's: it is "
+                             "resharded; the global batch must not")
+    parser.add_argument("--allow-batch-change", action="store_true",
+                        help="resume with another global batch: the data position is converted in "
+                             "samples (rounded down to whole updates of the new batch)")
     parser.add_argument("--overwrite", action="store_true",
                         help="train.run_dir holds a run: start over, moving the old run aside "
                              "(to <run_dir>.replaced-<time>)")

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from megamlm.config import load_config
-from megamlm.errors import MegamlmError
 from megamlm.model.names import WORD_EMBEDDINGS
 from megamlm.train.engine import deepspeed_config
 from tests.test_train import _train, config, logged, tiny_shards
@@ -60,7 +59,7 @@ def test_stage0_equals_the_zero1_engine_in_losses_and_gradient_norms(shards, tmp
 def test_checkpoints_resume_on_the_engine_that_wrote_them(shards, tmp_path, capsys):
     """A stage-0 checkpoint resumes and converts; a ZeRO-1 one written at DP=1 (before the stage-0
     rule) resumes on ZeRO-1 with the losses of its uninterrupted run; a user's JSON that asks for
-    another stage is refused in one line."""
+    another stage gets the checkpoint resharded into it."""
     from megamlm.convert.zero import consolidate
 
     steps = ["train.steps=4", "train.save_interval=2"]
@@ -77,11 +76,19 @@ def test_checkpoints_resume_on_the_engine_that_wrote_them(shards, tmp_path, caps
     old = _train(config(shards, tmp_path / "old", *steps), resume="auto")  # no JSON now
     assert "ZeRO-1 fp32" in capsys.readouterr().out
     assert old["losses"] == zero1_straight["losses"][2:]
+    # a user's JSON that asks for another stage: the checkpoint is resharded into that engine
     stage2 = tmp_path / "stage2.json"
     stage2.write_text(json.dumps({"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}))
-    with pytest.raises(MegamlmError, match="written by a ZeRO-1 engine, this run's is ZeRO-2") as err:
-        _train(config(shards, tmp_path / "old", *steps, f"train.deepspeed_config={stage2}"), resume="auto")
-    assert "\n" not in str(err.value)
+    _train(config(shards, tmp_path / "old2", *steps, zero1, "train.steps=2"))
+    capsys.readouterr()
+    moved = _train(config(shards, tmp_path / "old2", *steps, f"train.deepspeed_config={stage2}"), resume="auto")
+    out = capsys.readouterr().out
+    assert "ZeRO-2 fp32" in out and "resumed update 2 written at TP=1 DP=1 ZeRO-1 into TP=1 DP=1 ZeRO-2" in out
+    # the first update after the resume is the uninterrupted run's (weights, dropout streams carried);
+    # then DeepSpeed's stage-2 arithmetic differs from stage 1's (uninterrupted stage-1 and stage-2
+    # runs at DP=1 differ by ~4e-3 at update 4, with or without dropout)
+    assert moved["losses"][0] == zero1_straight["losses"][2]
+    assert max(abs(a - b) for a, b in zip(moved["losses"], zero1_straight["losses"][2:])) < 1e-2
 
 
 def test_bf16_trains_on_cpu(shards, tmp_path):

@@ -413,6 +413,21 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
         "resume behind the run": (tiny(shards, run, "train.steps=3") + ["--resume", "auto"],
                                   "train.steps=3 but step00000004 is at update 4: raise train.steps to continue "
                                   "the run"),
+        # elastic resume takes another layout, not another global batch, model or an impossible TP
+        "resume with another global batch": (
+            tiny(shards, run, "train.steps=6", "train.global_batch_size=8") + ["--resume", "auto"],
+            f"{run}/checkpoints/step00000004 was written with a global batch of 4 sequences (TP=1 DP=1 ZeRO-0, "
+            f"micro 4 x accumulation 1), this run's is 8: set train.global_batch_size=4 to continue the run, "
+            f"or pass --allow-batch-change to convert the data position in samples"),
+        "resume another model": (
+            tiny(shards, run, "train.steps=6", "model.ffn_hidden_size=256") + ["--resume", "auto"],
+            f"{run}/checkpoints/step00000004 holds another model (model.ffn_hidden_size: checkpoint 128 vs run "
+            f"256); resume with the run's config (--config {run}/config.yaml) or start a new run with "
+            f"train.init_from"),
+        "resume at a TP degree that does not divide the heads": (
+            tiny(shards, run, "train.steps=6", "parallel.tensor_parallel=3") + ["--resume", "auto"],
+            "command line: parallel.tensor_parallel=3 does not divide model.num_attention_heads=4; allowed: "
+            "1, 2, 4"),
     }
     before = snapshot(run)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -422,8 +437,9 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, (name, err[-2000:])
-        prefix = "megamlm: config error: " if name in ("missing init_from", "flex on CPU", "resume behind the run") \
-            else "megamlm: train: "
+        prefix = "megamlm: train: " if name in ("run dir under a file", "user's config.yaml in the run dir",
+                                                "missing checkpoint", "resume another model") \
+            else "megamlm: config error: "
         assert one_line(err) == prefix + cases[name][1], name
     ours = ("log.jsonl", "tensorboard/")  # each attempt appends its own (megamlm's) log files
     assert {k: v for k, v in snapshot(run).items() if not k.startswith(ours)} == \

@@ -60,7 +60,8 @@ def _wait(predicate, timeout, what):
     raise TimeoutError(f"{what()}\n--- squeue\n{queue}{logs}")
 
 
-def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
+def _submit(cluster, tmp_path, nodes: str, *overrides) -> tuple[dict, str, Path, Path]:
+    """sbatch the demo (2 layers) on `nodes`: (env, job id, its output file, the run's log.jsonl)."""
     shards = tmp_path / "shards"
     text = tmp_path / "corpus.txt"
     text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:200_000])
@@ -69,14 +70,23 @@ def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(cluster, PYTHON=sys.executable, PYTHONPATH=str(ROOT))
     submit = subprocess.run(
-        ["sbatch", "--parsable", "-N2", str(ROOT / "slurm/pretrain.sbatch"), str(ROOT / "configs/demo.yaml"),
+        ["sbatch", "--parsable", f"-N{nodes}", str(ROOT / "slurm/pretrain.sbatch"), str(ROOT / "configs/demo.yaml"),
          "model.num_layers=2", "train.steps=24", "train.log_interval=1", "train.eval_interval=1000",
-         "train.eval_batches=2", f"data.shards={shards}", f"train.run_dir={run_dir}"],
+         "train.eval_batches=2", f"data.shards={shards}", f"train.run_dir={run_dir}", *overrides],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip()
-    out = tmp_path / f"megamlm-{job}.out"
-    log = run_dir / "log.jsonl"
+    return env, job, tmp_path / f"megamlm-{job}.out", run_dir / "log.jsonl"
+
+
+def _events(log: Path, kind: str) -> list[dict]:
+    if not log.exists():
+        return []
+    return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == kind]
+
+
+def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
+    env, job, out, log = _submit(cluster, tmp_path, "2")
 
     def trained():
         if not log.exists():
@@ -107,3 +117,37 @@ def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
     assert len(resumed) == 1 and resumed[0]["step"] >= 4
     # the combined loss log has every update exactly once
     assert trained() == list(range(1, 25))
+
+
+def test_a_job_requeued_onto_fewer_nodes_resumes_resharded(cluster, tmp_path):
+    """8 nodes -> 4 in small: a 2-node job (DP=2) is preempted while node n2 is drained, so its
+    requeued copy waits for 2 nodes; shrunk to 1 node it runs on n1 alone (DP=1, accumulation 2: the
+    same global batch) and continues from the checkpoint, resharded."""
+    env, job, out, log = _submit(cluster, tmp_path, "2", "train.global_batch_size=32")  # micro 16
+
+    def job_output():
+        return out.read_text() if out.exists() else "(no output file)"
+
+    def state():
+        return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
+                              text=True).stdout.strip()
+
+    drain = ["scontrol", "update", "NodeName=n2"]
+    try:
+        _wait(lambda: len(_events(log, "train")) >= 4, 300, lambda: f"job {job} made no progress:\n{job_output()}")
+        subprocess.run([*drain, "State=DRAIN", "Reason=elastic-test"], env=env, check=True, timeout=30)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+        _wait(lambda: f"requeueing job {job}" in job_output() and state() == "PENDING", 300,
+              lambda: f"job {job} was not requeued ({state()}):\n{job_output()}")
+        shrink = ["scontrol", "update", f"JobId={job}", "NumNodes=1-1", "NumTasks=1"]
+        subprocess.run(shrink, env=env, check=True, timeout=30)
+        _wait(lambda: "done:" in job_output(), 420, lambda: f"job {job} did not finish after requeue:\n{job_output()}")
+    finally:
+        subprocess.run([*drain, "State=RESUME"], env=env, timeout=30)
+    output = out.read_text()
+    assert "(restart 0): 2 nodes" in output and "(restart 1): 1 nodes" in output
+    assert "TP=1 DP=2" in output and "TP=1 DP=1" in output
+    (resumed,) = _events(log, "resume")
+    assert resumed["message"].startswith(f"resumed update {resumed['step']} written at TP=1 DP=2 ZeRO-1 into "
+                                         f"TP=1 DP=1 ZeRO-0"), resumed
+    assert [e["step"] for e in _events(log, "train")] == list(range(1, 25))  # every update exactly once

@@ -46,7 +46,7 @@ _RULES = [(_pattern(template), dim, vocab) for template, dim, vocab in SHARD_RUL
 def full_shape(param: nn.Parameter, tp_size: int, vocab_size: int | None = None) -> list[int]:
     """The TP=1 shape of this rank's `param`: the partition dim times tp_size; with `vocab_size`,
     vocab-parallel rows without their padding (else the padded rows)."""
-    shape = list(param.shape)
+    shape = list(getattr(param, "ds_shape", param.shape))  # ZeRO-3 keeps only a partition in .shape
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp_size
     if vocab_size is not None and getattr(param, "vocab_parallel", False):
@@ -81,13 +81,15 @@ def split_full(full: dict[str, torch.Tensor], model: ModelConfig, tp: int) -> li
     return shards
 
 
-def merge_shards(shards: list[dict[str, torch.Tensor]], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """One dict per TP rank -> full tensors (vocab padding dropped; replicas must agree)."""
+def merge_shards(shards: list[dict[str, torch.Tensor]], model: ModelConfig,
+                 check_replicas: bool = True) -> dict[str, torch.Tensor]:
+    """One dict per TP rank -> full tensors (vocab padding dropped; replicated tensors: rank 0's,
+    checked to agree on every rank unless `check_replicas` is off)."""
     full = {}
     for name, first in shards[0].items():
         dim, vocab = shard_rule(name)
         if dim is None:
-            for rank, shard in enumerate(shards[1:], 1):
+            for rank, shard in enumerate(shards[1:] if check_replicas else [], 1):
                 if not torch.equal(shard[name], first):
                     raise MegamlmError(f"{name}: replicated parameter differs between TP rank 0 and {rank}")
             tensor = first

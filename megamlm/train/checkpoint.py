@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamlm.config import Config
+from megamlm.config import Config, ModelConfig
 from megamlm.data.stream import StreamPosition
 from megamlm.errors import CorruptFileError, MegamlmError
 from megamlm.files import check_writable, describe_files, verify_files
-from megamlm.parallel import tensor_parallel_rng
+from megamlm.parallel import ParallelContext, seed_everything, tensor_parallel_rng
+from megamlm.train.elastic import Layout, convert_position, load_full_state, read_full_state, written_layout
 
 META_FILE, COMPLETE_FILE = "megamlm.json", "complete"
 
@@ -54,6 +55,10 @@ class TrainState:
     rollbacks: int = 0
     rng: dict | None = None
     """RNG states read from a checkpoint; the loop applies them right before its next update."""
+    resharded: str | None = None
+    """Set when the checkpoint came from another layout: "TP=2 DP=1 ZeRO-0 into TP=1 DP=2 ZeRO-1"."""
+    note: str | None = None
+    """What a changed global batch did to the data position (--allow-batch-change)."""
 
     def restore_rng(self) -> None:
         if self.rng is not None:
@@ -82,9 +87,11 @@ def set_rng_state(state: dict) -> None:
 
 
 class Checkpoints:
-    def __init__(self, run_dir: str | Path, keep_last: int):
+    def __init__(self, run_dir: str | Path, keep_last: int, allow_batch_change: bool = False):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.allow_batch_change = allow_batch_change
+        """A checkpoint of another global batch may be resumed (its data position converted in samples)."""
         self.rank = dist.get_rank()
         self.root.mkdir(parents=True, exist_ok=True)
 
@@ -193,28 +200,70 @@ class Checkpoints:
                               f"or --resume auto)")
         return self.root / tag
 
-    def zero_stage(self, tag: str) -> int:
-        """The ZeRO stage of the engine that wrote checkpoint `tag`."""
-        return written_zero_stage(json.loads((self.require_complete(tag) / META_FILE).read_text()))
+    def meta(self, tag: str) -> dict:
+        return json.loads((self.require_complete(tag) / META_FILE).read_text())
 
-    def load(self, engine, tag: str) -> TrainState:
+    def resume_stage(self, tag: str, cfg: Config, dp: int) -> int:
+        """The ZeRO stage to resume checkpoint `tag` at: the stage of the engine that wrote it when
+        the run keeps its layout and configured stage (e.g. ZeRO-1 at DP=1 from before the stage-0
+        rule: DeepSpeed's own loader, bit-exact), else the stage this layout gets (resharded).
+        Refuses, before any engine exists, a checkpoint of another model or global batch."""
+        folder, meta = self.root / tag, self.meta(tag)
+        _check_same_model(folder, meta, cfg)
+        written = written_layout(meta, written_zero_stage(meta))
+        stage = cfg.train.engine_zero_stage(dp)
+        if ((written.tp, written.dp) == (cfg.parallel.tensor_parallel, dp)
+                and meta["config"]["train"]["zero_stage"] == cfg.train.zero_stage):
+            stage = written.zero_stage
+        convert_position(StreamPosition(**meta["position"]), written, Layout.of(cfg, dp, stage),
+                         self.allow_batch_change, source=str(folder))
+        return stage
+
+    def load(self, engine, schedule, tag: str, cfg: Config, ctx: ParallelContext) -> TrainState:
         """Collective: restore the engine and the loop state (RNG states included, applied by
-        `TrainState.restore_rng` so nothing in between can advance them)."""
+        `TrainState.restore_rng` so nothing in between can advance them). A checkpoint of another
+        layout is resharded (megamlm.train.elastic); `TrainState.resharded` then says from what."""
         folder = self.require_complete(tag)
-        meta = json.loads((folder / META_FILE).read_text())
-        if meta["world_size"] != dist.get_world_size():
-            raise RunDirError(f"{folder} was written by {meta['world_size']} processes, this run has "
-                              f"{dist.get_world_size()}; resume with the same layout")
-        written, running = written_zero_stage(meta), engine.zero_optimization_stage()
-        if written != running:
-            raise RunDirError(f"{folder} was written by a ZeRO-{written} engine, this run's is ZeRO-{running} "
-                              f"(train.deepspeed_config sets another stage); resume with the same engine")
-        engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
-                               load_lr_scheduler_states=True)
-        return TrainState(step=meta["step"], position=StreamPosition(**meta["position"]),
-                          data_seed=meta["data_seed"], rollbacks=meta["rollbacks"],
-                          rng=torch.load(folder / f"rank{self.rank:05d}.pt", weights_only=False))
+        meta = self.meta(tag)
+        written = written_layout(meta, written_zero_stage(meta))
+        running = Layout.of(cfg, ctx.dp_size, engine.zero_optimization_stage())
+        position, note = convert_position(StreamPosition(**meta["position"]), written, running,
+                                          self.allow_batch_change, source=str(folder))
+        if written.same_shards(running):
+            engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
+                                   load_lr_scheduler_states=True)
+        else:
+            names = [name for name, _ in engine.module.named_parameters()]
+            load_full_state(engine, schedule, read_full_state(folder, written, names, cfg))
+        # per-rank streams (dropout) carry over to the same ranks (also across a ZeRO stage change)
+        same_ranks = (written.tp, written.dp) == (running.tp, running.dp)
+        rng = torch.load(folder / f"rank{self.rank:05d}.pt", weights_only=False) if same_ranks else \
+            reseeded_rng(cfg.train.seed + meta["step"], ctx)
+        return TrainState(step=meta["step"], position=position, data_seed=meta["data_seed"],
+                          rollbacks=meta["rollbacks"], rng=rng,
+                          resharded=None if written.same_shards(running) else f"{written} into {running}",
+                          note=note)
 
+
+def _check_same_model(folder: Path, meta: dict, cfg: Config) -> None:
+    written = meta["config"]["model"]
+    differ = [f"model.{k}: checkpoint {written[k]} vs run {getattr(cfg.model, k)}"
+              for k in ModelConfig.architecture_fields() if k in written and written[k] != getattr(cfg.model, k)]
+    if differ:
+        raise RunDirError(f"{folder} holds another model ({'; '.join(differ)}); resume with the run's "
+                          f"config (--config {folder.parent.parent / 'config.yaml'}) or start a new run "
+                          f"with train.init_from")
+
+
+def reseeded_rng(seed: int, ctx: ParallelContext) -> dict:
+    """The RNG states `seed_everything(seed)` gives, without changing the current ones: per-rank
+    streams (dropout) cannot carry over to another set of ranks, so they restart from a seed that
+    depends only on the run's seed and update."""
+    saved = rng_state()
+    seed_everything(seed, ctx)
+    fresh = rng_state()
+    set_rng_state(saved)
+    return fresh
 
 
 def written_zero_stage(meta: dict) -> int:

@@ -121,9 +121,12 @@ def init_from_folder(model, cfg: Config, folder: str) -> None:
     load_full_state_dict(model, source.full)
 
 
-def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: bool = False) -> dict:
+def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: bool = False,
+          allow_batch_change: bool = False) -> dict:
     """Run (or continue) the experiment; returns the summary. `loss_hook(step, loss) -> loss` lets
-    tests inject spikes. `overwrite` starts over in a run dir that holds a run (moved aside)."""
+    tests inject spikes. `overwrite` starts over in a run dir that holds a run (moved aside).
+    A resumed run may have another layout (TP, DP, ZeRO stage, micro-batch x accumulation: the
+    checkpoint is resharded) but the same global batch, unless `allow_batch_change`."""
     # ---- setup -----------------------------------------------------------------------------
     ctx = init_distributed(cfg.parallel)
     rank0 = dist.get_rank() == 0
@@ -146,15 +149,16 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     if cfg.train.compile:
         compile_layers(model)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
-    checkpoints = Checkpoints(run_dir, cfg.train.keep_last)
+    checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
     tag = None if resume is None else _resume_tag(checkpoints, resume, log)
-    # a resumed run keeps the engine that wrote its checkpoint (e.g. ZeRO-1 at DP=1 from before the
-    # stage-0 rule); a new one runs the stage its layout gets
-    stage = cfg.train.engine_zero_stage(ctx.dp_size) if tag is None else checkpoints.zero_stage(tag)
+    # a run resumed on its layout keeps the engine that wrote its checkpoint (e.g. ZeRO-1 at DP=1 from
+    # before the stage-0 rule); a new one, or one on another layout, runs the stage its layout gets
+    stage = cfg.train.engine_zero_stage(ctx.dp_size) if tag is None else \
+        checkpoints.resume_stage(tag, cfg, ctx.dp_size)
     engine, optimizer, schedule = build_engine(model, cfg, ctx, stage)
     state = TrainState(data_seed=cfg.train.seed)
     if tag is not None:
-        state = _resume(cfg, checkpoints, engine, tag, log)
+        state = _resume(cfg, ctx, checkpoints, engine, schedule, tag, log)
     if rank0:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
@@ -221,7 +225,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
 
         reason = guard.check(loss)
         if reason is not None:
-            state, stream, batches = _roll_back(cfg, ctx, data, engine, checkpoints, state, log, reason)
+            state, stream, batches = _roll_back(cfg, ctx, data, engine, schedule, checkpoints, state, log, reason)
             guard.reset()
             continue
         losses.append(loss)
@@ -308,9 +312,10 @@ def _resume_tag(checkpoints: Checkpoints, resume: str, log: Log) -> str | None:
     return resume
 
 
-def _resume(cfg: Config, checkpoints: Checkpoints, engine, tag: str, log: Log) -> TrainState:
+def _resume(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, engine, schedule, tag: str,
+            log: Log) -> TrainState:
     """Load checkpoint `tag`; checkpoints newer than it are set aside, log lines after it dropped."""
-    state = checkpoints.load(engine, tag)
+    state = checkpoints.load(engine, schedule, tag, cfg, ctx)
     if state.step > cfg.train.steps:
         raise ConfigError(f"train.steps={cfg.train.steps} but {tag} is at update {state.step}: raise "
                           f"train.steps to continue the run")
@@ -319,11 +324,14 @@ def _resume(cfg: Config, checkpoints: Checkpoints, engine, tag: str, log: Log) -
     if moved is not None:
         log.event("warning", state.step, f"warning: checkpoints newer than {tag} moved to {moved}",
                   message=f"checkpoints newer than {tag} moved to {moved}")
-    log.event("resume", state.step, f"resumed from {checkpoints.root / tag} at update {state.step}")
+    where = f"resumed update {state.step} written at {state.resharded}" if state.resharded else \
+        f"resumed from {checkpoints.root / tag} at update {state.step}"
+    where += f"; {state.note}" if state.note else ""
+    log.event("resume", state.step, where, message=where, resharded=state.resharded)
     return state
 
 
-def _roll_back(cfg, ctx, data, engine, checkpoints, state, log, reason):
+def _roll_back(cfg, ctx, data, engine, schedule, checkpoints, state, log, reason):
     """Reload the last good checkpoint, change the data seed, continue (or give up)."""
     rollbacks = state.rollbacks + 1
     tag, skipped = checkpoints.newest_verified()
@@ -334,7 +342,7 @@ def _roll_back(cfg, ctx, data, engine, checkpoints, state, log, reason):
                else f"gave up after {cfg.train.max_rollbacks} rollbacks (train.max_rollbacks)")
         log.event("abort", state.step, f"update {state.step}: {reason}; {why}")
         raise RuntimeError(f"training diverged at update {state.step}: {reason}; {why}")
-    restored = checkpoints.load(engine, tag)
+    restored = checkpoints.load(engine, schedule, tag, cfg, ctx)
     restored.rollbacks = rollbacks
     restored.data_seed = cfg.train.seed + 1000 * rollbacks
     log.event("rollback", state.step,
