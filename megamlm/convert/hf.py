@@ -32,6 +32,26 @@ HF_ROBERTA_KEYS: list[tuple[str, str]] = [
 ]
 HF_QKV = "roberta.encoder.layer.{i}.attention.self.{part}.{kind}"
 HF_TOKEN_TYPE = "roberta.embeddings.token_type_embeddings.weight"
+HF_DECODER = "lm_head.decoder.{kind}"
+
+# (RobertaConfig attribute, megamlm ModelConfig field); positions: fairseq's layout, 2 rows more
+HF_ROBERTA_CONFIG: list[tuple[str, str]] = [
+    ("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"), ("num_hidden_layers", "num_layers"),
+    ("num_attention_heads", "num_attention_heads"), ("intermediate_size", "ffn_hidden_size"),
+    ("hidden_dropout_prob", "hidden_dropout"), ("attention_probs_dropout_prob", "attention_dropout"),
+    ("layer_norm_eps", "layernorm_epsilon"),
+]
+POSITION_OFFSET = 2
+"""RoBERTa's position table has max_positions + 2 rows (fairseq: rows 0-1 unused, padding_idx 1)."""
+HF_ROBERTA_FIXED = {"hidden_act": "gelu", "type_vocab_size": 1, "pad_token_id": 1, "bos_token_id": 0,
+                    "eos_token_id": 2, "tie_word_embeddings": True}
+"""What RobertaForMaskedLM must have for megamlm's baseline variant to compute the same function."""
+
+
+def roberta_config_values(model: ModelConfig) -> dict:
+    """RobertaConfig keyword arguments for a megamlm baseline model."""
+    return {**{theirs: getattr(model, ours) for theirs, ours in HF_ROBERTA_CONFIG},
+            "max_position_embeddings": model.max_positions + POSITION_OFFSET, **HF_ROBERTA_FIXED}
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -75,6 +95,6 @@ def megamlm_to_hf_roberta(full: dict[str, torch.Tensor], model: ModelConfig) -> 
             for name, tensor in zip(("query", "key", "value"), parts):
                 out[HF_QKV.format(i=i, part=name, kind=kind)] = tensor
     out[HF_TOKEN_TYPE] = torch.zeros(1, model.hidden_size)  # RoBERTa's single token type, folded away
-    out["lm_head.decoder.weight"] = full[names.WORD_EMBEDDINGS]
-    out["lm_head.decoder.bias"] = full[names.LM_HEAD_BIAS]
+    out[HF_DECODER.format(kind="weight")] = full[names.WORD_EMBEDDINGS]
+    out[HF_DECODER.format(kind="bias")] = full[names.LM_HEAD_BIAS]
     return out

@@ -12,7 +12,7 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import megamlm_to_hf_roberta
+from megamlm.convert.hf import megamlm_to_hf_roberta, roberta_config_values
 from megamlm.convert.parity import compare
 from megamlm.data.tokenizer import Tokenizer, TokenizerError
 from megamlm.files import staged_output
@@ -30,13 +30,7 @@ def is_roberta(model: ModelConfig) -> bool:
 def _roberta_config(model: ModelConfig):
     from transformers import RobertaConfig
 
-    return RobertaConfig(
-        vocab_size=model.vocab_size, hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads, intermediate_size=model.ffn_hidden_size,
-        hidden_act="gelu", hidden_dropout_prob=model.hidden_dropout,
-        attention_probs_dropout_prob=model.attention_dropout, max_position_embeddings=model.max_positions + 2,
-        type_vocab_size=1, layer_norm_eps=model.layernorm_epsilon, pad_token_id=1, bos_token_id=0,
-        eos_token_id=2, tie_word_embeddings=True)
+    return RobertaConfig(**roberta_config_values(model))
 
 
 def write_tokenizer(spec: str, zero_mask: bool, folder: Path) -> bool:

@@ -1,10 +1,10 @@
 """`megamlm convert`: read a checkpoint, write it in another format, prove it on a probe batch.
 
 Sources: fairseq (a .pt from fairseq or the ALiBi/CLAP fork), megamlm (a model folder), zero (a
-DeepSpeed training checkpoint of any DP × TP layout). Targets: megamlm (a model folder, at any TP),
-fairseq, hf. Every conversion runs the converted model and a second model on the same probe batch
-and compares logits at every real position over the whole vocabulary; only when they agree is the
-output moved into place, so a failed conversion writes nothing.
+DeepSpeed training checkpoint of any DP × TP layout), hf (a RobertaForMaskedLM folder). Targets:
+megamlm (a model folder, at any TP), fairseq, hf. Every conversion runs the converted model and a
+second model on the same probe batch and compares logits at every real position over the whole
+vocabulary; only when they agree is the output moved into place, so a failed conversion writes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from megamlm.config import Config, config_from_dict
 from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
 from megamlm.convert.hf_export import write_hf
+from megamlm.convert.hf_import import read_hf
 from megamlm.convert.parity import compare, megamlm_logits, probe_tokens
 from megamlm.convert.safe_load import load_untrusted
 from megamlm.convert.zero import consolidate
@@ -29,7 +30,7 @@ from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
 from megamlm.model.folder import read_model_folder, staged_write
 
-SOURCES = ("fairseq", "megamlm", "zero")
+SOURCES = ("fairseq", "megamlm", "zero", "hf")
 TARGETS = ("megamlm", "fairseq", "hf")
 
 
@@ -99,6 +100,11 @@ def read_megamlm(path: str | Path) -> Model:
     return Model(saved.cfg, saved.full, saved.heads, fs.FairseqSource(**saved.source) if saved.source else None)
 
 
+def read_hugging_face(path: str | Path) -> Model:
+    source = read_hf(path)
+    return Model(source.cfg, source.full, {}, reference=source.reference)
+
+
 def read_zero(path: str | Path) -> Model:
     cfg, full, _ = consolidate(path)
     return Model(cfg, full, {})
@@ -113,7 +119,7 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
                                  f"--to {', '.join(TARGETS)}")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
-             "zero": lambda: read_zero(src)}[source]()
+             "zero": lambda: read_zero(src), "hf": lambda: read_hugging_face(src)}[source]()
     cfg, out = model.cfg, Path(out)
     if cfg.objective.name != "mlm":
         raise fs.ConversionError(
