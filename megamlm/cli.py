@@ -51,11 +51,17 @@ def cmd_params(cfg: Config, args) -> int:
 
 
 def cmd_shards(args) -> int:
-    from megamlm.data.tokenizer import Tokenizer
+    from megamlm.data.tokenizer import Tokenizer, WordPieceTokenizer
 
     if args.shards_verb == "train-bpe":
         out = Tokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size)
         print(f"wrote {out}/encoder.json, vocab.bpe, dict.txt; build shards with --tokenizer {out}")
+        return 0
+    if args.shards_verb == "train-wordpiece":
+        out = WordPieceTokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size,
+                                       lowercase=not args.cased)
+        print(f"wrote {out}/vocab.txt, wordpiece.json ({len(Tokenizer.load(str(out)).dictionary)} ids); build "
+              f"shards with --tokenizer {out}, train with data.tokenizer={out} model.vocab_size=<that many>")
         return 0
     tokenizer = Tokenizer.load(args.tokenizer)
     options = BuildOptions(inputs=args.inputs, out_dir=args.out, seq_length=args.seq_length,
@@ -88,11 +94,17 @@ def _add_shards_args(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--strict", action="store_true",
                        help="stop at the first malformed line instead of skipping and counting it")
     build.add_argument("--tokenizer", default="gpt2",
-                       help="gpt2 | gpt2-zero-clap | folder with encoder.json, vocab.bpe, dict.txt")
+                       help="gpt2 | gpt2-zero-clap | folder with encoder.json, vocab.bpe, dict.txt "
+                            "| WordPiece folder with vocab.txt")
     bpe = sub.add_parser("train-bpe", help="train a byte-level BPE + dict.txt on text files")
     bpe.add_argument("inputs", nargs="+")
     bpe.add_argument("--out", required=True)
     bpe.add_argument("--vocab-size", type=int, default=32000)
+    wordpiece = sub.add_parser("train-wordpiece", help="train a BERT WordPiece vocabulary on text files")
+    wordpiece.add_argument("inputs", nargs="+")
+    wordpiece.add_argument("--out", required=True)
+    wordpiece.add_argument("--vocab-size", type=int, default=30522)
+    wordpiece.add_argument("--cased", action="store_true", help="keep case (default: lowercase, as uncased BERT)")
 
 
 def cmd_train(cfg: Config, args) -> int:

@@ -81,10 +81,11 @@ def test_bad_hugging_face_folders_are_one_line_and_write_nothing(world, tmp_path
 
     good = save_roberta(tmp_path / "good")
     cases = {}
-    bert = shutil.copytree(good, tmp_path / "bert")
-    values = json.loads((bert / "config.json").read_text())
-    (bert / "config.json").write_text(json.dumps({**values, "architectures": ["BertForMaskedLM"]}))
-    cases["bert"] = "architecture BertForMaskedLM is not supported; --from hf reads RobertaForMaskedLM"
+    other = shutil.copytree(good, tmp_path / "other")
+    values = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**values, "architectures": ["ElectraForMaskedLM"]}))
+    cases["other"] = ("architecture ElectraForMaskedLM is not supported; --from hf reads RobertaForMaskedLM, "
+                      "BertForMaskedLM")
     empty = shutil.copytree(good, tmp_path / "empty")
     (empty / "model.safetensors").unlink()
     cases["empty"] = "no weights (model.safetensors or pytorch_model.bin)"

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megamlm.config import load_config
-from megamlm.convert.hf import hf_roberta_to_megamlm
+from megamlm.convert.hf import hf_to_megamlm
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives import MaskedLM
 from tests.variants import CONFIGS, VARIANTS, variant_config
@@ -42,7 +42,7 @@ def test_baseline_matches_huggingface_roberta(world):
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     ours = MaskedLM(m, world, seed=123).eval()
-    load_full_state_dict(ours, hf_roberta_to_megamlm(hf.state_dict(), m))
+    load_full_state_dict(ours, hf_to_megamlm(hf.state_dict(), m))
 
     tokens, masked = batch(m.vocab_size)
     with torch.no_grad():

@@ -32,6 +32,7 @@ def _run_all_cases():
             seed_everything(5, ctx)
             model = MaskedLM(cfg.model, ctx, seed=11).train(train)
             tokens, masked = batch(cfg.model.vocab_size)
+            tokens[:, 5] = 2  # a separator: BERT's token type 1 follows
             logits_local = model(tokens, masked)
             loss = model.loss(logits_local, tokens[masked])
             loss.backward()

@@ -22,6 +22,7 @@ VARIANTS = {
     "pre-ln": ("baseline", ["model.layernorm=pre"]),
     "untied": ("baseline", ["model.tie_embeddings=false"]),
     "no-positions": ("baseline", ["model.position=none"]),
+    "bert": ("bert", []),
 }
 
 

@@ -47,6 +47,13 @@ class ModelConfig:
     """LayerNorm epsilon (fairseq 1e-5)."""
     embedding_layernorm: bool = field(default=True, metadata=ARCHITECTURE)
     """LayerNorm on the summed input embeddings (fairseq `layernorm_embedding`)."""
+    token_types: int = field(default=0, metadata=ARCHITECTURE)
+    """Token-type (segment) embeddings added to the input: 2 for BERT, 0 for none (RoBERTa). A
+    token's type is the number of separators (separator_token_id) before it in its sample, capped at
+    token_types - 1: BERT's `[CLS] A [SEP] B [SEP]` gives A type 0 and B type 1, so no id tensor
+    beside the tokens is needed."""
+    separator_token_id: int = 2
+    """The separator between a sample's segments (fairseq `</s>` = 2; BERT's [SEP] is mapped to it)."""
     scale_embeddings: bool = False
     """Multiply token embeddings by sqrt(hidden_size) (fairseq `no_scale_embedding: false`)."""
     normalize_embeddings: bool = False
@@ -112,6 +119,9 @@ class ModelConfig:
                 f"model.pad_token_id={self.pad_token_id} must be in [0, model.vocab_size="
                 f"{self.vocab_size})"
             )
+        if self.token_types < 0 or not 0 <= self.separator_token_id < self.vocab_size:
+            raise ConfigError(f"model.token_types={self.token_types} must be >= 0 and model.separator_token_id="
+                              f"{self.separator_token_id} in [0, model.vocab_size={self.vocab_size})")
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be in [0, 1)")

@@ -38,7 +38,8 @@ class DataConfig:
     build_from: list[str] = field(default_factory=list)
     """Input files (.jsonl, .jsonl.zst, .txt) built into `shards` on first use when it holds none."""
     tokenizer: str = "gpt2"
-    """gpt2, or a folder with encoder.json, vocab.bpe, dict.txt (`megamlm shards train-bpe`); the
+    """gpt2, a folder with encoder.json, vocab.bpe, dict.txt (`megamlm shards train-bpe`), or a
+    WordPiece folder with vocab.txt (`megamlm shards train-wordpiece`, or an imported BERT's); the
     zero-clap dictionary (no <mask> row) is chosen automatically with model.zero_mask."""
     seq_length: int = 512
     """Tokens per sample including `<s>` (the reference's tokens_per_sample)."""

@@ -220,6 +220,9 @@ def megamlm_to_fairseq(full: dict[str, torch.Tensor], model: ModelConfig, source
     if model.position == "alibi" and model.alibi_mode == "learned":
         raise ConversionError("model.alibi_mode=learned has no fairseq counterpart (the fork's ALiBi "
                               "slopes are fixed); allowed: symmetric, offset")
+    if model.token_types:
+        raise ConversionError(f"model.token_types={model.token_types} has no fairseq counterpart (fairseq's "
+                              f"RoBERTa has no token-type embeddings); --to hf writes it")
     dtype = getattr(torch, source.dtype)
     slots = names.LAYER_NORM_SLOTS[model.layernorm]
     remaining = dict(full)

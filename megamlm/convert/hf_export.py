@@ -1,6 +1,8 @@
-"""Hugging Face export: the RoBERTa-shaped variant as `RobertaForMaskedLM`, every other variant as
-megamlm's own modeling file registered through `auto_map` (trust_remote_code), plus tokenizer files
-whose ids are the fairseq dictionary's (as RoBERTa's vocab.json on the Hub)."""
+"""Hugging Face export: the RoBERTa-shaped variant as `RobertaForMaskedLM`, the BERT-shaped one (token
+types) as `BertForMaskedLM`, every other variant as megamlm's own modeling file registered through
+`auto_map` (trust_remote_code), plus tokenizer files: GPT-2 BPE whose ids are the fairseq
+dictionary's (as RoBERTa's vocab.json on the Hub), or BERT's vocab.txt in WordPiece order (the model's
+vocabulary rows permuted back, convert/hf.py)."""
 
 from __future__ import annotations
 
@@ -12,36 +14,49 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import megamlm_to_hf_roberta, roberta_config_values
+from megamlm.convert.hf import BERT, ROBERTA, HFFormat, hf_config_values, megamlm_to_hf, permute_vocab
 from megamlm.convert.parity import compare
-from megamlm.data.tokenizer import Tokenizer, TokenizerError
+from megamlm.data.tokenizer import Tokenizer, TokenizerError, WordPieceTokenizer
 from megamlm.files import staged_output
+from megamlm.model.embedding import token_types
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_megamlm.py"
 
 
-def is_roberta(model: ModelConfig) -> bool:
-    """Exactly what transformers' RobertaForMaskedLM computes (the baseline variant)."""
-    return (model.position == "learned" and model.embedding_layernorm and model.head == "roberta"
+def hf_format(model: ModelConfig) -> HFFormat | None:
+    """The transformers class that computes exactly what `model` does (baseline: RoBERTa; baseline +
+    token types: BERT), or None (megamlm's own modeling file)."""
+    if not (model.position == "learned" and model.embedding_layernorm and model.head == "roberta"
             and model.layernorm == "post" and model.tie_embeddings and not model.scale_embeddings
-            and not model.normalize_embeddings and not model.zero_mask and model.pad_token_id == 1)
+            and not model.normalize_embeddings and not model.zero_mask and model.pad_token_id == 1):
+        return None
+    if model.token_types:
+        return BERT if model.separator_token_id == 2 else None
+    return ROBERTA
 
 
-def _roberta_config(model: ModelConfig):
-    from transformers import RobertaConfig
-
-    return RobertaConfig(**roberta_config_values(model))
-
-
-def write_tokenizer(spec: str, zero_mask: bool, folder: Path) -> bool:
-    """vocab.json (BPE token -> fairseq id) + merges.txt + tokenizer config; False if the model's
-    tokenizer has no BPE files (a converted checkpoint with only a dict.txt)."""
-    from transformers import AddedToken, RobertaTokenizer
-
+def _load_tokenizer(spec: str, zero_mask: bool):
     try:
-        tokenizer = Tokenizer.load(spec, zero_clap=zero_mask)
+        return Tokenizer.load(spec, zero_clap=zero_mask)
     except (TokenizerError, OSError):
+        return None
+
+
+def write_tokenizer(tokenizer, folder: Path, wordpiece_order: bool = True) -> bool:
+    """transformers tokenizer files: WordPiece's vocab.txt (BertTokenizer; lines in WordPiece order,
+    or in megamlm's id order for a model that keeps megamlm's rows), or vocab.json (BPE token ->
+    fairseq id) + merges.txt (RobertaTokenizer); False if there are none (a converted checkpoint with
+    only a dict.txt)."""
+    from transformers import AddedToken, BertTokenizer, RobertaTokenizer
+
+    if tokenizer is None:
         return False
+    if isinstance(tokenizer, WordPieceTokenizer):
+        pieces = (tokenizer.folder / tokenizer.VOCAB).read_text(encoding="utf-8").splitlines()
+        lines = pieces if wordpiece_order else [pieces[i] for i in tokenizer.vocab_order]
+        (folder / "vocab.txt").write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+        BertTokenizer(vocab=str(folder / "vocab.txt"), do_lower_case=tokenizer.lowercase).save_pretrained(folder)
+        return True
     bpe_ids = json.loads(tokenizer.encoder_json.read_text(encoding="utf-8"))
     token_of = {i: token for token, i in bpe_ids.items()}
     vocab = {}
@@ -60,19 +75,24 @@ def write_tokenizer(spec: str, zero_mask: bool, folder: Path) -> bool:
 def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, tolerance: float, report: dict,
              overwrite: bool = False) -> None:
     """Write `model` (a pipeline.Model) as a transformers folder, load it back, compare logits."""
-    from transformers import AutoModelForMaskedLM, RobertaForMaskedLM
+    import transformers
     from safetensors.torch import save_file
 
-
     cfg = model.cfg.model
+    fmt = hf_format(cfg)
+    tokenizer = _load_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask)
+    order = getattr(tokenizer, "vocab_order", None)  # megamlm id -> WordPiece row
+    order = None if order is None else torch.from_numpy(order)
     with staged_output(out, "hf", overwrite) as tmp:
-        if is_roberta(cfg):
-            hf = RobertaForMaskedLM(_roberta_config(cfg))
-            missing, unexpected = hf.load_state_dict(megamlm_to_hf_roberta(model.full, cfg), strict=False)
-            if unexpected or [k for k in missing if not k.endswith("position_ids")]:
-                raise ConversionError(f"RobertaForMaskedLM keys: missing {missing}, unexpected {unexpected}")
+        if fmt is not None:
+            config_class = getattr(transformers, fmt.architecture.replace("ForMaskedLM", "Config"))
+            hf = getattr(transformers, fmt.architecture)(config_class(**hf_config_values(cfg, fmt)))
+            full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
+            missing, unexpected = hf.load_state_dict(megamlm_to_hf(full, cfg, fmt), strict=False)
+            if unexpected or [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]:
+                raise ConversionError(f"{fmt.architecture} keys: missing {missing}, unexpected {unexpected}")
             hf.save_pretrained(tmp)
-            kind, remote = "RobertaForMaskedLM", False
+            kind, remote = fmt.architecture, False
         else:
             config = {"model_type": "megamlm", "architectures": ["MegamlmForMaskedLM"],
                       "auto_map": {"AutoConfig": "modeling_megamlm.MegamlmConfig",
@@ -83,11 +103,18 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
             shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
             save_file({k: v.contiguous() for k, v in model.full.items()}, tmp / "model.safetensors",
                       metadata={"format": "pt"})
-            kind, remote = "MegamlmForMaskedLM (trust_remote_code)", True
-        if not write_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask, tmp):
-            report["warning"] = "no tokenizer files: the model's tokenizer has no BPE files"
-        loaded = AutoModelForMaskedLM.from_pretrained(tmp, trust_remote_code=remote).eval()
+            kind, remote, order = "MegamlmForMaskedLM (trust_remote_code)", True, None
+        if not write_tokenizer(tokenizer, tmp, wordpiece_order=order is not None):
+            report["warning"] = "no tokenizer files: the model's tokenizer has no BPE or WordPiece files"
+        loaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp, trust_remote_code=remote).eval()
+        inputs = dict(input_ids=tokens, attention_mask=tokens.ne(cfg.pad_token_id).long())
+        if fmt is BERT:
+            inputs["token_type_ids"] = token_types(tokens, cfg)
+        if order is not None:
+            inputs["input_ids"] = order[tokens]
         with torch.no_grad():
-            theirs = loaded(input_ids=tokens, attention_mask=tokens.ne(cfg.pad_token_id).long()).logits
+            theirs = loaded(**inputs).logits
+        if order is not None:
+            theirs = theirs[..., order]  # WordPiece columns -> megamlm's
         report["max_diff"][f"transformers {kind}"] = compare(ours, theirs, tokens, cfg.pad_token_id,
                                                              f"transformers' {kind}", tolerance)

@@ -1,15 +1,18 @@
-"""Hugging Face import: a `RobertaForMaskedLM` folder (config.json + model.safetensors or
-pytorch_model.bin, saved locally) -> megamlm's baseline variant, for continued pretraining.
+"""Hugging Face import: a `RobertaForMaskedLM` or `BertForMaskedLM` folder (config.json +
+model.safetensors or pytorch_model.bin, saved locally) -> a megamlm model, for continued pretraining.
 
-The key table and the config table are `megamlm.convert.hf`'s (the export's, read the other way).
+The key tables and the config table are `megamlm.convert.hf`'s (the export's, read the other way).
 RoBERTa's vocabulary is GPT-2 BPE with fairseq's dictionary ids (`vocab.json` of roberta-base is
-fairseq's dict.txt order): a 50,265-row model takes megamlm's bundled tokenizer unchanged. The
-reference side of the parity check is transformers' own forward of the folder.
+fairseq's dict.txt order): a 50,265-row model takes megamlm's bundled tokenizer unchanged. BERT's
+WordPiece vocab.txt travels with the model (the output's `tokenizer/` folder) and its ids are
+permuted into megamlm's convention (data/tokenizer.py). The reference side of the parity check is
+transformers' own forward of the folder.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,14 +20,16 @@ import torch
 
 from megamlm.config import Config, load_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (HF_DECODER, HF_ROBERTA_CONFIG, HF_ROBERTA_FIXED, POSITION_OFFSET,
-                                hf_roberta_to_megamlm)
-from megamlm.data.tokenizer import Tokenizer
+from megamlm.convert.hf import BERT, HF_CONFIG, HF_FORMATS, HFFormat, hf_to_megamlm, max_positions, permute_vocab
+from megamlm.data.tokenizer import Tokenizer, TokenizerError, WordPieceTokenizer
+from megamlm.model.embedding import token_types
 
-SUPPORTED = ("RobertaForMaskedLM",)
-"""Architectures `convert --from hf` reads (BertForMaskedLM, AlbertForMaskedLM: issue 18, to come)."""
+SUPPORTED = tuple(HF_FORMATS)
+"""Architectures `convert --from hf` reads (AlbertForMaskedLM: issue 18, to come)."""
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-BASELINE = Path(__file__).resolve().parents[2] / "configs" / "variants" / "baseline.yaml"
+VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
+VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "BertForMaskedLM": "bert.yaml"}
+"""The megamlm variant each format is (its config file)."""
 
 
 @dataclass
@@ -32,10 +37,12 @@ class HFSource:
     cfg: Config
     full: dict[str, torch.Tensor]
     reference: object
-    """tokens [b, s] -> logits [b, s, V]: transformers' forward of the folder (pad masked)."""
+    """tokens [b, s] (megamlm ids) -> logits [b, s, V] (megamlm columns): transformers' forward of the folder."""
+    tokenizer_files: dict[str, str] | None = None
+    """Files of the tokenizer folder to ship with the model (BERT's WordPiece), or None (bundled GPT-2)."""
 
 
-def _read_config(folder: Path) -> dict:
+def _read_config(folder: Path) -> tuple[dict, HFFormat]:
     path = folder / "config.json"
     if not path.is_file():
         raise ConversionError(f"{folder}: no config.json: not a Hugging Face model folder")
@@ -47,16 +54,17 @@ def _read_config(folder: Path) -> dict:
     if architectures[0] not in SUPPORTED:
         raise ConversionError(f"{path}: architecture {architectures[0]} is not supported; "
                               f"--from hf reads {', '.join(SUPPORTED)}")
-    differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in HF_ROBERTA_FIXED.items()
+    fmt = HF_FORMATS[architectures[0]]
+    differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
     if values.get("position_embedding_type", "absolute") != "absolute":
         differ.append(f"position_embedding_type={values['position_embedding_type']!r} (needs 'absolute')")
     if differ:
-        raise ConversionError(f"{path}: {'; '.join(differ)}: megamlm's RoBERTa computes another function")
-    return values
+        raise ConversionError(f"{path}: {'; '.join(differ)}: megamlm's {fmt.prefix} computes another function")
+    return values, fmt
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def _read_weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     for name in WEIGHT_FILES:
         path = folder / name
         if path.is_file():
@@ -64,18 +72,20 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
                 if name.endswith(".safetensors"):
                     from safetensors.torch import load_file
 
-                    return load_file(path)
-                return torch.load(path, map_location="cpu", weights_only=True)
+                    return path, load_file(path)
+                return path, torch.load(path, map_location="cpu", weights_only=True)
             except Exception as err:  # safetensors / pickle errors have no common base
                 raise ConversionError(f"{path}: cannot read the weights ({type(err).__name__}: {err})") from None
     raise ConversionError(f"{folder}: no weights ({' or '.join(WEIGHT_FILES)}); sharded checkpoints: "
                           f"save them unsharded first (save_pretrained(..., max_shard_size='100GB'))")
 
 
-def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:
+def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Size], fmt: HFFormat) -> None:
     """Every key the model needs, at its shape (the decoder, tied to the embedding, may be absent)."""
-    optional = {HF_DECODER.format(kind="weight"), HF_DECODER.format(kind="bias"), "roberta.embeddings.position_ids",
-                "roberta.embeddings.token_type_embeddings.weight"}
+    optional = {fmt.decoder.format(kind="weight"), fmt.decoder.format(kind="bias"),
+                f"{fmt.prefix}.embeddings.position_ids", f"{fmt.prefix}.embeddings.token_type_ids"}
+    if fmt is not BERT:
+        optional.add(fmt.token_types)
     missing = sorted(k for k in expected if k not in state and k not in optional)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -86,44 +96,86 @@ def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, 
                                   f"{tuple(shape)}")
 
 
+def _wordpiece(folder: Path, vocab_size: int) -> tuple[dict[str, str], WordPieceTokenizer]:
+    """BERT's vocab.txt + casing (tokenizer_config.json's do_lower_case) as megamlm's WordPiece files."""
+    vocab = folder / WordPieceTokenizer.VOCAB
+    if not vocab.is_file():
+        raise ConversionError(f"{folder}: no vocab.txt: a BERT folder needs its WordPiece vocabulary "
+                              f"(tokenizer.save_pretrained(folder))")
+    settings = folder / "tokenizer_config.json"
+    lowercase = json.loads(settings.read_text()).get("do_lower_case", True) if settings.is_file() else True
+    files = {WordPieceTokenizer.VOCAB: vocab.read_text(encoding="utf-8"),
+             WordPieceTokenizer.SETTINGS: json.dumps({"lowercase": lowercase}) + "\n"}
+    try:
+        tokenizer = _staged(files)
+    except TokenizerError as err:
+        raise ConversionError(str(err)) from None
+    if len(tokenizer.dictionary) != vocab_size:
+        raise ConversionError(f"{vocab}: {len(tokenizer.dictionary)} pieces, config.json's vocab_size is "
+                              f"{vocab_size}: the vocabulary is not the model's")
+    return files, tokenizer
+
+
+def _staged(files: dict[str, str]) -> WordPieceTokenizer:
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            (Path(tmp) / name).write_text(text, encoding="utf-8")
+        return WordPieceTokenizer(tmp)
+
+
 def read_hf(folder: str | Path) -> HFSource:
-    """A RobertaForMaskedLM folder in megamlm terms (checked: architecture, weights, keys, shapes)."""
+    """A RobertaForMaskedLM / BertForMaskedLM folder in megamlm terms (checked: architecture, weights,
+    keys, shapes, vocabulary)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConversionError(f"{folder}: not a folder (--from hf reads a save_pretrained folder)")
-    values = _read_config(folder)
-    overrides = [f"model.{ours}={values[theirs]}" for theirs, ours in HF_ROBERTA_CONFIG if theirs in values]
-    max_positions = values["max_position_embeddings"] - POSITION_OFFSET
-    overrides += [f"model.max_positions={max_positions}", f"data.seq_length={max_positions}"]
-    bundled = len(Tokenizer.gpt2().dictionary)
-    if values["vocab_size"] != bundled:
-        raise ConversionError(f"{folder}/config.json: vocab_size={values['vocab_size']}, not RoBERTa's GPT-2 "
-                              f"BPE ({bundled} fairseq ids): other vocabularies are not supported yet")
-    cfg = load_config(BASELINE, overrides)
-    state = _read_weights(folder)
-    weights = next(folder / n for n in WEIGHT_FILES if (folder / n).is_file())
-    _check_keys(weights, state, _expected_shapes(values))
+    values, fmt = _read_config(folder)
+    overrides = [f"model.{ours}={values[theirs]}" for theirs, ours in HF_CONFIG if theirs in values]
+    positions = max_positions(values, fmt)
+    overrides += [f"model.max_positions={positions}", f"data.seq_length={positions}"]
+    files, order = None, None
+    if fmt is BERT:
+        files, tokenizer = _wordpiece(folder, values["vocab_size"])
+        order = torch.from_numpy(tokenizer.vocab_order)
+        overrides += [f"model.token_types={values.get('type_vocab_size', 2)}", "data.tokenizer=tokenizer"]
+    else:
+        bundled = len(Tokenizer.gpt2().dictionary)
+        if values["vocab_size"] != bundled:
+            raise ConversionError(f"{folder}/config.json: vocab_size={values['vocab_size']}, not RoBERTa's GPT-2 "
+                                  f"BPE ({bundled} fairseq ids): other vocabularies are not supported yet")
+    cfg = load_config(VARIANTS / VARIANT[fmt.architecture], overrides)
+    weights, state = _read_weights(folder)
+    _check_keys(weights, state, _expected_shapes(values, fmt), fmt)
     state = {k: v.float() for k, v in state.items()}
-    decoder = state.get(HF_DECODER.format(kind="weight"))
-    if decoder is not None and not torch.equal(decoder, state["roberta.embeddings.word_embeddings.weight"]):
-        raise ConversionError(f"{weights}: lm_head.decoder.weight differs from the word embeddings (an untied "
-                              f"decoder): megamlm's RoBERTa ties them")
-    full = hf_roberta_to_megamlm(state, cfg.model)
+    decoder = state.get(fmt.decoder.format(kind="weight"))
+    if decoder is not None and not torch.equal(decoder, state[f"{fmt.prefix}.embeddings.word_embeddings.weight"]):
+        raise ConversionError(f"{weights}: {fmt.decoder.format(kind='weight')} differs from the word embeddings "
+                              f"(an untied decoder): megamlm's {fmt.prefix} ties them")
+    full = hf_to_megamlm(state, cfg.model, fmt)
+    if order is not None:
+        full = permute_vocab(full, order)
 
     def reference(tokens: torch.Tensor) -> torch.Tensor:
-        from transformers import RobertaForMaskedLM
+        import transformers
 
-        model = RobertaForMaskedLM.from_pretrained(folder, attn_implementation="eager").float().eval()
+        model = getattr(transformers, fmt.architecture).from_pretrained(folder, attn_implementation="eager")
+        inputs = dict(attention_mask=tokens.ne(cfg.model.pad_token_id).long())
+        if order is not None:  # megamlm ids -> WordPiece ids; token types by the same rule as megamlm's
+            inputs.update(input_ids=order[tokens], token_type_ids=token_types(tokens, cfg.model))
+        else:
+            inputs.update(input_ids=tokens)
         with torch.no_grad():
-            return model(input_ids=tokens, attention_mask=tokens.ne(cfg.model.pad_token_id).long()).logits
+            logits = model.float().eval()(**inputs).logits
+        return logits if order is None else logits[..., order]  # WordPiece columns -> megamlm's
 
-    return HFSource(cfg, full, reference)
+    return HFSource(cfg, full, reference, files)
 
 
-def _expected_shapes(values: dict) -> dict[str, torch.Size]:
+def _expected_shapes(values: dict, fmt: HFFormat) -> dict[str, torch.Size]:
     """The state dict's shapes transformers gives this config.json (a model on the meta device)."""
-    from transformers import RobertaConfig, RobertaForMaskedLM
+    import transformers
 
+    config_class = getattr(transformers, fmt.architecture.replace("ForMaskedLM", "Config"))
     with torch.device("meta"):
-        model = RobertaForMaskedLM(RobertaConfig(**values))
+        model = getattr(transformers, fmt.architecture)(config_class(**values))
     return {key: tensor.shape for key, tensor in model.state_dict().items()}

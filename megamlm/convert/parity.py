@@ -23,6 +23,8 @@ def probe_tokens(cfg: Config, seed: int = 0) -> torch.Tensor:
     tokens[0, length // 2] = model.vocab_size if model.zero_mask else model.vocab_size - 1
     tokens[1, length - 6:] = model.pad_token_id
     tokens[1, length - 7] = 2
+    if model.token_types:  # a second segment, so that token type 1 is checked too
+        tokens[0, length // 3] = model.separator_token_id
     return tokens
 
 

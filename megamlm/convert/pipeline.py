@@ -1,7 +1,8 @@
 """`megamlm convert`: read a checkpoint, write it in another format, prove it on a probe batch.
 
 Sources: fairseq (a .pt from fairseq or the ALiBi/CLAP fork), megamlm (a model folder), zero (a
-DeepSpeed training checkpoint of any DP × TP layout), hf (a RobertaForMaskedLM folder). Targets:
+DeepSpeed training checkpoint of any DP × TP layout), hf (a RobertaForMaskedLM / BertForMaskedLM
+folder). Targets:
 megamlm (a model folder, at any TP), fairseq, hf. Every conversion runs the converted model and a
 second model on the same probe batch and compares logits at every real position over the whole
 vocabulary; only when they agree is the output moved into place, so a failed conversion writes nothing.
@@ -44,8 +45,9 @@ class Model:
     source: fs.FairseqSource | None = None
     reference: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Logits computed from the source file by an independent implementation (fairseq sources)."""
-    dictionary: list[str] | None = None
-    """dict.txt lines to ship with the model when it is not the bundled GPT-2 dictionary."""
+    tokenizer_files: dict[str, str] | None = None
+    """Files of a tokenizer folder to ship with the model (`<out>/tokenizer/`) when it is not the
+    bundled GPT-2 one: a fairseq source's dict.txt, an imported BERT's WordPiece vocab.txt."""
 
 
 def read_fairseq(path: str | Path, dict_path: str | Path | None = None) -> Model:
@@ -69,7 +71,7 @@ def read_fairseq(path: str | Path, dict_path: str | Path | None = None) -> Model
                             "data": {"tokenizer": tokenizer, "seq_length": model.max_positions}},
                            origin=str(path))
     return Model(cfg, full, heads, source, reference=lambda tokens: fairseq_logits(state, model_cfg, tokens),
-                 dictionary=lines)
+                 tokenizer_files=None if lines is None else {"dict.txt": "\n".join(lines) + "\n"})
 
 
 def _dictionary(dict_path, rows: int, no_mask_row: bool) -> tuple[str, list[str] | None]:
@@ -102,7 +104,7 @@ def read_megamlm(path: str | Path) -> Model:
 
 def read_hugging_face(path: str | Path) -> Model:
     source = read_hf(path)
-    return Model(source.cfg, source.full, {}, reference=source.reference)
+    return Model(source.cfg, source.full, {}, reference=source.reference, tokenizer_files=source.tokenizer_files)
 
 
 def read_zero(path: str | Path) -> Model:
@@ -120,7 +122,17 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
              "zero": lambda: read_zero(src), "hf": lambda: read_hugging_face(src)}[source]()
-    cfg, out = model.cfg, Path(out)
+    with tempfile.TemporaryDirectory() as shipped:
+        if model.tokenizer_files is not None:  # the targets read the tokenizer from data.tokenizer
+            for name, text in model.tokenizer_files.items():
+                (Path(shipped) / name).write_text(text, encoding="utf-8")
+            model.cfg = config_from_dict(model.cfg.to_dict(), [f"data.tokenizer={shipped}"])
+        return _convert(model, source, target, src, Path(out), tp, tolerance, log, overwrite)
+
+
+def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
+             overwrite: bool) -> dict:
+    cfg = model.cfg
     if cfg.objective.name != "mlm":
         raise fs.ConversionError(
             f"{src} was trained with objective.name={cfg.objective.name}: conversion (and its logit parity "
@@ -165,12 +177,13 @@ def check_output(target: str, out: Path, overwrite: bool) -> None:
 
 def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, report, overwrite) -> None:
     cfg = model.cfg
-    if model.dictionary is not None:
+    if model.tokenizer_files is not None:
         cfg = config_from_dict(cfg.to_dict(), [f"data.tokenizer={out.resolve() / 'tokenizer'}"])
     with staged_write(out, cfg, model.full, tp, model.heads, model.source, overwrite) as tmp:
-        if model.dictionary is not None:
+        if model.tokenizer_files is not None:
             (tmp / "tokenizer").mkdir()
-            (tmp / "tokenizer/dict.txt").write_text("\n".join(model.dictionary) + "\n")
+            for name, text in model.tokenizer_files.items():
+                (tmp / "tokenizer" / name).write_text(text, encoding="utf-8")
         written = read_model_folder(tmp)
         report["max_diff"]["written megamlm folder"] = compare(
             megamlm_logits(written.cfg, written.full, tokens), ours, tokens, cfg.model.pad_token_id,

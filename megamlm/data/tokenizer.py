@@ -1,4 +1,5 @@
-"""GPT-2 byte-level BPE (Hugging Face `tokenizers`) mapped to fairseq dictionary ids.
+"""Tokenizers (Hugging Face `tokenizers`) mapped to fairseq dictionary ids: GPT-2 byte-level BPE
+(RoBERTa) and WordPiece (BERT). `load_tokenizer` picks one by name or by the files in a folder.
 
 fairseq's RoBERTa never sees GPT-2 ids: GPT-2 id strings are looked up in `dict.txt`
 (ordered by corpus frequency), so
@@ -8,6 +9,14 @@ fairseq's RoBERTa never sees GPT-2 ids: GPT-2 id strings are looked up in `dict.
 
 The zero-clap dictionary drops the last two madeupwords and has no `<mask>` row: 50262 symbols,
 mask id = 50262 (the model embeds it as the zero vector).
+
+WordPiece keeps the same id convention, so data, masking and models need no second one: BERT's
+specials move to fairseq's places and every other piece keeps its vocab.txt order,
+
+    [CLS] -> 0 (<s>), [PAD] -> 1, [SEP] -> 2 (</s>), [UNK] -> 3, the other pieces, [MASK] last
+
+as many ids as vocab.txt has lines (bert-base-uncased: 30,522); `WordPieceTokenizer.vocab_order`
+is that permutation, which the Hugging Face converter applies to BERT's embedding rows.
 """
 
 from __future__ import annotations
@@ -94,12 +103,16 @@ class Dictionary:
     def ordinary_ids(self) -> np.ndarray:
         """Ids that random replacement may draw: not special, not madeupword, not `<mask>`."""
         return np.array([i for i, s in enumerate(self.symbols)
-                         if i >= len(SPECIALS) and s != MASK_SYMBOL and not s.startswith("madeupword")],
+                         if i >= len(SPECIALS) and s != MASK_SYMBOL and not s.startswith("madeupword")
+                         and not (s.startswith("[") and s.endswith("]"))],  # WordPiece's [unused0] ...
                         dtype=np.int64)
 
 
 class Tokenizer:
     """Text <-> fairseq ids through GPT-2 byte-level BPE. Encoding is lossless: decode(encode(t)) == t."""
+
+    pair_separator = (EOS, EOS)
+    """Between the two texts of a pair (GLUE): RoBERTa's `</s></s>`."""
 
     def __init__(self, encoder_json: str | Path, vocab_bpe: str | Path, dictionary: Dictionary):
         from tokenizers import Tokenizer as HFTokenizer
@@ -154,10 +167,13 @@ class Tokenizer:
         return cls(folder / "encoder.json", folder / "vocab.bpe", dictionary)
 
     @classmethod
-    def load(cls, spec: str, zero_clap: bool = False) -> Tokenizer:
-        """`gpt2`, `gpt2-zero-clap`, or a folder with encoder.json, vocab.bpe and dict.txt."""
+    def load(cls, spec: str, zero_clap: bool = False) -> Tokenizer | WordPieceTokenizer:
+        """`gpt2`, `gpt2-zero-clap`, a folder with encoder.json, vocab.bpe and dict.txt, or a
+        WordPiece folder (vocab.txt, `megamlm shards train-wordpiece` or an imported BERT)."""
         if spec in ("gpt2", "gpt2-zero-clap"):
             return cls.gpt2(zero_clap=zero_clap or spec == "gpt2-zero-clap")
+        if (Path(spec) / WordPieceTokenizer.VOCAB).is_file():
+            return WordPieceTokenizer(spec)
         return cls.from_dir(spec, zero_clap=zero_clap)
 
     @classmethod
@@ -217,3 +233,86 @@ class Tokenizer:
     def bpe_ids(self, text: str) -> list[int]:
         """The raw BPE (GPT-2) ids, before the dictionary mapping."""
         return self._bpe.encode(text).ids
+
+
+class WordPieceTokenizer:
+    """Text <-> megamlm ids through BERT's WordPiece (a folder with vocab.txt and wordpiece.json)."""
+
+    VOCAB, SETTINGS = "vocab.txt", "wordpiece.json"
+    SPECIALS = ("[CLS]", "[PAD]", "[SEP]", "[UNK]")
+    """BERT's names for fairseq's SPECIALS, in that order."""
+    MASK = "[MASK]"
+    pair_separator = (EOS,)
+    """BERT's `[CLS] A [SEP] B [SEP]`: one separator (token types count it, model.token_types)."""
+
+    def __init__(self, folder: str | Path):
+        from tokenizers import BertWordPieceTokenizer
+
+        self.folder = Path(folder)
+        pieces = read_text(self.folder / self.VOCAB, "WordPiece vocabulary").splitlines()
+        settings_path = self.folder / self.SETTINGS
+        settings = json.loads(read_text(settings_path, "WordPiece settings")) if settings_path.is_file() else {}
+        self.lowercase = bool(settings.get("lowercase", True))
+        index = {piece: i for i, piece in enumerate(pieces)}
+        missing = [s for s in (*self.SPECIALS, self.MASK) if s not in index]
+        if missing:
+            raise TokenizerError(f"{self.folder / self.VOCAB}: no {', '.join(missing)} line: not a BERT "
+                                 f"WordPiece vocabulary")
+        moved = {index[s] for s in (*self.SPECIALS, self.MASK)}
+        self.vocab_order = np.array([index[s] for s in self.SPECIALS]
+                                    + [i for i in range(len(pieces)) if i not in moved] + [index[self.MASK]])
+        """[V] megamlm id -> WordPiece id (vocab.txt line)."""
+        self._to_ours = np.argsort(self.vocab_order)
+        middle = tuple(pieces[i] for i in self.vocab_order[len(SPECIALS):-1])
+        self.dictionary = Dictionary(SPECIALS + middle + (MASK_SYMBOL,), has_mask_row=True)
+        self._word_starts = np.array([not s.startswith("##") for s in self.dictionary.symbols] + [True])
+        self._wordpiece = BertWordPieceTokenizer(str(self.folder / self.VOCAB), lowercase=self.lowercase)
+        self.sha256 = hashlib.sha256((self.folder / self.VOCAB).read_bytes()
+                                     + json.dumps({"lowercase": self.lowercase}).encode()).hexdigest()
+
+    @classmethod
+    def write(cls, folder: str | Path, pieces: list[str], lowercase: bool) -> Path:
+        """A WordPiece folder from vocab.txt's lines (WordPiece id order) and the casing rule."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / cls.VOCAB).write_text("".join(f"{p}\n" for p in pieces), encoding="utf-8")
+        (folder / cls.SETTINGS).write_text(json.dumps({"lowercase": lowercase}) + "\n")
+        return folder
+
+    @classmethod
+    def train(cls, files: list[str | Path], out_dir: str | Path, vocab_size: int = 30522,
+              min_frequency: int = 2, lowercase: bool = True) -> Path:
+        """Train a WordPiece vocabulary (BERT's specials first) on text files into out_dir."""
+        from tokenizers import BertWordPieceTokenizer
+
+        out = Path(out_dir)
+        for f in files:
+            read_text(f, "input")  # every input readable before any work
+        existing = [name for name in (cls.VOCAB, cls.SETTINGS) if (out / name).exists()]
+        if existing:
+            raise TokenizerError(f"{out} already holds {', '.join(existing)}; choose another --out "
+                                 f"(megamlm never overwrites files it did not write)")
+        check_writable(out, "--out")
+        trainer = BertWordPieceTokenizer(lowercase=lowercase)
+        trainer.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=min_frequency,
+                      special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK], show_progress=False)
+        vocab = trainer.get_vocab()
+        return cls.write(out, sorted(vocab, key=vocab.get), lowercase)
+
+    def word_starts(self) -> np.ndarray:
+        """[len(dictionary) + 1] bool: the id begins a word (its piece does not start with ##)."""
+        return self._word_starts
+
+    def encode(self, text: str) -> np.ndarray:
+        """Text -> megamlm ids (no [CLS]/[SEP])."""
+        return self._to_ours[np.asarray(self._wordpiece.encode(text, add_special_tokens=False).ids, dtype=np.int64)]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self._to_ours[np.asarray(e.ids, dtype=np.int64)]
+                for e in self._wordpiece.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        """megamlm ids -> text; specials and the mask are skipped."""
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[(ids >= len(SPECIALS)) & (ids < len(self.dictionary) - 1)]
+        return self._wordpiece.decode(self.vocab_order[ids].tolist())

@@ -93,17 +93,18 @@ class SentenceClassifier(nn.Module):
 
 
 def encode(examples: list[Example], tokenizer: Tokenizer, max_length: int) -> list[list[int]]:
-    """`<s> A </s>` or `<s> A </s></s> B </s>`, the longer sentence truncated first when too long."""
+    """`<s> A </s>` or `<s> A </s></s> B </s>` (WordPiece: `[CLS] A [SEP] B [SEP]`, the tokenizer's
+    pair_separator), the longer sentence truncated first when too long."""
     out = []
     for example in examples:
         parts = [tokenizer.encode(text).tolist() for text in example.texts]
-        budget = max_length - (2 if len(parts) == 1 else 4)
+        budget = max_length - 2 - (len(tokenizer.pair_separator) if len(parts) == 2 else 0)
         while sum(map(len, parts)) > budget:
             longest = max(range(len(parts)), key=lambda i: len(parts[i]))
             parts[longest].pop()
         ids = [BOS, *parts[0], EOS]
         if len(parts) == 2:
-            ids += [EOS, *parts[1], EOS]
+            ids += [*tokenizer.pair_separator[1:], *parts[1], EOS]  # RoBERTa: </s></s>; BERT: [SEP]
         out.append(ids)
     return out
 

@@ -4,7 +4,7 @@ Order of operations, as in the reference:
     e = E[tokens]                                (VocabParallelEmbedding: each rank owns a row range)
     e = normalize(e)                             if normalize_embeddings (CLAP)
     e = 0 where token == vocab_size              if zero_mask (zero-clap: the mask is the zero vector)
-    x = e * sqrt(h) (or * 1) + positions(tokens)
+    x = e * sqrt(h) (or * 1) + positions(tokens) (+ T[token_types(tokens)], BERT)
     x = dropout(LayerNorm(x)) ; x = 0 at padding
 """
 
@@ -19,7 +19,17 @@ from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.model.dropout import dropout
-from megamlm.model.positions import PositionEncoding
+from megamlm.model.positions import PositionEncoding, sample_starts
+
+
+def token_types(tokens: torch.Tensor, model: ModelConfig, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s] ids -> [b, s] token types: separators strictly before each position in its sample
+    (packed rows: `segments`), capped at model.token_types - 1 (BERT's A = 0, B = 1)."""
+    separators = tokens.eq(model.separator_token_id).long()
+    before = torch.cumsum(separators, dim=1) - separators
+    if segments is not None:
+        before = before - before.gather(1, sample_starts(segments))
+    return before.clamp(max=model.token_types - 1)
 
 
 class TokenEmbedding(nn.Module):
@@ -32,6 +42,7 @@ class TokenEmbedding(nn.Module):
             padded_vocab_size, model.hidden_size, init_method=nn.init.zeros_,
             config=transformer_config, tp_group=tp_group)
         self.positions = positions
+        self.token_types = nn.Embedding(model.token_types, model.hidden_size) if model.token_types else None
         self.layernorm = (nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
                           if model.embedding_layernorm else None)
         self.scale = math.sqrt(model.hidden_size) if model.scale_embeddings else 1.0
@@ -52,6 +63,8 @@ class TokenEmbedding(nn.Module):
         x = e * self.scale
         if self.positions is not None:
             x = x + self.positions.embed(tokens, segments)
+        if self.token_types is not None:
+            x = x + self.token_types(token_types(tokens, model, segments))
         if self.layernorm is not None:
             x = self.layernorm(x)
         x = dropout(x, model.hidden_dropout, self.training) * ~padding[..., None]

@@ -87,6 +87,7 @@ def encoder_parameter_count(model: ModelConfig, input_size: int | None = None) -
             count += (model.max_positions + model.pad_token_id + 1) * h
         if model.embedding_layernorm:
             count += 2 * h
+        count += model.token_types * h
     else:
         count = input_size * h + h if input_size != h else 0
     layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h

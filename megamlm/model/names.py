@@ -10,6 +10,7 @@ from __future__ import annotations
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_TABLE = "embedding.positions.weight"
+TOKEN_TYPES = "embedding.token_types.weight"
 EMBEDDING_NORM = "embedding.layernorm.{kind}"
 ALIBI_SLOPES = "alibi.log_slopes"
 QKV = "encoder.layers.{i}.self_attention.linear_qkv.{kind}"

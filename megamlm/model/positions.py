@@ -75,10 +75,15 @@ def fairseq_position_ids(tokens: torch.Tensor, pad_token_id: int,
         not_pad = tokens.ne(pad_token_id).int()
         return (torch.cumsum(not_pad, dim=1) * not_pad).long() + pad_token_id
     index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
-    # [b, s]: the index where each position's sample starts (a running max over the sample starts)
+    return torch.where(segments >= 0, index - sample_starts(segments) + pad_token_id + 1, pad_token_id)
+
+
+def sample_starts(segments: torch.Tensor) -> torch.Tensor:
+    """[b, s] sample of each position (packed rows) -> [b, s] the index where its sample starts."""
+    index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
     starts = segments.ne(torch.nn.functional.pad(segments, (1, 0), value=-2)[:, :-1])
-    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
-    return torch.where(segments >= 0, index - first + pad_token_id + 1, pad_token_id)
+    # a running max over the sample starts
+    return torch.cummax(torch.where(starts, index, 0), dim=1).values
 
 
 class LearnedPositions(PositionEncoding):

@@ -67,6 +67,8 @@ class Embedding(nn.Module):
         self.word_embeddings = nn.Embedding(m["vocab_size"], m["hidden_size"])
         if m["position"] == "learned":
             self.positions = nn.Embedding(m["max_positions"] + m["pad_token_id"] + 1, m["hidden_size"])
+        if m.get("token_types", 0):
+            self.token_types = nn.Embedding(m["token_types"], m["hidden_size"])
         self.layernorm = (nn.LayerNorm(m["hidden_size"], eps=m["layernorm_epsilon"])
                           if m["embedding_layernorm"] else None)
 
@@ -93,6 +95,10 @@ class Embedding(nn.Module):
             if m["hidden_size"] % 2:
                 table = F.pad(table, (0, 1))
             x = x + table * ~padding[..., None]
+        if m.get("token_types", 0):  # type = separators before the token (BERT: A 0, B 1)
+            separators = tokens.eq(m["separator_token_id"]).long()
+            types = (torch.cumsum(separators, dim=1) - separators).clamp(max=m["token_types"] - 1)
+            x = x + self.token_types(types)
         if self.layernorm is not None:
             x = self.layernorm(x)
         return x * ~padding[..., None]

@@ -1,0 +1,143 @@
+"""BERT: `convert --from hf` reads a BertForMaskedLM folder (random, non-default shape, its own WordPiece
+vocabulary, saved locally) with transformers' logits at TP=1/2, writes it back as BertForMaskedLM, and
+its tokenizer, token types and GLUE pairs are BERT's (issue 18, BERT part)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megamlm.cli import main as cli
+from megamlm.convert.pipeline import convert, read_megamlm
+from megamlm.data.tokenizer import Tokenizer
+from megamlm.glue.finetune import encode
+from megamlm.glue.tasks import Example
+from megamlm.model.embedding import token_types
+from tests.test_faults import one_line
+
+QUIET = {"log": lambda *a: None, "tolerance": 1e-5}
+WORDS = ("the a of and to in is was he she it for on with as his her by at from that this which an be "
+         "paris city river bank model language mask head token train test good bad fox dog run jump").split()
+# 301 pieces, BERT's specials at BERT's rows (not megamlm's): [PAD] 0, [UNK] 3, [CLS] 4, [SEP] 5, [MASK] 6
+VOCAB = (["[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "!", "?"]
+         + list("abcdefghijklmnopqrstuvwxyz") + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + list(WORDS)
+         + [f"##{w}" for w in WORDS])
+VOCAB += [f"w{i}" for i in range(301 - len(VOCAB))]
+
+
+def save_bert(folder: Path, heads: int = 3, seed: int = 0) -> Path:
+    """A random BertForMaskedLM (every weight nonzero, both token types) and its BertTokenizer."""
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=48, num_hidden_layers=2, num_attention_heads=heads,
+                     intermediate_size=96, max_position_embeddings=40, type_vocab_size=2, layer_norm_eps=1e-12)
+    model = BertForMaskedLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    (folder / "vocab.txt").write_text("".join(f"{piece}\n" for piece in VOCAB))
+    BertTokenizer(vocab=str(folder / "vocab.txt"), do_lower_case=True).save_pretrained(folder)
+    return folder
+
+
+def hf_logits(folder: Path, text_a: str, text_b: str) -> tuple[torch.Tensor, dict]:
+    """transformers' own tokenizer and model on a sentence pair (WordPiece ids, token types)."""
+    from transformers import BertForMaskedLM, BertTokenizer
+
+    inputs = BertTokenizer.from_pretrained(folder)(text_a, text_b, return_tensors="pt")
+    model = BertForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(**inputs).logits, inputs
+
+
+@pytest.mark.parametrize("heads,tp", [(3, 1), (6, 2)])
+def test_bert_folder_converts_both_ways_with_transformers_logits(world, tmp_path, heads, tp):
+    source = save_bert(tmp_path / "hf", heads)
+    report = convert("hf", "megamlm", source, tmp_path / "megamlm", tp=tp, **QUIET)
+    assert report["max_diff"]["hf source"] < 1e-5  # transformers' forward, token type 1 included
+    model = read_megamlm(tmp_path / "megamlm")
+    assert model.cfg.parallel.tensor_parallel == tp and model.cfg.model.token_types == 2
+    assert model.cfg.model.vocab_size == 301 and model.cfg.model.layernorm_epsilon == 1e-12
+    back = convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back", **QUIET)
+    assert back["max_diff"]["transformers BertForMaskedLM"] < 1e-5
+    assert json.loads((tmp_path / "back/config.json").read_text())["architectures"] == ["BertForMaskedLM"]
+    # the way back is the source: same vocab.txt, same logits from transformers' own tokenizer
+    assert (tmp_path / "back/vocab.txt").read_text() == (source / "vocab.txt").read_text()
+    want, inputs = hf_logits(source, "The fox jumps over a dog.", "Paris is a city.")
+    got, _ = hf_logits(tmp_path / "back", "The fox jumps over a dog.", "Paris is a city.")
+    assert inputs["token_type_ids"].max() == 1
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_wordpiece_ids_token_types_and_glue_pairs_are_berts(world, tmp_path):
+    """megamlm's WordPiece ids are BERT's moved to megamlm's places (vocab_order), its token types and
+    its GLUE pair encoding are what BertTokenizer gives."""
+    from transformers import BertTokenizer
+
+    convert("hf", "megamlm", save_bert(tmp_path / "hf"), tmp_path / "megamlm", **QUIET)
+    cfg = read_megamlm(tmp_path / "megamlm").cfg
+    ours = Tokenizer.load(cfg.data.tokenizer)
+    theirs = BertTokenizer.from_pretrained(tmp_path / "hf")
+    assert [VOCAB[i] for i in ours.vocab_order[:4]] == ["[CLS]", "[PAD]", "[SEP]", "[UNK]"]
+    assert VOCAB[ours.vocab_order[ours.dictionary.mask_id]] == "[MASK]"
+    a, b = "The Fox, jumps over the dog!", "Paris is a river bank."
+    assert ours.vocab_order[ours.encode(a)].tolist() == theirs(a, add_special_tokens=False)["input_ids"]
+    assert ours.decode(ours.encode(a)) == theirs.decode(theirs(a, add_special_tokens=False)["input_ids"])
+    pair = encode([Example(texts=(a, b), label=0)], ours, max_length=64)[0]
+    want = theirs(a, b)
+    assert ours.vocab_order[pair].tolist() == want["input_ids"]  # [CLS] A [SEP] B [SEP]
+    types = token_types(torch.tensor([pair]), cfg.model)[0]
+    assert types.tolist() == want["token_type_ids"]
+    # ordinary ids (random replacement) leave out every bracketed special, [unused*] included
+    assert not {VOCAB[i] for i in ours.vocab_order[ours.dictionary.ordinary_ids()]} & {
+        "[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+
+
+def test_token_types_restart_in_every_packed_sample():
+    from megamlm.config import ModelConfig
+
+    model = ModelConfig(token_types=2, vocab_size=50)
+    tokens = torch.tensor([[0, 7, 2, 8, 2, 0, 9, 2, 1, 1]])
+    segments = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1, -1]])
+    assert token_types(tokens, model, segments)[0, :8].tolist() == [0, 0, 0, 1, 1, 0, 0, 0]
+    assert token_types(tokens, model)[0, :8].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+
+
+def test_train_wordpiece_writes_a_tokenizer_training_reads(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog.\nUnbelievable things happen in Paris.\n" * 40)
+    assert cli(["shards", "train-wordpiece", str(corpus), "--out", str(tmp_path / "wp"), "--vocab-size", "120"]) == 0
+    assert "wordpiece.json" in capsys.readouterr().out
+    tokenizer = Tokenizer.load(str(tmp_path / "wp"))
+    ids = tokenizer.encode("the lazy fox in paris")
+    assert tokenizer.decode(ids) == "the lazy fox in paris"
+    assert (ids >= 4).all() and len(tokenizer.dictionary) == tokenizer.dictionary.mask_id + 1
+    assert np.array_equal(np.sort(tokenizer.vocab_order), np.arange(len(tokenizer.dictionary)))
+    assert cli(["shards", "train-wordpiece", str(corpus), "--out", str(tmp_path / "wp")]) == 2
+    assert "already holds vocab.txt" in one_line(capsys.readouterr().err)
+
+
+def test_bad_bert_folders_are_one_line_and_write_nothing(world, tmp_path, capsys):
+    good = save_bert(tmp_path / "good")
+    cases = {}
+    novocab = shutil.copytree(good, tmp_path / "novocab")
+    (novocab / "vocab.txt").unlink()
+    cases["novocab"] = "no vocab.txt: a BERT folder needs its WordPiece vocabulary"
+    short = shutil.copytree(good, tmp_path / "short")
+    (short / "vocab.txt").write_text("".join(f"{p}\n" for p in VOCAB[:-1]))
+    cases["short"] = "300 pieces, config.json's vocab_size is 301"
+    nomask = shutil.copytree(good, tmp_path / "nomask")
+    (nomask / "vocab.txt").write_text("".join(f"{p}\n" for p in VOCAB if p != "[MASK]"))
+    cases["nomask"] = "no [MASK] line: not a BERT WordPiece vocabulary"
+    for name, expected in cases.items():
+        capsys.readouterr()
+        out = tmp_path / f"{name}-out"
+        assert cli(["convert", "--from", "hf", "--to", "megamlm", str(tmp_path / name), str(out)]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert line.startswith("megamlm: convert: ") and expected in line, (name, line)
+        assert not out.exists()
