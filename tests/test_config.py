@@ -3,12 +3,14 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from megamlm.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = sorted((CONFIGS / "variants").glob("*.yaml"))
-SIZES = sorted((CONFIGS / "model").glob("*.yaml"))
+# sizes alone (tiny, base, large); bert-base / albert-base are architectures with their size (below)
+SIZES = sorted(p for p in (CONFIGS / "model").glob("*.yaml") if "include:" not in p.read_text())
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda p: p.stem)
@@ -28,6 +30,28 @@ def test_variants_carry_the_reference_knobs():
         "learned", "clap", True, False)
     base = load_config([CONFIGS / "variants/baseline.yaml"]).model
     assert (base.head, base.embedding_layernorm, base.vocab_size) == ("roberta", True, 50265)
+
+
+def test_bert_and_albert_base_are_the_published_shapes():
+    """Parameter counts from the config alone equal the papers' (BERT-base 110M, ALBERT-base 12M) and
+    transformers' own count of the same configuration."""
+    from transformers import AlbertConfig, AlbertForMaskedLM, BertConfig, BertForMaskedLM
+
+    from megamlm.objectives import get_objective
+
+    for name, config_class, model_class, extra in (
+            ("bert-base", BertConfig, BertForMaskedLM, {}),
+            ("albert-base", AlbertConfig, AlbertForMaskedLM, {"embedding_size": 128})):
+        cfg = load_config([CONFIGS / "model" / f"{name}.yaml"])
+        m = cfg.model
+        with torch.device("meta"):
+            hf = model_class(config_class(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                                          num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                                          intermediate_size=m.ffn_hidden_size, **extra))
+        theirs = sum(p.numel() for p in hf.parameters())
+        # megamlm's learned table has 2 (padding) rows more than HF's (fairseq's layout)
+        assert get_objective(cfg).parameter_count() == theirs + 2 * m.embedding_dim, name
+    assert load_config([CONFIGS / "model/albert-base.yaml"]).model.share_layers
 
 
 def test_overrides_are_typed_and_win_over_files():

@@ -23,6 +23,7 @@ VARIANTS = {
     "untied": ("baseline", ["model.tie_embeddings=false"]),
     "no-positions": ("baseline", ["model.position=none"]),
     "bert": ("bert", []),
+    "albert": ("albert", ["model.embedding_size=24", "model.num_layers=3"]),
 }
 
 

@@ -23,6 +23,16 @@ class ModelConfig:
     """Attention heads; must divide hidden_size and be divisible by parallel.tensor_parallel."""
     ffn_hidden_size: int = field(default=3072, metadata=ARCHITECTURE)
     """Feed-forward inner width (fairseq `encoder_ffn_embed_dim`)."""
+    embedding_size: int | None = field(default=None, metadata=ARCHITECTURE)
+    """ALBERT's factorized embedding E: the token (and position, token-type) tables are V × E, a
+    linear layer maps E -> hidden_size, and the MLM head projects back to E before the tied table.
+    None: E = hidden_size, no projection (RoBERTa, BERT)."""
+    share_layers: bool = field(default=False, metadata=ARCHITECTURE)
+    """ALBERT's cross-layer sharing: one layer's parameters applied num_layers times (compute as
+    num_layers layers, parameters of one; post-LN only)."""
+    activation: Literal["gelu", "gelu_tanh"] = field(default="gelu", metadata=ARCHITECTURE)
+    """The FFN's and the MLM head's activation: exact erf GELU (fairseq, BERT) or its tanh
+    approximation (ALBERT's `gelu_new`)."""
     vocab_size: int = field(default=50265, metadata=ARCHITECTURE)
     """Real vocabulary size = len(fairseq dictionary): 50265 for GPT-2 BPE with `<mask>`,
     50262 for zero-clap (no `<mask>` row, the two last madeupwords removed)."""
@@ -109,6 +119,14 @@ class ModelConfig:
             )
         if self.position == "alibi" and self.alibi_mode is None:
             self.alibi_mode = "offset"
+        if self.embedding_size is not None and self.embedding_size <= 0:
+            raise ConfigError(f"model.embedding_size={self.embedding_size} must be positive (or null: hidden_size)")
+        if self.head == "clap" and self.embedding_dim != self.hidden_size:
+            raise ConfigError(f"model.head=clap needs model.embedding_size=null (or {self.hidden_size}): the CLAP "
+                              f"head projects hidden states onto the embedding table, got {self.embedding_size}")
+        if self.share_layers and self.layernorm != "post":
+            raise ConfigError("model.share_layers=true needs model.layernorm=post (ALBERT's layer); got "
+                              f"layernorm={self.layernorm}")
         if self.head == "clap" and not self.tie_embeddings:
             raise ConfigError(
                 "model.tie_embeddings=false is impossible with model.head=clap: the CLAP head "
@@ -129,6 +147,11 @@ class ModelConfig:
                     "vocab_size", "max_positions", "make_vocab_size_divisible_by", "head_loss_chunk"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be positive")
+
+    @property
+    def embedding_dim(self) -> int:
+        """Width of the embedding tables: embedding_size, or hidden_size when it is null."""
+        return self.embedding_size or self.hidden_size
 
     @property
     def head_dim(self) -> int:

@@ -220,9 +220,12 @@ def megamlm_to_fairseq(full: dict[str, torch.Tensor], model: ModelConfig, source
     if model.position == "alibi" and model.alibi_mode == "learned":
         raise ConversionError("model.alibi_mode=learned has no fairseq counterpart (the fork's ALiBi "
                               "slopes are fixed); allowed: symmetric, offset")
-    if model.token_types:
-        raise ConversionError(f"model.token_types={model.token_types} has no fairseq counterpart (fairseq's "
-                              f"RoBERTa has no token-type embeddings); --to hf writes it")
+    beyond = [f"model.{key}={value}" for key, value, plain in (
+        ("token_types", model.token_types, 0), ("embedding_size", model.embedding_size, None),
+        ("share_layers", model.share_layers, False), ("activation", model.activation, "gelu")) if value != plain]
+    if beyond:  # BERT / ALBERT parts
+        raise ConversionError(f"{', '.join(beyond)} has no fairseq counterpart (fairseq's RoBERTa); --to hf "
+                              f"writes it")
     dtype = getattr(torch, source.dtype)
     slots = names.LAYER_NORM_SLOTS[model.layernorm]
     remaining = dict(full)

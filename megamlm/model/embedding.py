@@ -39,23 +39,24 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.model = model
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size, model.hidden_size, init_method=nn.init.zeros_,
+            padded_vocab_size, model.embedding_dim, init_method=nn.init.zeros_,
             config=transformer_config, tp_group=tp_group)
         self.positions = positions
-        self.token_types = nn.Embedding(model.token_types, model.hidden_size) if model.token_types else None
-        self.layernorm = (nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
+        self.token_types = nn.Embedding(model.token_types, model.embedding_dim) if model.token_types else None
+        self.layernorm = (nn.LayerNorm(model.embedding_dim, eps=model.layernorm_epsilon)
                           if model.embedding_layernorm else None)
-        self.scale = math.sqrt(model.hidden_size) if model.scale_embeddings else 1.0
+        self.scale = math.sqrt(model.embedding_dim) if model.scale_embeddings else 1.0
 
     def forward(self, tokens: torch.Tensor, padding: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, padding [b, s] -> embeddings [s, b, h] (zero at padded positions); `segments`:
+        """tokens, padding [b, s] -> embeddings [s, b, e] (zero at padded positions; e = model.embedding_dim,
+        the hidden size unless factorized, ALBERT); `segments`:
         packed rows (positions restart at each sample)."""
         model = self.model
         if model.zero_mask:
             is_mask = tokens >= model.vocab_size
             tokens = tokens.clamp(max=model.vocab_size - 1)
-        e = self.word_embeddings(tokens)  # [b, s, h], already reduced over the TP group
+        e = self.word_embeddings(tokens)  # [b, s, e], already reduced over the TP group
         if model.normalize_embeddings:
             e = F.normalize(e, dim=-1)
         if model.zero_mask:
@@ -68,5 +69,5 @@ class TokenEmbedding(nn.Module):
         if self.layernorm is not None:
             x = self.layernorm(x)
         x = dropout(x, model.hidden_dropout, self.training) * ~padding[..., None]
-        # [b, s, h] -> [s, b, h]
+        # [b, s, e] -> [s, b, e]
         return x.transpose(0, 1).contiguous()

@@ -15,6 +15,8 @@ position tables stay under `embedding.positions` and ALiBi's learned slopes unde
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import (
@@ -43,7 +45,7 @@ def transformer_config(model: ModelConfig, tp_size: int,
     """megatron-core's config for our encoder. Fusions that need apex/CUDA kernels stay off;
     initialization is ours (TP-invariant, see init.py), so megatron's is skipped."""
     return TransformerConfig(
-        num_layers=model.num_layers,
+        num_layers=1 if model.share_layers else model.num_layers,  # a shared layer is built once
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -53,7 +55,7 @@ def transformer_config(model: ModelConfig, tp_size: int,
         layernorm_epsilon=model.layernorm_epsilon,
         add_bias_linear=True,
         gated_linear_unit=False,
-        activation_func=F.gelu,
+        activation_func=activation_function(model),
         normalization="LayerNorm",
         tensor_model_parallel_size=tp_size,
         params_dtype=params_dtype,
@@ -70,28 +72,37 @@ def transformer_config(model: ModelConfig, tp_size: int,
     )
 
 
+def activation_function(model: ModelConfig):
+    """model.activation as a function (the FFN's and the MLM head's)."""
+    return functools.partial(F.gelu, approximate="tanh") if model.activation == "gelu_tanh" else F.gelu
+
+
 def encoder_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     """Matmul FLOPs per token of the encoder body, forward + backward (3 × forward):
-    6·L·(4h² + 2h·f) for the projections and 12·L·s·h for q·kᵀ and p·v (bidirectional: not halved)."""
-    h, f, L = model.hidden_size, model.ffn_hidden_size, model.num_layers
-    return 6 * L * (4 * h * h + 2 * h * f) + 12 * L * seq_length * h
+    6·L·(4h² + 2h·f) for the projections and 12·L·s·h for q·kᵀ and p·v (bidirectional: not halved);
+    a shared layer (ALBERT) counts every application, a factorized embedding its e -> h projection."""
+    h, f, L, e = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.embedding_dim
+    return 6 * L * (4 * h * h + 2 * h * f) + 12 * L * seq_length * h + (6 * e * h if e != h else 0)
 
 
 def encoder_parameter_count(model: ModelConfig, input_size: int | None = None) -> int:
-    """Parameters of the Encoder from the architecture alone (vocabulary padding excluded); with
-    `input_size`, the encoder without an embedding of its own (its projection instead, if any)."""
-    h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
+    """Parameters of the Encoder from the architecture alone (vocabulary padding excluded; a shared
+    layer once); with `input_size`, the encoder without an embedding of its own (reading embeddings
+    of that width)."""
+    h, f, e, V = model.hidden_size, model.ffn_hidden_size, model.embedding_dim, model.vocab_size
     if input_size is None:
-        count = V * h
+        count = V * e
         if model.position == "learned":
-            count += (model.max_positions + model.pad_token_id + 1) * h
+            count += (model.max_positions + model.pad_token_id + 1) * e
         if model.embedding_layernorm:
-            count += 2 * h
-        count += model.token_types * h
+            count += 2 * e
+        count += model.token_types * e
+        input_size = e
     else:
-        count = input_size * h + h if input_size != h else 0
+        count = 0
+    count += input_size * h + h if input_size != h else 0  # the embedding projection
     layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-    count += L * layer
+    count += (1 if model.share_layers else model.num_layers) * layer
     if model.layernorm == "pre":
         count += 2 * h
     if model.position == "alibi" and model.alibi_mode == "learned":
@@ -105,7 +116,8 @@ class Encoder(nn.Module):
     `initialize=False` leaves the weights unset for a subclass that adds heads first and then calls
     `initialize` once over all of them. `input_size` builds an encoder without a token embedding of
     its own: it reads embeddings [s, b, input_size] made by another encoder's (ELECTRA's generator
-    shares the discriminator's), projected to its hidden size when the two differ."""
+    shares the discriminator's). Embeddings narrower or wider than the hidden size (that input_size,
+    or ALBERT's model.embedding_size) pass a linear projection first."""
 
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
@@ -126,10 +138,12 @@ class Encoder(nn.Module):
         if input_size is None:
             self.embedding = TokenEmbedding(model, tcfg, ctx.tp_group, self.padded_vocab_size,
                                             position if position.input_term else None)
+            input_size = model.embedding_dim
         else:  # the embedding (and any position table in it) is the other encoder's
             self.embedding = None
-            self.embedding_projection = (nn.Linear(input_size, model.hidden_size)
-                                         if input_size != model.hidden_size else None)
+        # embeddings of another width (ALBERT's factorized E, ELECTRA's generator) -> hidden_size
+        self.embedding_projection = (nn.Linear(input_size, model.hidden_size)
+                                     if input_size != model.hidden_size else None)
         self.alibi = position if isinstance(position, Alibi) else None  # wave 1's name: alibi.log_slopes
         self.attention = ATTENTION_BACKENDS[model.attention_backend](position)
         self.encoder = TransformerBlock(tcfg, encoder_layer_spec(model, self.attention),
@@ -161,13 +175,15 @@ class Encoder(nn.Module):
         `segments` [b, s] marks the samples of packed rows (Batch.segments; None: one per row);
         `embedded` [s, b, input_size]: the tokens' embeddings, for an encoder built with input_size."""
         padding = tokens.eq(self.config.pad_token_id)
-        if embedded is None:
-            x = self.embedding(tokens, padding, segments)
-        else:
-            x = embedded if self.embedding_projection is None else self.embedding_projection(embedded)
+        x = self.embedding(tokens, padding, segments) if embedded is None else embedded
+        if self.embedding_projection is not None:
+            x = self.embedding_projection(x)  # [s, b, e] -> [s, b, h]
         documents = documents if self.config.document_mask else None
         prepared = self.attention.prepare(padding, documents, segments, x.dtype)
-        # megatron's attention_mask slot carries the backend's prepared inputs (attention.py)
-        return self.encoder(hidden_states=x, attention_mask=prepared)
+        # megatron's attention_mask slot carries the backend's prepared inputs (attention.py); a
+        # shared layer (ALBERT) is a one-layer block applied num_layers times
+        for _ in range(self.config.num_layers if self.config.share_layers else 1):
+            x = self.encoder(hidden_states=x, attention_mask=prepared)
+        return x
 
     forward = hidden_states

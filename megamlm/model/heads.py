@@ -13,6 +13,8 @@ gathered the head's parameters.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -37,22 +39,24 @@ def mark_vocab_parallel(param: nn.Parameter) -> nn.Parameter:
 
 
 class RobertaLMHead(nn.Module):
-    """fairseq RobertaLMHead: LayerNorm(gelu(dense(h))) @ Eᵀ + bias (exact erf GELU)."""
+    """fairseq RobertaLMHead (= BERT's, ALBERT's): LayerNorm(act(dense(h))) @ Eᵀ + bias (model.activation;
+    dense maps the features to the embedding table's width, ALBERT's E)."""
 
     def __init__(self, model: ModelConfig, vocab_local: int, tp_group, input_size: int | None = None):
         """`input_size`: width of the features when it is not the model's (ELECTRA's generator)."""
         super().__init__()
         self.tp_group = tp_group
-        self.dense = nn.Linear(input_size or model.hidden_size, model.hidden_size)
-        self.layernorm = nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
+        self.dense = nn.Linear(input_size or model.hidden_size, model.embedding_dim)
+        self.activation = F.gelu if model.activation == "gelu" else functools.partial(F.gelu, approximate="tanh")
+        self.layernorm = nn.LayerNorm(model.embedding_dim, eps=model.layernorm_epsilon)
         self.bias = mark_vocab_parallel(nn.Parameter(torch.zeros(vocab_local)))
         self.weight = (None if model.tie_embeddings else
-                       mark_vocab_parallel(nn.Parameter(torch.empty(vocab_local, model.hidden_size))))
+                       mark_vocab_parallel(nn.Parameter(torch.empty(vocab_local, model.embedding_dim))))
 
     def projection(self, features: torch.Tensor, embedding_weight: torch.Tensor,
                    column_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x [n, h], weight [V_local, h], bias [V_local]) with logits = x · weightᵀ + bias."""
-        x = self.layernorm(F.gelu(self.dense(features)))
+        x = self.layernorm(self.activation(self.dense(features)))
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         weight = embedding_weight if self.weight is None else self.weight
         return x, weight, self.bias + column_bias.to(self.bias.dtype)  # buffers stay fp32 under DeepSpeed bf16

@@ -99,7 +99,7 @@ class LearnedPositions(PositionEncoding):
 
     @classmethod
     def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> LearnedPositions:
-        return cls(model.max_positions, model.hidden_size, model.pad_token_id)
+        return cls(model.max_positions, model.embedding_dim, model.pad_token_id)
 
     def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         # packed rows are longer, but each sample fits (the config checks seq_length <= max_positions)
@@ -139,7 +139,7 @@ class SinusoidalPositions(PositionEncoding):
 
     @classmethod
     def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> SinusoidalPositions:
-        return cls(model.hidden_size, model.pad_token_id)
+        return cls(model.embedding_dim, model.pad_token_id)
 
     def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         needed = tokens.size(1) + self.pad_token_id + 1

@@ -126,7 +126,7 @@ class ElectraModel(Encoder):
         self.generator = None
         if generator is not None:
             self.generator = Encoder(generator, ctx, seed, params_dtype, initialize=False,
-                                     input_size=model.hidden_size)
+                                     input_size=model.embedding_dim)
             self.generator.lm_head = RobertaLMHead(model, vocab_local, ctx.tp_group, input_size=generator.hidden_size)
         # the generator never predicts (nor samples) padding: the discriminator would read it as padding
         start = self.embedding.word_embeddings.vocab_start_index
@@ -241,7 +241,7 @@ class Electra(MaskedLanguageModeling):
         """The discriminator and its head, the generator without an embedding of its own, and its head."""
         model, h = self.cfg.model, self.cfg.model.hidden_size
         return (encoder_parameter_count(model) + (h * h + h) + (h + 1)
-                + encoder_parameter_count(self.generator, input_size=h)
+                + encoder_parameter_count(self.generator, input_size=model.embedding_dim)
                 + mlm_head_parameter_count(model, input_size=self.generator.hidden_size))
 
     def flops_per_token(self, seq_length: int) -> float:

@@ -119,17 +119,17 @@ class MaskedLM(Encoder):
 def mlm_head_parameter_count(model: ModelConfig, input_size: int | None = None) -> int:
     """Parameters of the MLM head (the tied table not counted again); `input_size`: its features'
     width when not the model's (ELECTRA's generator)."""
-    h, V = model.hidden_size, model.vocab_size
+    h, e, V = model.hidden_size, model.embedding_dim, model.vocab_size
     if model.head == "clap" and input_size is None:
         return 1
-    return ((input_size or h) * h + h) + 2 * h + V + (0 if model.tie_embeddings else V * h)
+    return ((input_size or h) * e + e) + 2 * e + V + (0 if model.tie_embeddings else V * e)
 
 
 def mlm_head_flops_per_token(model: ModelConfig, head_fraction: float) -> float:
-    """Forward + backward FLOPs per token of the MLM head: 6·(h² [RoBERTa's dense] + h·V) on the
-    share of positions it projects."""
-    h = model.hidden_size
-    return 6 * ((h * h if model.head == "roberta" else 0) + h * model.vocab_size) * head_fraction
+    """Forward + backward FLOPs per token of the MLM head: 6·(h·e [RoBERTa's dense] + e·V) on the
+    share of positions it projects (e = h unless factorized, ALBERT)."""
+    h, e = model.hidden_size, model.embedding_dim
+    return 6 * ((h * e if model.head == "roberta" else 0) + e * model.vocab_size) * head_fraction
 
 
 @register_objective

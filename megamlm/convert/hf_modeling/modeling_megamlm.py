@@ -1,10 +1,12 @@
 """megamlm encoders for Hugging Face `transformers` (trust_remote_code): every positional encoding
-(learned, sinusoidal, none, ALiBi symmetric / offset / learned) and both heads (RoBERTa, CLAP).
+(learned, sinusoidal, none, ALiBi symmetric / offset / learned), both heads (RoBERTa, CLAP), and
+BERT's / ALBERT's parts (token types, a factorized embedding, a shared layer, tanh GELU).
 
 Standalone (torch + transformers only); parameter names are megamlm's full (TP=1) names, so an
 exported model.safetensors is megamlm's state dict. Token ids are fairseq dictionary ids (pad 1).
 """
 
+import functools
 import math
 
 import torch
@@ -24,6 +26,14 @@ class MegamlmConfig(PretrainedConfig):
         kwargs.setdefault("bos_token_id", 0)
         kwargs.setdefault("eos_token_id", 2)
         super().__init__(**kwargs)
+
+
+def embedding_dim(m):
+    return m.get("embedding_size") or m["hidden_size"]
+
+
+def activation(m):
+    return functools.partial(F.gelu, approximate="tanh") if m.get("activation") == "gelu_tanh" else F.gelu
 
 
 # ALiBi is copied here, not imported from megamlm.model.positions: this file ships alone with exported
@@ -64,13 +74,13 @@ class Embedding(nn.Module):
     def __init__(self, m):
         super().__init__()
         self.m = m
-        self.word_embeddings = nn.Embedding(m["vocab_size"], m["hidden_size"])
+        e = embedding_dim(m)
+        self.word_embeddings = nn.Embedding(m["vocab_size"], e)
         if m["position"] == "learned":
-            self.positions = nn.Embedding(m["max_positions"] + m["pad_token_id"] + 1, m["hidden_size"])
+            self.positions = nn.Embedding(m["max_positions"] + m["pad_token_id"] + 1, e)
         if m.get("token_types", 0):
-            self.token_types = nn.Embedding(m["token_types"], m["hidden_size"])
-        self.layernorm = (nn.LayerNorm(m["hidden_size"], eps=m["layernorm_epsilon"])
-                          if m["embedding_layernorm"] else None)
+            self.token_types = nn.Embedding(m["token_types"], e)
+        self.layernorm = nn.LayerNorm(e, eps=m["layernorm_epsilon"]) if m["embedding_layernorm"] else None
 
     def forward(self, tokens, padding):
         m = self.m
@@ -82,17 +92,17 @@ class Embedding(nn.Module):
             e = F.normalize(e, dim=-1)
         if m["zero_mask"]:
             e = e * ~is_mask[..., None]
-        x = e * (math.sqrt(m["hidden_size"]) if m["scale_embeddings"] else 1.0)
+        x = e * (math.sqrt(embedding_dim(m)) if m["scale_embeddings"] else 1.0)
         keep = (~padding).long()
         positions = torch.cumsum(keep, dim=1) * keep + m["pad_token_id"]  # fairseq make_positions
         if m["position"] == "learned":
             x = x + self.positions(positions)
         elif m["position"] == "sinusoidal":
-            half = m["hidden_size"] // 2
+            half = embedding_dim(m) // 2
             freq = torch.exp(torch.arange(half, device=x.device, dtype=torch.float) * -(math.log(10000) / (half - 1)))
             angles = positions.float()[..., None] * freq
             table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
-            if m["hidden_size"] % 2:
+            if embedding_dim(m) % 2:
                 table = F.pad(table, (0, 1))
             x = x + table * ~padding[..., None]
         if m.get("token_types", 0):  # type = separators before the token (BERT: A 0, B 1)
@@ -124,9 +134,10 @@ class MLP(nn.Module):
         super().__init__()
         self.linear_fc1 = nn.Linear(m["hidden_size"], m["ffn_hidden_size"])
         self.linear_fc2 = nn.Linear(m["ffn_hidden_size"], m["hidden_size"])
+        self.activation = activation(m)
 
     def forward(self, x):
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))
 
 
 class Layer(nn.Module):
@@ -153,13 +164,14 @@ class Layer(nn.Module):
 class Encoder(nn.Module):
     def __init__(self, m):
         super().__init__()
-        self.layers = nn.ModuleList(Layer(m) for _ in range(m["num_layers"]))
+        self.applications = m["num_layers"]
+        self.layers = nn.ModuleList(Layer(m) for _ in range(1 if m.get("share_layers") else m["num_layers"]))
         self.final_layernorm = (nn.LayerNorm(m["hidden_size"], eps=m["layernorm_epsilon"])
                                 if m["layernorm"] == "pre" else None)
 
     def forward(self, x, bias):
-        for layer in self.layers:
-            x = layer(x, bias)
+        for i in range(self.applications):
+            x = self.layers[i % len(self.layers)](x, bias)  # a shared layer (ALBERT) every time
         return x if self.final_layernorm is None else self.final_layernorm(x)
 
 
@@ -167,21 +179,22 @@ class Head(nn.Module):
     def __init__(self, m):
         super().__init__()
         self.clap = m["head"] == "clap"
-        h, v = m["hidden_size"], m["vocab_size"]
+        h, e, v = m["hidden_size"], embedding_dim(m), m["vocab_size"]
         if self.clap:
             self.beta = nn.Parameter(torch.ones(1))
         else:
-            self.dense = nn.Linear(h, h)
-            self.layernorm = nn.LayerNorm(h, eps=m["layernorm_epsilon"])
+            self.dense = nn.Linear(h, e)
+            self.activation = activation(m)
+            self.layernorm = nn.LayerNorm(e, eps=m["layernorm_epsilon"])
             self.bias = nn.Parameter(torch.zeros(v))
             if not m["tie_embeddings"]:
-                self.weight = nn.Parameter(torch.zeros(v, h))
+                self.weight = nn.Parameter(torch.zeros(v, e))
 
     def forward(self, x, embedding):
         if self.clap:
             return self.beta * F.linear(x, F.normalize(embedding, dim=-1))
         weight = getattr(self, "weight", embedding)
-        return F.linear(self.layernorm(F.gelu(self.dense(x))), weight, self.bias)
+        return F.linear(self.layernorm(self.activation(self.dense(x))), weight, self.bias)
 
 
 class MegamlmForMaskedLM(PreTrainedModel):
@@ -192,6 +205,8 @@ class MegamlmForMaskedLM(PreTrainedModel):
         super().__init__(config)
         m = config.megamlm
         self.embedding = Embedding(m)
+        if embedding_dim(m) != m["hidden_size"]:
+            self.embedding_projection = nn.Linear(embedding_dim(m), m["hidden_size"])
         self.alibi = Alibi(m["num_attention_heads"], m["alibi_mode"]) if m["position"] == "alibi" else None
         self.encoder = Encoder(m)
         self.lm_head = Head(m)
@@ -207,6 +222,8 @@ class MegamlmForMaskedLM(PreTrainedModel):
         if attention_mask is not None:
             padding = padding | attention_mask.eq(0)
         x = self.embedding(input_ids, padding)
+        if embedding_dim(m) != m["hidden_size"]:
+            x = self.embedding_projection(x)
         b, s = input_ids.shape
         bias = torch.zeros(b, 1, 1, s, dtype=x.dtype, device=x.device).masked_fill(
             padding[:, None, None, :], float("-inf"))
