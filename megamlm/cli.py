@@ -51,7 +51,8 @@ def cmd_params(cfg: Config, args) -> int:
 
 
 def cmd_shards(args) -> int:
-    from megamlm.data.tokenizer import Tokenizer, WordPieceTokenizer
+    from megamlm.data.pieces import WordPieceTokenizer
+    from megamlm.data.tokenizer import Tokenizer
 
     if args.shards_verb == "train-bpe":
         out = Tokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size)

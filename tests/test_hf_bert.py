@@ -133,7 +133,7 @@ def test_bad_bert_folders_are_one_line_and_write_nothing(world, tmp_path, capsys
     cases["short"] = "300 pieces, config.json's vocab_size is 301"
     nomask = shutil.copytree(good, tmp_path / "nomask")
     (nomask / "vocab.txt").write_text("".join(f"{p}\n" for p in VOCAB if p != "[MASK]"))
-    cases["nomask"] = "no [MASK] line: not a BERT WordPiece vocabulary"
+    cases["nomask"] = "nomask/vocab.txt: no [MASK] piece: not a WordPiece vocabulary"
     for name, expected in cases.items():
         capsys.readouterr()
         out = tmp_path / f"{name}-out"

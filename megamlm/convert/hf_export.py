@@ -16,7 +16,9 @@ from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import BERT, ROBERTA, HFFormat, hf_config_values, megamlm_to_hf, permute_vocab
 from megamlm.convert.parity import compare
-from megamlm.data.tokenizer import Tokenizer, TokenizerError, WordPieceTokenizer
+from megamlm.data.dictionary import TokenizerError
+from megamlm.data.pieces import WordPieceTokenizer
+from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import staged_output
 from megamlm.model.embedding import token_types
 

@@ -21,7 +21,9 @@ import torch
 from megamlm.config import Config, load_config
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import BERT, HF_CONFIG, HF_FORMATS, HFFormat, hf_to_megamlm, max_positions, permute_vocab
-from megamlm.data.tokenizer import Tokenizer, TokenizerError, WordPieceTokenizer
+from megamlm.data.dictionary import TokenizerError
+from megamlm.data.pieces import WordPieceTokenizer
+from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.embedding import token_types
 
 SUPPORTED = tuple(HF_FORMATS)
@@ -108,8 +110,8 @@ def _wordpiece(folder: Path, vocab_size: int) -> tuple[dict[str, str], WordPiece
              WordPieceTokenizer.SETTINGS: json.dumps({"lowercase": lowercase}) + "\n"}
     try:
         tokenizer = _staged(files)
-    except TokenizerError as err:
-        raise ConversionError(str(err)) from None
+    except TokenizerError as err:  # it names the staged copy: name the folder's file
+        raise ConversionError(f"{vocab}: {str(err).split(': ', 1)[1]}") from None
     if len(tokenizer.dictionary) != vocab_size:
         raise ConversionError(f"{vocab}: {len(tokenizer.dictionary)} pieces, config.json's vocab_size is "
                               f"{vocab_size}: the vocabulary is not the model's")

@@ -1,5 +1,6 @@
-"""Tokenizers (Hugging Face `tokenizers`) mapped to fairseq dictionary ids: GPT-2 byte-level BPE
-(RoBERTa) and WordPiece (BERT). `load_tokenizer` picks one by name or by the files in a folder.
+"""Tokenizers (Hugging Face `tokenizers`) mapped to megamlm's (fairseq's) dictionary ids
+(data/dictionary.py): GPT-2 byte-level BPE here (RoBERTa), WordPiece (BERT) and SentencePiece
+(ALBERT) in data/pieces.py. `Tokenizer.load` picks one by name or by the files in a folder.
 
 fairseq's RoBERTa never sees GPT-2 ids: GPT-2 id strings are looked up in `dict.txt`
 (ordered by corpus frequency), so
@@ -9,14 +10,6 @@ fairseq's RoBERTa never sees GPT-2 ids: GPT-2 id strings are looked up in `dict.
 
 The zero-clap dictionary drops the last two madeupwords and has no `<mask>` row: 50262 symbols,
 mask id = 50262 (the model embeds it as the zero vector).
-
-WordPiece keeps the same id convention, so data, masking and models need no second one: BERT's
-specials move to fairseq's places and every other piece keeps its vocab.txt order,
-
-    [CLS] -> 0 (<s>), [PAD] -> 1, [SEP] -> 2 (</s>), [UNK] -> 3, the other pieces, [MASK] last
-
-as many ids as vocab.txt has lines (bert-base-uncased: 30,522); `WordPieceTokenizer.vocab_order`
-is that permutation, which the Hugging Face converter applies to BERT's embedding rows.
 """
 
 from __future__ import annotations
@@ -25,18 +18,15 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from megamlm.errors import MegamlmError
+from megamlm.data.dictionary import (BOS, EOS, MASK_SYMBOL, PAD, SPECIALS, UNK, Dictionary,  # noqa: F401
+                                     TokenizerError)
+from megamlm.data.pieces import PieceTokenizer, SentencePieceTokenizer, WordPieceTokenizer
 from megamlm.files import check_writable, read_text
-
-SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
-BOS, PAD, EOS, UNK = range(4)
-MASK_SYMBOL = "<mask>"
 
 GPT2_SHA256 = {
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
@@ -45,67 +35,12 @@ GPT2_SHA256 = {
 }
 
 
-class TokenizerError(MegamlmError):
-    """A tokenizer or dictionary file is missing, corrupt or inconsistent."""
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def bundled_gpt2_dir() -> Path:
     return Path(str(resources.files("megamlm.data") / "assets" / "gpt2"))
-
-
-@dataclass(frozen=True)
-class Dictionary:
-    """fairseq Dictionary: 4 specials, the dict.txt symbols, optionally `<mask>` last."""
-
-    symbols: tuple[str, ...]
-    has_mask_row: bool
-
-    @classmethod
-    def load(cls, path: str | Path, add_mask: bool = True, drop_last: int = 0) -> Dictionary:
-        """Read dict.txt ("<symbol> <count>" per line). `drop_last` removes trailing lines (the
-        zero-clap checkpoints were trained without the last two madeupwords)."""
-        path = Path(path)
-        symbols = []
-        for number, line in enumerate(read_text(path, "dictionary").splitlines(), 1):
-            parts = line.rstrip().split(" ")
-            if parts[-1] == "#fairseq:overwrite":
-                parts = parts[:-1]
-            if len(parts) < 2 or not parts[-1].isdigit():
-                raise TokenizerError(f"{path}:{number}: expected '<symbol> <count>', got {line!r}")
-            symbols.append(" ".join(parts[:-1]))
-        if drop_last:
-            symbols = symbols[:-drop_last]
-        return cls(SPECIALS + tuple(symbols) + ((MASK_SYMBOL,) if add_mask else ()), add_mask)
-
-    def __len__(self) -> int:
-        return len(self.symbols)
-
-    @property
-    def mask_id(self) -> int:
-        """`<mask>`'s row, or len(dictionary) when there is none (zero-clap)."""
-        return len(self) - 1 if self.has_mask_row else len(self)
-
-    @property
-    def sha256(self) -> str:
-        """Identity of the id space that data can contain: every symbol up to the trailing
-        madeupword / `<mask>` padding, which text never encodes to. The GPT-2 dictionary and its
-        zero-clap variant therefore share shards (as the reference's runs shared binarized data);
-        shards of any other dictionary are refused."""
-        symbols = list(self.symbols)
-        while symbols and (symbols[-1] == MASK_SYMBOL or symbols[-1].startswith("madeupword")):
-            symbols.pop()
-        return hashlib.sha256("\n".join(symbols).encode()).hexdigest()
-
-    def ordinary_ids(self) -> np.ndarray:
-        """Ids that random replacement may draw: not special, not madeupword, not `<mask>`."""
-        return np.array([i for i, s in enumerate(self.symbols)
-                         if i >= len(SPECIALS) and s != MASK_SYMBOL and not s.startswith("madeupword")
-                         and not (s.startswith("[") and s.endswith("]"))],  # WordPiece's [unused0] ...
-                        dtype=np.int64)
 
 
 class Tokenizer:
@@ -167,13 +102,15 @@ class Tokenizer:
         return cls(folder / "encoder.json", folder / "vocab.bpe", dictionary)
 
     @classmethod
-    def load(cls, spec: str, zero_clap: bool = False) -> Tokenizer | WordPieceTokenizer:
-        """`gpt2`, `gpt2-zero-clap`, a folder with encoder.json, vocab.bpe and dict.txt, or a
-        WordPiece folder (vocab.txt, `megamlm shards train-wordpiece` or an imported BERT)."""
+    def load(cls, spec: str, zero_clap: bool = False) -> Tokenizer | PieceTokenizer:
+        """`gpt2`, `gpt2-zero-clap`, a folder with encoder.json, vocab.bpe and dict.txt, a WordPiece
+        folder (vocab.txt: `megamlm shards train-wordpiece`, an imported BERT's) or a SentencePiece
+        folder (tokenizer.json + pieces.json: an imported ALBERT's)."""
         if spec in ("gpt2", "gpt2-zero-clap"):
             return cls.gpt2(zero_clap=zero_clap or spec == "gpt2-zero-clap")
-        if (Path(spec) / WordPieceTokenizer.VOCAB).is_file():
-            return WordPieceTokenizer(spec)
+        for kind in (WordPieceTokenizer, SentencePieceTokenizer):
+            if (Path(spec) / kind.FILES[0]).is_file():
+                return kind(spec)
         return cls.from_dir(spec, zero_clap=zero_clap)
 
     @classmethod
@@ -233,86 +170,3 @@ class Tokenizer:
     def bpe_ids(self, text: str) -> list[int]:
         """The raw BPE (GPT-2) ids, before the dictionary mapping."""
         return self._bpe.encode(text).ids
-
-
-class WordPieceTokenizer:
-    """Text <-> megamlm ids through BERT's WordPiece (a folder with vocab.txt and wordpiece.json)."""
-
-    VOCAB, SETTINGS = "vocab.txt", "wordpiece.json"
-    SPECIALS = ("[CLS]", "[PAD]", "[SEP]", "[UNK]")
-    """BERT's names for fairseq's SPECIALS, in that order."""
-    MASK = "[MASK]"
-    pair_separator = (EOS,)
-    """BERT's `[CLS] A [SEP] B [SEP]`: one separator (token types count it, model.token_types)."""
-
-    def __init__(self, folder: str | Path):
-        from tokenizers import BertWordPieceTokenizer
-
-        self.folder = Path(folder)
-        pieces = read_text(self.folder / self.VOCAB, "WordPiece vocabulary").splitlines()
-        settings_path = self.folder / self.SETTINGS
-        settings = json.loads(read_text(settings_path, "WordPiece settings")) if settings_path.is_file() else {}
-        self.lowercase = bool(settings.get("lowercase", True))
-        index = {piece: i for i, piece in enumerate(pieces)}
-        missing = [s for s in (*self.SPECIALS, self.MASK) if s not in index]
-        if missing:
-            raise TokenizerError(f"{self.folder / self.VOCAB}: no {', '.join(missing)} line: not a BERT "
-                                 f"WordPiece vocabulary")
-        moved = {index[s] for s in (*self.SPECIALS, self.MASK)}
-        self.vocab_order = np.array([index[s] for s in self.SPECIALS]
-                                    + [i for i in range(len(pieces)) if i not in moved] + [index[self.MASK]])
-        """[V] megamlm id -> WordPiece id (vocab.txt line)."""
-        self._to_ours = np.argsort(self.vocab_order)
-        middle = tuple(pieces[i] for i in self.vocab_order[len(SPECIALS):-1])
-        self.dictionary = Dictionary(SPECIALS + middle + (MASK_SYMBOL,), has_mask_row=True)
-        self._word_starts = np.array([not s.startswith("##") for s in self.dictionary.symbols] + [True])
-        self._wordpiece = BertWordPieceTokenizer(str(self.folder / self.VOCAB), lowercase=self.lowercase)
-        self.sha256 = hashlib.sha256((self.folder / self.VOCAB).read_bytes()
-                                     + json.dumps({"lowercase": self.lowercase}).encode()).hexdigest()
-
-    @classmethod
-    def write(cls, folder: str | Path, pieces: list[str], lowercase: bool) -> Path:
-        """A WordPiece folder from vocab.txt's lines (WordPiece id order) and the casing rule."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / cls.VOCAB).write_text("".join(f"{p}\n" for p in pieces), encoding="utf-8")
-        (folder / cls.SETTINGS).write_text(json.dumps({"lowercase": lowercase}) + "\n")
-        return folder
-
-    @classmethod
-    def train(cls, files: list[str | Path], out_dir: str | Path, vocab_size: int = 30522,
-              min_frequency: int = 2, lowercase: bool = True) -> Path:
-        """Train a WordPiece vocabulary (BERT's specials first) on text files into out_dir."""
-        from tokenizers import BertWordPieceTokenizer
-
-        out = Path(out_dir)
-        for f in files:
-            read_text(f, "input")  # every input readable before any work
-        existing = [name for name in (cls.VOCAB, cls.SETTINGS) if (out / name).exists()]
-        if existing:
-            raise TokenizerError(f"{out} already holds {', '.join(existing)}; choose another --out "
-                                 f"(megamlm never overwrites files it did not write)")
-        check_writable(out, "--out")
-        trainer = BertWordPieceTokenizer(lowercase=lowercase)
-        trainer.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=min_frequency,
-                      special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK], show_progress=False)
-        vocab = trainer.get_vocab()
-        return cls.write(out, sorted(vocab, key=vocab.get), lowercase)
-
-    def word_starts(self) -> np.ndarray:
-        """[len(dictionary) + 1] bool: the id begins a word (its piece does not start with ##)."""
-        return self._word_starts
-
-    def encode(self, text: str) -> np.ndarray:
-        """Text -> megamlm ids (no [CLS]/[SEP])."""
-        return self._to_ours[np.asarray(self._wordpiece.encode(text, add_special_tokens=False).ids, dtype=np.int64)]
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [self._to_ours[np.asarray(e.ids, dtype=np.int64)]
-                for e in self._wordpiece.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids) -> str:
-        """megamlm ids -> text; specials and the mask are skipped."""
-        ids = np.asarray(ids, dtype=np.int64)
-        ids = ids[(ids >= len(SPECIALS)) & (ids < len(self.dictionary) - 1)]
-        return self._wordpiece.decode(self.vocab_order[ids].tolist())

@@ -1,0 +1,181 @@
+"""WordPiece (BERT) and SentencePiece (ALBERT) vocabularies mapped to megamlm's ids.
+
+megamlm's data, masking and models use one id convention (data/dictionary.py), so a vocabulary with
+its own specials is mapped into it: the specials move to fairseq's places and every other piece keeps
+its order,
+
+    BERT:   [CLS] -> 0 (<s>), [PAD] -> 1, [SEP] -> 2 (</s>), [UNK] -> 3, other pieces, [MASK] last
+    ALBERT: [CLS] -> 0,       <pad> -> 1, [SEP] -> 2,        <unk> -> 3, other pieces, [MASK] last
+
+as many ids as the vocabulary has pieces (bert-base-uncased: 30,522; albert-base-v2: 30,000).
+`vocab_order` is that permutation (megamlm id -> the vocabulary's id), which the Hugging Face
+converters apply to the embedding rows. Both pair texts as `[CLS] A [SEP] B [SEP]`; the model's token
+types count the separators (model.token_types).
+
+    WordPiece folder:      vocab.txt (one piece per line) + wordpiece.json {"lowercase": bool}
+    SentencePiece folder:  tokenizer.json (Hugging Face `tokenizers`) + pieces.json (the special names)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from megamlm.data.dictionary import EOS, MASK_SYMBOL, SPECIALS, Dictionary, TokenizerError
+from megamlm.files import check_writable, read_text
+
+
+class PieceTokenizer:
+    """Text <-> megamlm ids for a vocabulary with its own specials; subclasses read the files and
+    provide `_encode` (text -> vocabulary ids) and `_decode` (vocabulary ids -> text)."""
+
+    FILES: tuple[str, ...] = ()
+    """The folder's files; the first one identifies the kind (Tokenizer.load)."""
+    pair_separator = (EOS,)
+    """`[CLS] A [SEP] B [SEP]`: one separator between a pair's texts."""
+
+    def __init__(self, folder: Path, pieces: list[str], specials: tuple[str, ...], mask: str,
+                 word_start) -> None:
+        """`pieces`: the vocabulary in its own id order; `specials`: its names for <s> <pad> </s> <unk>;
+        `word_start(piece)`: whether a piece begins a word."""
+        self.folder = folder
+        index = {piece: i for i, piece in enumerate(pieces)}
+        missing = [s for s in (*specials, mask) if s not in index]
+        if missing:
+            raise TokenizerError(f"{folder / self.FILES[0]}: no {', '.join(missing)} piece: not a "
+                                 f"{type(self).__name__.removesuffix('Tokenizer')} vocabulary with "
+                                 f"{', '.join((*specials, mask))}")
+        moved = {index[s] for s in (*specials, mask)}
+        self.vocab_order = np.array([index[s] for s in specials]
+                                    + [i for i in range(len(pieces)) if i not in moved] + [index[mask]])
+        """[V] megamlm id -> the vocabulary's id."""
+        self._to_ours = np.argsort(self.vocab_order)
+        middle = tuple(pieces[i] for i in self.vocab_order[len(SPECIALS):-1])
+        self.dictionary = Dictionary(SPECIALS + middle + (MASK_SYMBOL,), has_mask_row=True)
+        self._word_starts = np.array([i < len(SPECIALS) or word_start(s)
+                                      for i, s in enumerate(self.dictionary.symbols)] + [True])
+        self.sha256 = hashlib.sha256(b"".join((folder / name).read_bytes() for name in self.FILES)).hexdigest()
+
+    def word_starts(self) -> np.ndarray:
+        """[len(dictionary) + 1] bool: the id begins a word (whole-word and span masking)."""
+        return self._word_starts
+
+    def encode(self, text: str) -> np.ndarray:
+        """Text -> megamlm ids (no [CLS]/[SEP])."""
+        return self._to_ours[np.asarray(self._encode([text])[0], dtype=np.int64)]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self._to_ours[np.asarray(ids, dtype=np.int64)] for ids in self._encode(texts)]
+
+    def decode(self, ids) -> str:
+        """megamlm ids -> text; specials and the mask are skipped."""
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[(ids >= len(SPECIALS)) & (ids < len(self.dictionary) - 1)]
+        return self._decode(self.vocab_order[ids].tolist())
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+
+def _refuse_existing(out: Path, names: tuple[str, ...]) -> None:
+    existing = [name for name in names if (out / name).exists()]
+    if existing:
+        raise TokenizerError(f"{out} already holds {', '.join(existing)}; choose another --out "
+                             f"(megamlm never overwrites files it did not write)")
+    check_writable(out, "--out")
+
+
+class WordPieceTokenizer(PieceTokenizer):
+    """BERT's WordPiece: vocab.txt + wordpiece.json (the casing rule)."""
+
+    VOCAB, SETTINGS = "vocab.txt", "wordpiece.json"
+    FILES = (VOCAB, SETTINGS)
+    SPECIALS = ("[CLS]", "[PAD]", "[SEP]", "[UNK]")
+    MASK = "[MASK]"
+
+    def __init__(self, folder: str | Path):
+        from tokenizers import BertWordPieceTokenizer
+
+        folder = Path(folder)
+        pieces = read_text(folder / self.VOCAB, "WordPiece vocabulary").splitlines()
+        settings = json.loads(read_text(folder / self.SETTINGS, "WordPiece settings"))
+        self.lowercase = bool(settings.get("lowercase", True))
+        super().__init__(folder, pieces, self.SPECIALS, self.MASK, lambda piece: not piece.startswith("##"))
+        self._wordpiece = BertWordPieceTokenizer(str(folder / self.VOCAB), lowercase=self.lowercase)
+
+    @classmethod
+    def write(cls, folder: str | Path, pieces: list[str], lowercase: bool) -> Path:
+        """A WordPiece folder from vocab.txt's lines (WordPiece id order) and the casing rule."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / cls.VOCAB).write_text("".join(f"{p}\n" for p in pieces), encoding="utf-8")
+        (folder / cls.SETTINGS).write_text(json.dumps({"lowercase": lowercase}) + "\n")
+        return folder
+
+    @classmethod
+    def train(cls, files: list[str | Path], out_dir: str | Path, vocab_size: int = 30522,
+              min_frequency: int = 2, lowercase: bool = True) -> Path:
+        """Train a WordPiece vocabulary (BERT's specials first) on text files into out_dir."""
+        from tokenizers import BertWordPieceTokenizer
+
+        out = Path(out_dir)
+        for f in files:
+            read_text(f, "input")  # every input readable before any work
+        _refuse_existing(out, cls.FILES)
+        trainer = BertWordPieceTokenizer(lowercase=lowercase)
+        trainer.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=min_frequency,
+                      special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK], show_progress=False)
+        vocab = trainer.get_vocab()
+        return cls.write(out, sorted(vocab, key=vocab.get), lowercase)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._wordpiece.encode_batch(texts, add_special_tokens=False)]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._wordpiece.decode(ids)
+
+
+class SentencePieceTokenizer(PieceTokenizer):
+    """A `tokenizers` tokenizer.json (ALBERT's SentencePiece Unigram) + pieces.json naming its specials."""
+
+    TOKENIZER, SPECIAL_NAMES = "tokenizer.json", "pieces.json"
+    FILES = (TOKENIZER, SPECIAL_NAMES)
+    WORD_MARK = "\u2581"
+    """SentencePiece's word-start marker ▁."""
+
+    def __init__(self, folder: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        folder = Path(folder)
+        path = folder / self.TOKENIZER
+        read_text(path, "SentencePiece tokenizer")  # exists and is readable: named if not
+        try:
+            self._backend = HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception on malformed files
+            raise TokenizerError(f"{path}: not a tokenizers file ({err})") from None
+        names = json.loads(read_text(folder / self.SPECIAL_NAMES, "special piece names"))
+        vocab = self._backend.get_vocab()
+        pieces = sorted(vocab, key=vocab.get)
+        super().__init__(folder, pieces, tuple(names["specials"]), names["mask"],
+                         lambda piece: piece.startswith(self.WORD_MARK))
+
+    @classmethod
+    def write(cls, folder: str | Path, tokenizer_json: str, specials: tuple[str, ...], mask: str) -> Path:
+        """A SentencePiece folder from a tokenizer.json's text and its names for <s> <pad> </s> <unk>, mask."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / cls.TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
+        (folder / cls.SPECIAL_NAMES).write_text(json.dumps({"specials": list(specials), "mask": mask}) + "\n")
+        return folder
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids)
