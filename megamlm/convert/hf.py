@@ -1,4 +1,5 @@
-"""Hugging Face `RobertaForMaskedLM` / `BertForMaskedLM` <-> megamlm key tables (full TP=1 tensors).
+"""Hugging Face `RobertaForMaskedLM` / `BertForMaskedLM` / `AlbertForMaskedLM` <-> megamlm key tables
+(full TP=1 tensors).
 
 One declarative table per format maps each HF key to a megamlm key (`HFFormat.keys`); the only
 non-renaming steps are written next to it:
@@ -7,14 +8,17 @@ non-renaming steps are written next to it:
   RoBERTa's table is that layout already; BERT's row 0 is the first token's, so its rows go to
   rows 2... and rows 0-1 (padding's) are zero;
 - token types: RoBERTa has a single type whose row is a constant added everywhere (folded into the
-  position table); BERT's two rows are megamlm's `model.token_types` table;
-- vocabulary rows: RoBERTa's ids are fairseq's; BERT's WordPiece ids are permuted into megamlm's
-  (data/tokenizer.py: WordPieceTokenizer.vocab_order), by the importer / exporter, which hold the vocab.
+  position table); BERT's and ALBERT's two rows are megamlm's `model.token_types` table;
+- ALBERT's one shared layer is megamlm's layer 0 (model.share_layers), its `embedding_hidden_mapping_in`
+  megamlm's embedding projection (model.embedding_size);
+- vocabulary rows: RoBERTa's ids are fairseq's; BERT's WordPiece and ALBERT's SentencePiece ids are
+  permuted into megamlm's (data/pieces.py: vocab_order) by the importer / exporter, which hold the vocab.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import torch
 
@@ -53,16 +57,18 @@ class HFFormat:
     """The encoder's attribute (roberta, bert)."""
     keys: list[tuple[str, str]]
     """(HF key, megamlm key) pairs that are pure renames; {i}: the layer, {kind}: weight | bias."""
+    qkv: str
+    """The separate query / key / value of layer {i}: {part} query | key | value."""
     head: str
     """The MLM head's prefix; its decoder (`{head}.decoder`) is tied to the word embeddings."""
     position_rows_dropped: int
     """megamlm position rows before HF's row 0 (RoBERTa 0: same layout; BERT 2)."""
     fixed: dict
     """config.json values the format must have for megamlm to compute the same function."""
-
-    @property
-    def qkv(self) -> str:
-        return f"{self.prefix}.encoder.layer.{{i}}.attention.self.{{part}}.{{kind}}"
+    config: tuple[tuple[str, str], ...] = ()
+    """(config attribute, ModelConfig field) pairs beyond HF_CONFIG."""
+    variant: dict = dataclass_field(default_factory=dict)
+    """ModelConfig values the format always has (beyond the variant file's)."""
 
     @property
     def positions(self) -> str:
@@ -77,22 +83,42 @@ class HFFormat:
         return f"{self.head}.decoder.{{kind}}"
 
 
+ALBERT_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.{i}"
+"""ALBERT's one layer group holding one layer ({i} = 0, megamlm's shared layer 0)."""
+
 ROBERTA = HFFormat(
     "RobertaForMaskedLM", "roberta",
     _body("roberta") + [*weight_and_bias("lm_head.dense.{kind}", names.LM_HEAD_DENSE),
                         *weight_and_bias("lm_head.layer_norm.{kind}", names.LM_HEAD_NORM),
                         ("lm_head.bias", names.LM_HEAD_BIAS)],
-    head="lm_head", position_rows_dropped=0,
-    fixed={"hidden_act": "gelu", "type_vocab_size": 1, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
-           "tie_word_embeddings": True})
+    qkv="roberta.encoder.layer.{i}.attention.self.{part}.{kind}", head="lm_head", position_rows_dropped=0,
+    fixed={"type_vocab_size": 1, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": True})
 BERT = HFFormat(
     "BertForMaskedLM", "bert",
     _body("bert") + [*weight_and_bias("cls.predictions.transform.dense.{kind}", names.LM_HEAD_DENSE),
                      *weight_and_bias("cls.predictions.transform.LayerNorm.{kind}", names.LM_HEAD_NORM),
                      ("cls.predictions.bias", names.LM_HEAD_BIAS)],
-    head="cls.predictions", position_rows_dropped=POSITION_OFFSET,
-    fixed={"hidden_act": "gelu", "tie_word_embeddings": True})
-HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT)}
+    qkv="bert.encoder.layer.{i}.attention.self.{part}.{kind}", head="cls.predictions",
+    position_rows_dropped=POSITION_OFFSET, fixed={"tie_word_embeddings": True})
+ALBERT = HFFormat(
+    "AlbertForMaskedLM", "albert",
+    [("albert.embeddings.word_embeddings.weight", names.WORD_EMBEDDINGS),
+     *weight_and_bias("albert.embeddings.LayerNorm.{kind}", names.EMBEDDING_NORM),
+     *weight_and_bias("albert.encoder.embedding_hidden_mapping_in.{kind}", names.EMBEDDING_PROJECTION),
+     *weight_and_bias(f"{ALBERT_LAYER}.attention.dense.{{kind}}", names.ATTENTION_OUT),
+     *weight_and_bias(f"{ALBERT_LAYER}.attention.LayerNorm.{{kind}}", POST_LN["attention"]),
+     *weight_and_bias(f"{ALBERT_LAYER}.ffn.{{kind}}", names.FC1),
+     *weight_and_bias(f"{ALBERT_LAYER}.ffn_output.{{kind}}", names.FC2),
+     *weight_and_bias(f"{ALBERT_LAYER}.full_layer_layer_norm.{{kind}}", POST_LN["mlp"]),
+     *weight_and_bias("predictions.dense.{kind}", names.LM_HEAD_DENSE),
+     *weight_and_bias("predictions.LayerNorm.{kind}", names.LM_HEAD_NORM),
+     ("predictions.bias", names.LM_HEAD_BIAS)],
+    qkv=f"{ALBERT_LAYER}.attention.{{part}}.{{kind}}", head="predictions", position_rows_dropped=POSITION_OFFSET,
+    fixed={"num_hidden_groups": 1, "inner_group_num": 1, "tie_word_embeddings": True},
+    config=(("embedding_size", "embedding_size"),), variant={"share_layers": True})
+HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT)}
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+"""config.json's hidden_act -> model.activation (the first name of each is what export writes)."""
 
 # (transformers config attribute, megamlm ModelConfig field): the same names in RobertaConfig and BertConfig
 HF_CONFIG: list[tuple[str, str]] = [
@@ -103,18 +129,24 @@ HF_CONFIG: list[tuple[str, str]] = [
 ]
 
 
-def hf_config_values(model: ModelConfig, fmt: HFFormat) -> dict:
-    """RobertaConfig / BertConfig keyword arguments for a megamlm model of that shape."""
-    values = {theirs: getattr(model, ours) for theirs, ours in HF_CONFIG}
+def hf_config_values(model: ModelConfig, fmt: HFFormat, pad_token_id: int) -> dict:
+    """The format's config keyword arguments for a megamlm model of that shape; `pad_token_id`: the
+    padding's row in the exported vocabulary."""
+    values = {theirs: getattr(model, ours) for theirs, ours in HF_CONFIG + list(fmt.config)}
     values["max_position_embeddings"] = model.max_positions + POSITION_OFFSET - fmt.position_rows_dropped
-    if fmt is BERT:
-        values.update(type_vocab_size=model.token_types, pad_token_id=0)
+    values["hidden_act"] = next(theirs for theirs, ours in ACTIVATIONS.items() if ours == model.activation)
+    values.update(type_vocab_size=model.token_types or 1, pad_token_id=pad_token_id)
     return {**values, **fmt.fixed}
 
 
-def max_positions(values: dict, fmt: HFFormat) -> int:
-    """model.max_positions of a config.json (its max_position_embeddings)."""
-    return values["max_position_embeddings"] - POSITION_OFFSET + fmt.position_rows_dropped
+def model_values(values: dict, fmt: HFFormat) -> dict:
+    """The ModelConfig values a config.json gives (the inverse of hf_config_values)."""
+    out = {ours: values[theirs] for theirs, ours in HF_CONFIG + list(fmt.config) if theirs in values}
+    out["max_positions"] = values["max_position_embeddings"] - POSITION_OFFSET + fmt.position_rows_dropped
+    out["activation"] = ACTIVATIONS[values.get("hidden_act", "gelu")]
+    if fmt is not ROBERTA:  # RoBERTa's one type is folded into the positions
+        out["token_types"] = values.get("type_vocab_size", 2)
+    return {**out, **fmt.variant}
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -131,17 +163,22 @@ def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Te
     return tuple(grouped[:, j].reshape(-1, *qkv.shape[1:]) for j in range(3))
 
 
-def _rename(state: dict[str, torch.Tensor], pairs, num_layers: int) -> dict[str, torch.Tensor]:
+def _rename(state: dict[str, torch.Tensor], pairs, layers: int) -> dict[str, torch.Tensor]:
     """Apply (source key, target key) pairs; pairs with {i} once per layer."""
     return {dst.format(i=i): state[src.format(i=i)] for src, dst in pairs
-            for i in (range(num_layers) if "{i}" in src else [None])}
+            for i in (range(layers) if "{i}" in src else [None])}
+
+
+def _layers(model: ModelConfig) -> int:
+    """Layers with parameters of their own (a shared layer: one)."""
+    return 1 if model.share_layers else model.num_layers
 
 
 def hf_to_megamlm(hf_state: dict[str, torch.Tensor], model: ModelConfig,
                   fmt: HFFormat = ROBERTA) -> dict[str, torch.Tensor]:
     """A RobertaForMaskedLM / BertForMaskedLM state dict (HF vocabulary order) -> full megamlm tensors."""
-    out = _rename(hf_state, fmt.keys, model.num_layers)
-    for i in range(model.num_layers):
+    out = _rename(hf_state, fmt.keys, _layers(model))
+    for i in range(_layers(model)):
         for kind in ("weight", "bias"):
             q, k, v = (hf_state[fmt.qkv.format(i=i, part=p, kind=kind)] for p in ("query", "key", "value"))
             out[names.QKV.format(i=i, kind=kind)] = fuse_qkv(q, k, v, model.num_attention_heads)
@@ -158,14 +195,14 @@ def hf_to_megamlm(hf_state: dict[str, torch.Tensor], model: ModelConfig,
 def megamlm_to_hf(full: dict[str, torch.Tensor], model: ModelConfig,
                   fmt: HFFormat = ROBERTA) -> dict[str, torch.Tensor]:
     """The inverse: full megamlm tensors -> the format's state dict (tied decoder included)."""
-    out = _rename(full, [(ours, theirs) for theirs, ours in fmt.keys], model.num_layers)
-    for i in range(model.num_layers):
+    out = _rename(full, [(ours, theirs) for theirs, ours in fmt.keys], _layers(model))
+    for i in range(_layers(model)):
         for kind in ("weight", "bias"):
             parts = split_qkv(full[names.QKV.format(i=i, kind=kind)], model.num_attention_heads)
             for name, tensor in zip(("query", "key", "value"), parts):
                 out[fmt.qkv.format(i=i, part=name, kind=kind)] = tensor
     out[fmt.positions] = full[names.POSITION_TABLE][fmt.position_rows_dropped:]
-    out[fmt.token_types] = full.get(names.TOKEN_TYPES, torch.zeros(1, model.hidden_size))
+    out[fmt.token_types] = full.get(names.TOKEN_TYPES, torch.zeros(1, model.embedding_dim))
     out[fmt.decoder.format(kind="weight")] = full[names.WORD_EMBEDDINGS]
     out[fmt.decoder.format(kind="bias")] = full[names.LM_HEAD_BIAS]
     return out

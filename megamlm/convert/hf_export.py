@@ -1,8 +1,9 @@
 """Hugging Face export: the RoBERTa-shaped variant as `RobertaForMaskedLM`, the BERT-shaped one (token
-types) as `BertForMaskedLM`, every other variant as megamlm's own modeling file registered through
-`auto_map` (trust_remote_code), plus tokenizer files: GPT-2 BPE whose ids are the fairseq
-dictionary's (as RoBERTa's vocab.json on the Hub), or BERT's vocab.txt in WordPiece order (the model's
-vocabulary rows permuted back, convert/hf.py)."""
+types) as `BertForMaskedLM`, the ALBERT-shaped one (factorized embedding, shared layer) as
+`AlbertForMaskedLM`, every other variant as megamlm's own modeling file registered through `auto_map`
+(trust_remote_code), plus tokenizer files: GPT-2 BPE whose ids are the fairseq dictionary's (as
+RoBERTa's vocab.json on the Hub), BERT's vocab.txt or ALBERT's tokenizer.json in their own id order
+(the model's vocabulary rows permuted back, convert/hf.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import BERT, ROBERTA, HFFormat, hf_config_values, megamlm_to_hf, permute_vocab
+from megamlm.convert.hf import ALBERT, BERT, ROBERTA, HFFormat, hf_config_values, megamlm_to_hf, permute_vocab
 from megamlm.convert.parity import compare
 from megamlm.data.dictionary import TokenizerError
-from megamlm.data.pieces import WordPieceTokenizer
+from megamlm.data.pieces import SentencePieceTokenizer, WordPieceTokenizer
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import staged_output
 from megamlm.model.embedding import token_types
@@ -27,10 +28,15 @@ MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_megamlm.py"
 
 def hf_format(model: ModelConfig) -> HFFormat | None:
     """The transformers class that computes exactly what `model` does (baseline: RoBERTa; baseline +
-    token types: BERT), or None (megamlm's own modeling file)."""
+    token types: BERT; + a factorized embedding and a shared layer: ALBERT), or None (megamlm's own
+    modeling file)."""
     if not (model.position == "learned" and model.embedding_layernorm and model.head == "roberta"
             and model.layernorm == "post" and model.tie_embeddings and not model.scale_embeddings
             and not model.normalize_embeddings and not model.zero_mask and model.pad_token_id == 1):
+        return None
+    if model.share_layers:  # ALBERT's embedding always has its own width (a projection follows)
+        return ALBERT if model.token_types and model.separator_token_id == 2 and model.embedding_size else None
+    if model.embedding_size not in (None, model.hidden_size):
         return None
     if model.token_types:
         return BERT if model.separator_token_id == 2 else None
@@ -46,13 +52,24 @@ def _load_tokenizer(spec: str, zero_mask: bool):
 
 def write_tokenizer(tokenizer, folder: Path, wordpiece_order: bool = True) -> bool:
     """transformers tokenizer files: WordPiece's vocab.txt (BertTokenizer; lines in WordPiece order,
-    or in megamlm's id order for a model that keeps megamlm's rows), or vocab.json (BPE token ->
+    or in megamlm's id order for a model that keeps megamlm's rows), SentencePiece's tokenizer.json
+    (AlbertTokenizer; its own order only), or vocab.json (BPE token ->
     fairseq id) + merges.txt (RobertaTokenizer); False if there are none (a converted checkpoint with
     only a dict.txt)."""
     from transformers import AddedToken, BertTokenizer, RobertaTokenizer
 
     if tokenizer is None:
         return False
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        if not wordpiece_order:
+            return False  # a tokenizer.json's ids cannot be renumbered into megamlm's order here
+        shutil.copyfile(tokenizer.folder / tokenizer.TOKENIZER, folder / "tokenizer.json")
+        names = json.loads((tokenizer.folder / tokenizer.SPECIAL_NAMES).read_text())
+        cls, pad, sep, unk = names["specials"]
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "AlbertTokenizer", "cls_token": cls, "bos_token": cls, "pad_token": pad,
+             "sep_token": sep, "eos_token": sep, "unk_token": unk, "mask_token": names["mask"]}, indent=1))
+        return True
     if isinstance(tokenizer, WordPieceTokenizer):
         pieces = (tokenizer.folder / tokenizer.VOCAB).read_text(encoding="utf-8").splitlines()
         lines = pieces if wordpiece_order else [pieces[i] for i in tokenizer.vocab_order]
@@ -88,7 +105,8 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
     with staged_output(out, "hf", overwrite) as tmp:
         if fmt is not None:
             config_class = getattr(transformers, fmt.architecture.replace("ForMaskedLM", "Config"))
-            hf = getattr(transformers, fmt.architecture)(config_class(**hf_config_values(cfg, fmt)))
+            pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])
+            hf = getattr(transformers, fmt.architecture)(config_class(**hf_config_values(cfg, fmt, pad)))
             full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
             missing, unexpected = hf.load_state_dict(megamlm_to_hf(full, cfg, fmt), strict=False)
             if unexpected or [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]:
@@ -107,10 +125,10 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
                       metadata={"format": "pt"})
             kind, remote, order = "MegamlmForMaskedLM (trust_remote_code)", True, None
         if not write_tokenizer(tokenizer, tmp, wordpiece_order=order is not None):
-            report["warning"] = "no tokenizer files: the model's tokenizer has no BPE or WordPiece files"
+            report["warning"] = "no tokenizer files: the model's tokenizer cannot be written for this model"
         loaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp, trust_remote_code=remote).eval()
         inputs = dict(input_ids=tokens, attention_mask=tokens.ne(cfg.pad_token_id).long())
-        if fmt is BERT:
+        if fmt in (BERT, ALBERT):
             inputs["token_type_ids"] = token_types(tokens, cfg)
         if order is not None:
             inputs["input_ids"] = order[tokens]

@@ -1,12 +1,13 @@
-"""Hugging Face import: a `RobertaForMaskedLM` or `BertForMaskedLM` folder (config.json +
-model.safetensors or pytorch_model.bin, saved locally) -> a megamlm model, for continued pretraining.
+"""Hugging Face import: a `RobertaForMaskedLM`, `BertForMaskedLM` or `AlbertForMaskedLM` folder
+(config.json + model.safetensors or pytorch_model.bin, saved locally) -> a megamlm model, for continued
+pretraining.
 
 The key tables and the config table are `megamlm.convert.hf`'s (the export's, read the other way).
 RoBERTa's vocabulary is GPT-2 BPE with fairseq's dictionary ids (`vocab.json` of roberta-base is
 fairseq's dict.txt order): a 50,265-row model takes megamlm's bundled tokenizer unchanged. BERT's
-WordPiece vocab.txt travels with the model (the output's `tokenizer/` folder) and its ids are
-permuted into megamlm's convention (data/tokenizer.py). The reference side of the parity check is
-transformers' own forward of the folder.
+WordPiece vocab.txt and ALBERT's SentencePiece tokenizer.json travel with the model (the output's
+`tokenizer/` folder) and their ids are permuted into megamlm's convention (data/pieces.py). The
+reference side of the parity check is transformers' own forward of the folder.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ import torch
 
 from megamlm.config import Config, load_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import BERT, HF_CONFIG, HF_FORMATS, HFFormat, hf_to_megamlm, max_positions, permute_vocab
+from megamlm.convert.hf import (ACTIVATIONS, BERT, HF_FORMATS, ROBERTA, HFFormat, hf_to_megamlm,
+                                model_values, permute_vocab)
 from megamlm.data.dictionary import TokenizerError
-from megamlm.data.pieces import WordPieceTokenizer
+from megamlm.data.pieces import PieceTokenizer, SentencePieceTokenizer, WordPieceTokenizer
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.embedding import token_types
 
 SUPPORTED = tuple(HF_FORMATS)
-"""Architectures `convert --from hf` reads (AlbertForMaskedLM: issue 18, to come)."""
+"""Architectures `convert --from hf` reads."""
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
-VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "BertForMaskedLM": "bert.yaml"}
+VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml"}
 """The megamlm variant each format is (its config file)."""
 
 
@@ -59,6 +61,8 @@ def _read_config(folder: Path) -> tuple[dict, HFFormat]:
     fmt = HF_FORMATS[architectures[0]]
     differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
+    if values.get("hidden_act", "gelu") not in ACTIVATIONS:
+        differ.append(f"hidden_act={values['hidden_act']!r} (needs one of {', '.join(ACTIVATIONS)})")
     if values.get("position_embedding_type", "absolute") != "absolute":
         differ.append(f"position_embedding_type={values['position_embedding_type']!r} (needs 'absolute')")
     if differ:
@@ -86,7 +90,7 @@ def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, 
     """Every key the model needs, at its shape (the decoder, tied to the embedding, may be absent)."""
     optional = {fmt.decoder.format(kind="weight"), fmt.decoder.format(kind="bias"),
                 f"{fmt.prefix}.embeddings.position_ids", f"{fmt.prefix}.embeddings.token_type_ids"}
-    if fmt is not BERT:
+    if fmt is ROBERTA:  # its one token type is optional (folded into the positions)
         optional.add(fmt.token_types)
     missing = sorted(k for k in expected if k not in state and k not in optional)
     if missing:
@@ -98,48 +102,59 @@ def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, 
                                   f"{tuple(shape)}")
 
 
-def _wordpiece(folder: Path, vocab_size: int) -> tuple[dict[str, str], WordPieceTokenizer]:
-    """BERT's vocab.txt + casing (tokenizer_config.json's do_lower_case) as megamlm's WordPiece files."""
-    vocab = folder / WordPieceTokenizer.VOCAB
-    if not vocab.is_file():
-        raise ConversionError(f"{folder}: no vocab.txt: a BERT folder needs its WordPiece vocabulary "
+ALBERT_NAMES = {"cls_token": "[CLS]", "pad_token": "<pad>", "sep_token": "[SEP]", "unk_token": "<unk>",
+                "mask_token": "[MASK]"}
+"""AlbertTokenizer's special names (tokenizer_config.json may give others), in megamlm's order."""
+
+
+def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str, str], PieceTokenizer]:
+    """BERT's vocab.txt + casing (tokenizer_config.json's do_lower_case), or ALBERT's tokenizer.json +
+    its special names, as megamlm's tokenizer files; checked to hold the model's vocabulary."""
+    settings_path = folder / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    if fmt is BERT:
+        kind, source = WordPieceTokenizer, folder / "vocab.txt"
+        needs = "its WordPiece vocabulary"
+    else:
+        kind, source = SentencePieceTokenizer, folder / "tokenizer.json"
+        needs = "its SentencePiece tokenizer"
+    if not source.is_file():
+        raise ConversionError(f"{folder}: no {source.name}: {fmt.architecture} folders need {needs} "
                               f"(tokenizer.save_pretrained(folder))")
-    settings = folder / "tokenizer_config.json"
-    lowercase = json.loads(settings.read_text()).get("do_lower_case", True) if settings.is_file() else True
-    files = {WordPieceTokenizer.VOCAB: vocab.read_text(encoding="utf-8"),
-             WordPieceTokenizer.SETTINGS: json.dumps({"lowercase": lowercase}) + "\n"}
+    if kind is WordPieceTokenizer:
+        files = {kind.VOCAB: source.read_text(encoding="utf-8"),
+                 kind.SETTINGS: json.dumps({"lowercase": settings.get("do_lower_case", True)}) + "\n"}
+    else:
+        names = [settings.get(key, default) for key, default in ALBERT_NAMES.items()]
+        files = {kind.TOKENIZER: source.read_text(encoding="utf-8"),
+                 kind.SPECIAL_NAMES: json.dumps({"specials": names[:4], "mask": names[4]}) + "\n"}
     try:
-        tokenizer = _staged(files)
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in files.items():
+                (Path(tmp) / name).write_text(text, encoding="utf-8")
+            tokenizer = kind(tmp)
     except TokenizerError as err:  # it names the staged copy: name the folder's file
-        raise ConversionError(f"{vocab}: {str(err).split(': ', 1)[1]}") from None
+        raise ConversionError(f"{source}: {str(err).split(': ', 1)[1]}") from None
     if len(tokenizer.dictionary) != vocab_size:
-        raise ConversionError(f"{vocab}: {len(tokenizer.dictionary)} pieces, config.json's vocab_size is "
+        raise ConversionError(f"{source}: {len(tokenizer.dictionary)} pieces, config.json's vocab_size is "
                               f"{vocab_size}: the vocabulary is not the model's")
     return files, tokenizer
 
 
-def _staged(files: dict[str, str]) -> WordPieceTokenizer:
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in files.items():
-            (Path(tmp) / name).write_text(text, encoding="utf-8")
-        return WordPieceTokenizer(tmp)
-
-
 def read_hf(folder: str | Path) -> HFSource:
-    """A RobertaForMaskedLM / BertForMaskedLM folder in megamlm terms (checked: architecture, weights,
-    keys, shapes, vocabulary)."""
+    """A RobertaForMaskedLM / BertForMaskedLM / AlbertForMaskedLM folder in megamlm terms (checked:
+    architecture, weights, keys, shapes, vocabulary)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConversionError(f"{folder}: not a folder (--from hf reads a save_pretrained folder)")
     values, fmt = _read_config(folder)
-    overrides = [f"model.{ours}={values[theirs]}" for theirs, ours in HF_CONFIG if theirs in values]
-    positions = max_positions(values, fmt)
-    overrides += [f"model.max_positions={positions}", f"data.seq_length={positions}"]
+    model = model_values(values, fmt)
+    overrides = [f"model.{key}={value}" for key, value in model.items()]
+    overrides.append(f"data.seq_length={model['max_positions']}")
     files, order = None, None
-    if fmt is BERT:
-        files, tokenizer = _wordpiece(folder, values["vocab_size"])
+    if fmt is not ROBERTA:
+        files, tokenizer = _vocabulary(folder, fmt, values["vocab_size"])
         order = torch.from_numpy(tokenizer.vocab_order)
-        overrides += [f"model.token_types={values.get('type_vocab_size', 2)}", "data.tokenizer=tokenizer"]
     else:
         bundled = len(Tokenizer.gpt2().dictionary)
         if values["vocab_size"] != bundled:
@@ -162,13 +177,13 @@ def read_hf(folder: str | Path) -> HFSource:
 
         model = getattr(transformers, fmt.architecture).from_pretrained(folder, attn_implementation="eager")
         inputs = dict(attention_mask=tokens.ne(cfg.model.pad_token_id).long())
-        if order is not None:  # megamlm ids -> WordPiece ids; token types by the same rule as megamlm's
+        if order is not None:  # megamlm ids -> the vocabulary's; token types by the same rule as megamlm's
             inputs.update(input_ids=order[tokens], token_type_ids=token_types(tokens, cfg.model))
         else:
             inputs.update(input_ids=tokens)
         with torch.no_grad():
             logits = model.float().eval()(**inputs).logits
-        return logits if order is None else logits[..., order]  # WordPiece columns -> megamlm's
+        return logits if order is None else logits[..., order]  # the vocabulary's columns -> megamlm's
 
     return HFSource(cfg, full, reference, files)
 

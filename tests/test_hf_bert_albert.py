@@ -1,6 +1,7 @@
-"""BERT: `convert --from hf` reads a BertForMaskedLM folder (random, non-default shape, its own WordPiece
-vocabulary, saved locally) with transformers' logits at TP=1/2, writes it back as BertForMaskedLM, and
-its tokenizer, token types and GLUE pairs are BERT's (issue 18, BERT part)."""
+"""BERT and ALBERT: `convert --from hf` reads a BertForMaskedLM / AlbertForMaskedLM folder (random,
+non-default shape: odd head counts, E != H, a vocabulary not divisible by the TP degree, its own
+WordPiece / SentencePiece vocabulary, saved locally) with transformers' logits at TP=1/2, writes it
+back in the same class, and the tokenizers, token types and GLUE pairs are transformers' (issue 18)."""
 
 import json
 import shutil
@@ -45,29 +46,62 @@ def save_bert(folder: Path, heads: int = 3, seed: int = 0) -> Path:
     return folder
 
 
-def hf_logits(folder: Path, text_a: str, text_b: str) -> tuple[torch.Tensor, dict]:
-    """transformers' own tokenizer and model on a sentence pair (WordPiece ids, token types)."""
-    from transformers import BertForMaskedLM, BertTokenizer
+# 301 SentencePiece pieces with ALBERT's specials at ALBERT's rows: <pad> 0, <unk> 1, [CLS] 2, [SEP] 3, [MASK] 4
+ALBERT_VOCAB = list(dict.fromkeys(["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]", "\u2581"]
+                                  + [f"\u2581{w}" for w in WORDS] + list("abcdefghijklmnopqrstuvwxyz.,!?") + WORDS))
+ALBERT_VOCAB += [f"\u2581w{i}" for i in range(301 - len(ALBERT_VOCAB))]
 
-    inputs = BertTokenizer.from_pretrained(folder)(text_a, text_b, return_tensors="pt")
-    model = BertForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
+
+def save_albert(folder: Path, heads: int = 3, seed: int = 0) -> Path:
+    """A random AlbertForMaskedLM (E = 24 != H = 48, 3 applications of one layer, gelu_new) and its
+    SentencePiece (Unigram) AlbertTokenizer."""
+    from transformers import AlbertConfig, AlbertForMaskedLM, AlbertTokenizer
+
+    torch.manual_seed(seed)
+    cfg = AlbertConfig(vocab_size=len(ALBERT_VOCAB), embedding_size=24, hidden_size=48, num_hidden_layers=3,
+                       num_attention_heads=heads, intermediate_size=96, max_position_embeddings=40,
+                       hidden_act="gelu_new", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = AlbertForMaskedLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    scores = [(piece, 0.0 if i < 5 else -1.0 - len(piece) * 0.1) for i, piece in enumerate(ALBERT_VOCAB)]
+    AlbertTokenizer(vocab=scores).save_pretrained(folder)
+    return folder
+
+
+SAVE = {"BertForMaskedLM": save_bert, "AlbertForMaskedLM": save_albert}
+
+
+def hf_logits(folder: Path, text_a: str, text_b: str) -> tuple[torch.Tensor, dict]:
+    """transformers' own tokenizer and model on a sentence pair (their ids, token types)."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    inputs = AutoTokenizer.from_pretrained(folder)(text_a, text_b, return_tensors="pt", return_token_type_ids=True)
+    model = AutoModelForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(**inputs).logits, inputs
 
 
 @pytest.mark.parametrize("heads,tp", [(3, 1), (6, 2)])
-def test_bert_folder_converts_both_ways_with_transformers_logits(world, tmp_path, heads, tp):
-    source = save_bert(tmp_path / "hf", heads)
+@pytest.mark.parametrize("architecture", ["BertForMaskedLM", "AlbertForMaskedLM"])
+def test_folder_converts_both_ways_with_transformers_logits(world, tmp_path, architecture, heads, tp):
+    source = SAVE[architecture](tmp_path / "hf", heads)
     report = convert("hf", "megamlm", source, tmp_path / "megamlm", tp=tp, **QUIET)
     assert report["max_diff"]["hf source"] < 1e-5  # transformers' forward, token type 1 included
     model = read_megamlm(tmp_path / "megamlm")
     assert model.cfg.parallel.tensor_parallel == tp and model.cfg.model.token_types == 2
     assert model.cfg.model.vocab_size == 301 and model.cfg.model.layernorm_epsilon == 1e-12
+    if architecture == "AlbertForMaskedLM":
+        m = model.cfg.model
+        assert (m.embedding_size, m.share_layers, m.activation, m.num_layers) == (24, True, "gelu_tanh", 3)
     back = convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back", **QUIET)
-    assert back["max_diff"]["transformers BertForMaskedLM"] < 1e-5
-    assert json.loads((tmp_path / "back/config.json").read_text())["architectures"] == ["BertForMaskedLM"]
-    # the way back is the source: same vocab.txt, same logits from transformers' own tokenizer
-    assert (tmp_path / "back/vocab.txt").read_text() == (source / "vocab.txt").read_text()
+    assert back["max_diff"][f"transformers {architecture}"] < 1e-5
+    assert json.loads((tmp_path / "back/config.json").read_text())["architectures"] == [architecture]
+    # the way back is the source: the same vocabulary, the same logits from transformers' own tokenizer
+    vocabulary = "vocab.txt" if architecture == "BertForMaskedLM" else "tokenizer.json"
+    assert (tmp_path / "back" / vocabulary).read_text() == (source / vocabulary).read_text()
     want, inputs = hf_logits(source, "The fox jumps over a dog.", "Paris is a city.")
     got, _ = hf_logits(tmp_path / "back", "The fox jumps over a dog.", "Paris is a city.")
     assert inputs["token_type_ids"].max() == 1
@@ -96,6 +130,24 @@ def test_wordpiece_ids_token_types_and_glue_pairs_are_berts(world, tmp_path):
     # ordinary ids (random replacement) leave out every bracketed special, [unused*] included
     assert not {VOCAB[i] for i in ours.vocab_order[ours.dictionary.ordinary_ids()]} & {
         "[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+
+
+def test_sentencepiece_ids_and_glue_pairs_are_alberts(world, tmp_path):
+    from transformers import AlbertTokenizer
+
+    convert("hf", "megamlm", save_albert(tmp_path / "hf"), tmp_path / "megamlm", **QUIET)
+    cfg = read_megamlm(tmp_path / "megamlm").cfg
+    ours = Tokenizer.load(cfg.data.tokenizer)
+    theirs = AlbertTokenizer.from_pretrained(tmp_path / "hf")
+    assert [ALBERT_VOCAB[i] for i in ours.vocab_order[:4]] == ["[CLS]", "<pad>", "[SEP]", "<unk>"]
+    a, b = "The fox is a city", "paris, the river bank!"
+    assert ours.vocab_order[ours.encode(a)].tolist() == theirs(a, add_special_tokens=False)["input_ids"]
+    pair = encode([Example(texts=(a, b), label=0)], ours, max_length=64)[0]
+    want = theirs(a, b, return_token_type_ids=True)
+    assert ours.vocab_order[pair].tolist() == want["input_ids"]  # [CLS] A [SEP] B [SEP]
+    assert token_types(torch.tensor([pair]), cfg.model)[0].tolist() == want["token_type_ids"]
+    starts = ours.word_starts()[ours.encode(a)]  # SentencePiece's ▁ begins a word
+    assert starts.tolist() == [ALBERT_VOCAB[i].startswith("\u2581") for i in theirs(a, add_special_tokens=False)["input_ids"]]
 
 
 def test_token_types_restart_in_every_packed_sample():
@@ -127,13 +179,21 @@ def test_bad_bert_folders_are_one_line_and_write_nothing(world, tmp_path, capsys
     cases = {}
     novocab = shutil.copytree(good, tmp_path / "novocab")
     (novocab / "vocab.txt").unlink()
-    cases["novocab"] = "no vocab.txt: a BERT folder needs its WordPiece vocabulary"
+    cases["novocab"] = "no vocab.txt: BertForMaskedLM folders need its WordPiece vocabulary"
     short = shutil.copytree(good, tmp_path / "short")
     (short / "vocab.txt").write_text("".join(f"{p}\n" for p in VOCAB[:-1]))
     cases["short"] = "300 pieces, config.json's vocab_size is 301"
     nomask = shutil.copytree(good, tmp_path / "nomask")
     (nomask / "vocab.txt").write_text("".join(f"{p}\n" for p in VOCAB if p != "[MASK]"))
     cases["nomask"] = "nomask/vocab.txt: no [MASK] piece: not a WordPiece vocabulary"
+    albert = save_albert(tmp_path / "albert")
+    notokenizer = shutil.copytree(albert, tmp_path / "notokenizer")
+    (notokenizer / "tokenizer.json").unlink()
+    cases["notokenizer"] = "no tokenizer.json: AlbertForMaskedLM folders need its SentencePiece tokenizer"
+    groups = shutil.copytree(albert, tmp_path / "groups")
+    values = json.loads((groups / "config.json").read_text())
+    (groups / "config.json").write_text(json.dumps({**values, "num_hidden_groups": 3, "hidden_act": "relu"}))
+    cases["groups"] = "num_hidden_groups=3 (needs 1); hidden_act='relu' (needs one of gelu, gelu_new"
     for name, expected in cases.items():
         capsys.readouterr()
         out = tmp_path / f"{name}-out"
