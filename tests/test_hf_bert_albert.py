@@ -147,7 +147,8 @@ def test_sentencepiece_ids_and_glue_pairs_are_alberts(world, tmp_path):
     assert ours.vocab_order[pair].tolist() == want["input_ids"]  # [CLS] A [SEP] B [SEP]
     assert token_types(torch.tensor([pair]), cfg.model)[0].tolist() == want["token_type_ids"]
     starts = ours.word_starts()[ours.encode(a)]  # SentencePiece's ▁ begins a word
-    assert starts.tolist() == [ALBERT_VOCAB[i].startswith("\u2581") for i in theirs(a, add_special_tokens=False)["input_ids"]]
+    pieces = [ALBERT_VOCAB[i] for i in theirs(a, add_special_tokens=False)["input_ids"]]
+    assert starts.tolist() == [piece.startswith("\u2581") for piece in pieces]
 
 
 def test_token_types_restart_in_every_packed_sample():
