@@ -229,7 +229,8 @@ class ObjectiveConfig:
 
     name: str = "mlm"
     """A registered objective: mlm (masked language modeling, the reference's) | electra (replaced-token
-    detection, Clark et al. 2020)."""
+    detection, Clark et al. 2020) | nsp (MLM + BERT's next-sentence prediction) | sop (MLM + ALBERT's
+    sentence-order prediction)."""
     generator_size: float = 0.25
     """electra: the generator's width as a fraction of the discriminator's (heads, hidden and FFN size
     scale together, same depth, same head size); Clark et al. found 1/4 to 1/2 best."""

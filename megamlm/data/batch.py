@@ -49,6 +49,18 @@ class Batch:
     segments: torch.Tensor | None = None
     """Packed layout: [b, s] index of the sample each position belongs to within its row, -1 on
     padding (positions restart and attention stays within a sample); None: one sample per row."""
+    pair_labels: torch.Tensor | None = None
+    """Sentence-pair objectives (data/pairs.py): [number of samples] the label of each sample's pair,
+    in sample order (its `<s>` is the first position of its row or packed segment); None otherwise."""
+
+    @property
+    def sample_starts(self) -> torch.Tensor:
+        """[number of samples] flat (b, s) index of each sample's first position (`<s>`)."""
+        width = self.inputs.size(1)
+        if self.segments is None:
+            return torch.arange(self.inputs.size(0), device=self.inputs.device) * width
+        previous = torch.nn.functional.pad(self.segments, (1, 0), value=-1)[:, :-1]
+        return ((self.segments >= 0) & self.segments.ne(previous)).flatten().nonzero().squeeze(1)
 
     @property
     def target_mask(self) -> torch.Tensor:
@@ -72,9 +84,10 @@ class Batch:
 
 
 def collate(samples: list[tuple[np.ndarray, int]], corruption: Corruption, epoch: int, width: int,
-            pad_id: int, packed: bool = False, **fields) -> Batch:
+            pad_id: int, packed: bool = False, pair_labels: list[int] | None = None, **fields) -> Batch:
     """[(sample ids, sample index)] -> a Batch of `width` columns: one row per sample, or with
-    `packed` one row of all of them end to end. `fields`: epoch-position fields (batch, corrupt)."""
+    `packed` one row of all of them end to end. `pair_labels`: of sentence-pair samples, in order.
+    `fields`: epoch-position fields (batch, corrupt)."""
     rows = [samples] if packed else [[sample] for sample in samples]
     original = np.full((len(rows), width), pad_id, dtype=np.int64)
     inputs = original.copy()
@@ -95,4 +108,5 @@ def collate(samples: list[tuple[np.ndarray, int]], corruption: Corruption, epoch
                  target_index=torch.from_numpy(np.flatnonzero(targeted)),
                  targets=torch.from_numpy(original[targeted]), documents=torch.from_numpy(documents),
                  sample_ids=torch.tensor([index for _, index in samples]), epoch=epoch,
-                 segments=torch.from_numpy(segments) if packed else None, **fields)
+                 segments=torch.from_numpy(segments) if packed else None,
+                 pair_labels=None if pair_labels is None else torch.tensor(pair_labels), **fields)

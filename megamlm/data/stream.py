@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from megamlm.data.batch import Batch, Corruption, collate
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
 from megamlm.data.packing import plan_bins
+from megamlm.data.pairs import Pairing
 from megamlm.data.shards import ShardError
 from megamlm.data.tokenizer import BOS
 
@@ -181,9 +182,13 @@ class EpochOrder:
         if window_id != self._window_id:
             self._window_id, self._permutation = window_id, self._window(window_id)
         index = window_id * self.window + int(self._permutation[offset])
+        return (*self.locate(index), index)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard, block in shard) of the sample with this index."""
         slot = int(np.searchsorted(self.ends, index, side="right"))
         shard = int(self.order[slot])
-        return shard, index - int(self.ends[slot] - self.counts[shard]), index
+        return shard, index - int(self.ends[slot] - self.counts[shard])
 
     def indices(self) -> np.ndarray:
         """[total] the sample index of every position (`sample`'s third value, all at once)."""
@@ -202,8 +207,10 @@ class MaskedBatches(IterableDataset):
                  accumulation: int = 1, block_mode: str = "complete", seed: int = 1,
                  dp_rank: int = 0, dp_size: int = 1, shuffle_window: int = 1000, pad_id: int = 1,
                  epochs: int | None = None, position: StreamPosition | None = None, pad_multiple: int = 8,
-                 packing: str = "padded", tokens_per_micro_batch: int | None = None):
-        self.shards, self.corruption = shards, corruption
+                 packing: str = "padded", tokens_per_micro_batch: int | None = None,
+                 pairing: Pairing | None = None):
+        """`pairing`: sentence-pair objectives (NSP, SOP) make each sample a pair before corruption."""
+        self.shards, self.corruption, self.pairing = shards, corruption, pairing
         # batches are padded to a multiple of this (capped at seq_length); = seq_length gives every
         # batch one shape, which compiled layers need to avoid recompiling per batch width
         self.pad_multiple = pad_multiple
@@ -269,15 +276,32 @@ class MaskedBatches(IterableDataset):
         if not samples:
             raise CorruptShardError(f"every sample of batch {j} of epoch {epoch} is unreadable")
         corrupt = len(positions) - len(samples)
+        if not self.packed:
+            readable = list(samples)
+            while len(samples) < self.micro_batch:  # same batch shape, same step count on every rank
+                samples.append(readable[len(samples) % len(readable)])
+        labels = None
+        if self.pairing is not None:  # never longer than the sample: packing plans and widths hold
+            pairs = [self.pairing(sample, epoch, index, functools.partial(self._partner, order, epoch, index))
+                     for sample, index in samples]
+            samples = [(pair, index) for (pair, _), (_, index) in zip(pairs, samples)]
+            labels = [label for _, label in pairs]
         if self.packed:  # the row keeps its width: a left-out sample is padding
-            return collate(samples, self.corruption, epoch, self.budget, self.pad_id, packed=True, batch=j,
-                           corrupt=corrupt)
-        readable = list(samples)
-        while len(samples) < self.micro_batch:  # same batch shape, same step count on every rank
-            samples.append(readable[len(samples) % len(readable)])
+            return collate(samples, self.corruption, epoch, self.budget, self.pad_id, packed=True,
+                           pair_labels=labels, batch=j, corrupt=corrupt)
         longest = max(len(s) for s, _ in samples)
         width = min(math.ceil(longest / self.pad_multiple) * self.pad_multiple, max(self.seq_length, longest))
-        return collate(samples, self.corruption, epoch, width, self.pad_id, batch=j, corrupt=corrupt)
+        return collate(samples, self.corruption, epoch, width, self.pad_id, pair_labels=labels, batch=j,
+                       corrupt=corrupt)
+
+    def _partner(self, order: EpochOrder, epoch: int, index: int) -> np.ndarray | None:
+        """NSP's other sample for the sample at epoch index `index` (None if it cannot be read)."""
+        shard, block = order.locate(self.pairing.partner_index(epoch, index, order.total))
+        try:
+            return self._sample(shard, block)
+        except CorruptShardError as err:
+            warnings.warn(f"{err}; the pair keeps its own continuation")
+            return None
 
     def __iter__(self):
         info = get_worker_info()

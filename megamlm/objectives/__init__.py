@@ -2,7 +2,7 @@
 
 from megamlm.objectives.base import OBJECTIVES, LossOutput, LossTotals, Objective, get_objective, register_objective
 from megamlm.objectives.mlm import MaskedLM, perplexity  # importing it registers "mlm"
-from megamlm.objectives import electra  # noqa: F401  (registers "electra")
+from megamlm.objectives import electra, sentence_pairs  # noqa: F401  (register "electra", "nsp", "sop")
 from megamlm.objectives.pretrained import from_pretrained, load_encoder, load_pretrained
 
 __all__ = ["OBJECTIVES", "LossOutput", "LossTotals", "MaskedLM", "Objective", "from_pretrained", "get_objective",

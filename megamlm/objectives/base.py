@@ -28,6 +28,7 @@ from torch import nn
 
 from megamlm.config import Config, ConfigError
 from megamlm.data.batch import Batch, Corruption
+from megamlm.data.pairs import Pairing
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.parallel import ParallelContext
 
@@ -75,6 +76,10 @@ class Objective(ABC):
     def corruption(self, tokenizer: Tokenizer, seed: int) -> Corruption:
         """How a sample is corrupted and which positions are targets, seeded by (seed, epoch, sample);
         `tokenizer` gives the dictionary's ids (mask, ordinary) and word starts."""
+
+    def pairing(self, seed: int) -> Pairing | None:
+        """How samples become sentence pairs before corruption (NSP, SOP), or None (they stay as read)."""
+        return None
 
     def count(self, batch: Batch) -> list[int]:
         """Units of each loss term in the batch, from the batch alone (no forward): by default the

@@ -44,18 +44,26 @@ def vocab_parallel_loss(logits_local: torch.Tensor, targets: torch.Tensor, reduc
     return losses.sum() if reduction == "sum" else losses.mean()
 
 
+def select(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Features [s, b, h] at flat (b, s) positions [n] (b_i * s + s_i) -> [n, h]."""
+    s = hidden.size(0)
+    return hidden[positions % s, positions // s]
+
+
 class MaskedLM(Encoder):
     """The Encoder plus an MLM head over the vocab-parallel embedding."""
 
     def __init__(self, model: ModelConfig, ctx: ParallelContext, seed: int = 1,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, *, initialize: bool = True):
+        """`initialize=False`: a subclass adds heads first and then calls `initialize` (Encoder)."""
         super().__init__(model, ctx, seed, params_dtype, initialize=False)
         vocab_local = self.padded_vocab_size // ctx.tp_size
         self.lm_head = (ClapHead(model, ctx.tp_group) if model.head == "clap"
                         else RobertaLMHead(model, vocab_local, ctx.tp_group))
         self.register_buffer("column_bias", vocab_padding_bias(
             self.embedding.word_embeddings.vocab_start_index, vocab_local, model.vocab_size), persistent=False)
-        self.initialize(seed, params_dtype)
+        if initialize:
+            self.initialize(seed, params_dtype)
 
     def external_parameters(self):
         """(module, parameter) pairs a module uses outside its owner's forward (ZeRO-3 must gather
@@ -80,8 +88,7 @@ class MaskedLM(Encoder):
         else:
             if masked_positions.dtype == torch.bool:
                 masked_positions = masked_positions.flatten().nonzero().squeeze(1)
-            s = tokens.size(1)
-            features = hidden[masked_positions % s, masked_positions // s]  # [n, h]
+            features = select(hidden, masked_positions)
         if targets is not None:
             return self.loss_sum(features, targets)
         logits = self.lm_head(features, self.embedding.word_embeddings.weight, self.column_bias)

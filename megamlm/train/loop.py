@@ -66,7 +66,8 @@ def _stream(cfg: Config, ctx: ParallelContext, data: Data, split: str, seed: int
                          micro_batch=cfg.train.micro_batch_size, block_mode=cfg.data.block_mode,
                          seed=seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
                          pad_id=cfg.model.pad_token_id, pad_multiple=_pad_multiple(cfg),
-                         packing=cfg.data.packing, tokens_per_micro_batch=cfg.data.tokens_per_micro_batch, **options)
+                         packing=cfg.data.packing, tokens_per_micro_batch=cfg.data.tokens_per_micro_batch,
+                         pairing=data.objective.pairing(seed), **options)
 
 
 def _pad_multiple(cfg: Config) -> int:
