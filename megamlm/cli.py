@@ -37,12 +37,14 @@ def cmd_params(cfg: Config, args) -> int:
     ctx = init_distributed(cfg.parallel)
     model = get_objective(cfg).build_model(ctx)
     m = cfg.model
-    embedding = m.vocab_size * m.hidden_size
+    embedding = m.vocab_size * m.embedding_dim
     if ctx.tp_rank == 0 and ctx.dp_rank == 0:
         total = model.parameter_count()
+        shared = " (one shared layer)" if m.share_layers else ""
         print(f"{'layers x hidden x heads x ffn':<32}{m.num_layers} x {m.hidden_size} x "
-              f"{m.num_attention_heads} x {m.ffn_hidden_size}")
-        print(f"{'token embedding (tied)':<32}{embedding:>14,}")
+              f"{m.num_attention_heads} x {m.ffn_hidden_size}{shared}")
+        width = f" ({m.vocab_size:,} x {m.embedding_dim})" if m.embedding_dim != m.hidden_size else ""
+        print(f"{'token embedding (tied)':<32}{embedding:>14,}{width}")
         print(f"{'everything else':<32}{total - embedding:>14,}")
         print(f"{'total':<32}{total:>14,}  ({total / 1e6:.1f}M)")
         print(f"{'padded vocabulary at TP=' + str(ctx.tp_size):<32}{model.padded_vocab_size:>14,}")

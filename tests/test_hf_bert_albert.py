@@ -12,12 +12,17 @@ import pytest
 import torch
 
 from megamlm.cli import main as cli
+from megamlm.config import load_config
+from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.convert.pipeline import convert, read_megamlm
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import encode
 from megamlm.glue.tasks import Example
 from megamlm.model.embedding import token_types
+from tests.multiproc import run_on_ranks
 from tests.test_faults import one_line
+from tests.test_hf_import import _first_batch_and_train
+from tests.test_train import ROOT, logged
 
 QUIET = {"log": lambda *a: None, "tolerance": 1e-5}
 WORDS = ("the a of and to in is was he she it for on with as his her by at from that this which an be "
@@ -202,3 +207,35 @@ def test_bad_bert_folders_are_one_line_and_write_nothing(world, tmp_path, capsys
         line = one_line(capsys.readouterr().err)
         assert line.startswith("megamlm: convert: ") and expected in line, (name, line)
         assert not out.exists()
+
+
+@pytest.mark.slow
+def test_continued_pretraining_of_an_albert_with_sop_and_back_to_transformers(world, tmp_path):
+    """An imported ALBERT, shards built with its carried SentencePiece tokenizer, MLM + SOP from
+    train.init_from (the pair head starts fresh): the first update's MLM loss is transformers' on the
+    same masked batch; the result converts back to AlbertForMaskedLM (the SOP head left out)."""
+    from transformers import AlbertForMaskedLM
+
+    source = save_albert(tmp_path / "hf")
+    convert("hf", "megamlm", source, tmp_path / "start", **QUIET)
+    text = tmp_path / "corpus.txt"
+    text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:100_000])
+    tokenizer = Tokenizer.load(str(tmp_path / "start/tokenizer"))
+    build_shards(BuildOptions([str(text)], str(tmp_path / "shards"), seq_length=40, long_docs="split",
+                              valid_fraction=0.1, shard_tokens=8_000), tokenizer, progress=False)
+    cfg = load_config([tmp_path / "start/config.yaml"], [
+        f"data.shards={tmp_path / 'shards'}", f"train.init_from={tmp_path / 'start'}",
+        f"train.run_dir={tmp_path / 'run'}", "objective.name=sop", "train.steps=3", "train.micro_batch_size=4", "optim.warmup_steps=1",
+        "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=1000"])
+    batch, _ = run_on_ranks(_first_batch_and_train, 1, cfg)[0]
+    order = tokenizer.vocab_order
+    hf = AlbertForMaskedLM.from_pretrained(source, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = hf(input_ids=torch.from_numpy(order)[batch.inputs], attention_mask=batch.inputs.ne(1).long(),
+                    token_type_ids=token_types(batch.inputs, cfg.model)).logits[..., torch.from_numpy(order)]
+    hf_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 301)[batch.target_index], batch.targets).item()
+    mlm = logged(tmp_path / "run", key="mlm_loss")
+    assert abs(mlm[1] - hf_loss) < 1e-5, (mlm[1], hf_loss)  # the first update starts from transformers' model
+    assert 0.5 < logged(tmp_path / "run", key="sop_loss")[1] < 0.9  # a fresh 2-way head: about ln 2
+    report = convert("megamlm", "hf", tmp_path / "run/final", tmp_path / "continued", **QUIET)
+    assert report["max_diff"]["transformers AlbertForMaskedLM"] < 1e-5

@@ -30,6 +30,8 @@ from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
 from megamlm.model.folder import read_model_folder, staged_write
+from megamlm.objectives import get_objective
+from megamlm.objectives.mlm import MaskedLanguageModeling
 
 SOURCES = ("fairseq", "megamlm", "zero", "hf")
 TARGETS = ("megamlm", "fairseq", "hf")
@@ -133,6 +135,8 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
 def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
              overwrite: bool) -> dict:
     cfg = model.cfg
+    if cfg.objective.name != "mlm" and isinstance(get_objective(cfg), MaskedLanguageModeling):
+        model, cfg = _masked_lm_part(model, log)
     if cfg.objective.name != "mlm":
         raise fs.ConversionError(
             f"{src} was trained with objective.name={cfg.objective.name}: conversion (and its logit parity "
@@ -160,6 +164,17 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             f"{cfg.model.vocab_size} symbols (tolerance {tolerance:g})")
     log(f"wrote {out}")
     return report
+
+
+def _masked_lm_part(model: Model, log) -> tuple[Model, Config]:
+    """An MLM-based objective's model (NSP, SOP) as a masked-LM model: its further heads left out."""
+    objective = get_objective(model.cfg)
+    heads = sorted({name.split(".")[0] for name in model.full if objective.fresh_head(name)})
+    log(f"objective.name={model.cfg.objective.name}: {', '.join(heads) or 'no further head'} left out, the "
+        f"masked-LM model is converted")
+    model.full = {k: v for k, v in model.full.items() if not objective.fresh_head(k)}
+    model.cfg = config_from_dict(model.cfg.to_dict(), ["objective.name=mlm"])
+    return model, model.cfg
 
 
 def check_output(target: str, out: Path, overwrite: bool) -> None:

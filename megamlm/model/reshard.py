@@ -61,9 +61,10 @@ def full_state_dict(model: nn.Module, grads: bool = False) -> dict[str, torch.Te
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Load full (TP=1) tensors into this rank's shards; every parameter must be present."""
-    params = dict(model.named_parameters())
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], keep: set[str] = frozenset()) -> None:
+    """Load full (TP=1) tensors into this rank's shards; every parameter must be present, except
+    those in `keep`, which stay as they are when absent."""
+    params = {name: p for name, p in model.named_parameters() if name in full or name not in keep}
     missing = sorted(set(params) - set(full))
     unexpected = sorted(set(full) - set(params))
     if missing or unexpected:

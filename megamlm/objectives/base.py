@@ -113,6 +113,11 @@ class Objective(ABC):
         """Scalars of the model worth a column in the training log (e.g. CLAP's beta)."""
         return {}
 
+    def fresh_head(self, name: str) -> bool:
+        """Whether parameter `name` is a head of this objective that a folder written by another
+        objective lacks (train.init_from starts it from its initialization)."""
+        return False
+
     def exported(self, name: str) -> bool:
         """Whether parameter `name` goes into exported model folders (<run_dir>/final); checkpoints
         keep everything."""

@@ -64,6 +64,10 @@ class SentencePairObjective(MaskedLanguageModeling):
     def build_model(self, ctx: ParallelContext, params_dtype: torch.dtype = torch.float32) -> PairedMaskedLM:
         return PairedMaskedLM(self.cfg.model, ctx, seed=self.cfg.train.seed, params_dtype=params_dtype)
 
+    def fresh_head(self, name: str) -> bool:
+        """The pair head: continued pretraining from an MLM folder (e.g. an imported BERT) adds it."""
+        return name.startswith("pair_head.")
+
     def pairing(self, seed: int) -> Pairing:
         return Pairing(self.kind, seed)
 

@@ -111,15 +111,16 @@ def evaluate(objective: Objective, model, stream: MaskedBatches, max_batches: in
     return result
 
 
-def init_from_folder(model, cfg: Config, folder: str) -> None:
-    """Start from a model folder's weights (checked: same architecture as the run's config)."""
+def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> None:
+    """Start from a model folder's weights (checked: same architecture as the run's config); the
+    objective's own heads that the folder lacks (`Objective.fresh_head`) keep their initialization."""
     source = read_model_folder(folder)
     differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
               for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
     if differ:
         raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
                           f"(start from its config.yaml: --config {folder}/config.yaml)")
-    load_full_state_dict(model, source.full)
+    load_full_state_dict(model, source.full, keep={n for n, _ in model.named_parameters() if objective.fresh_head(n)})
 
 
 def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: bool = False,
@@ -144,7 +145,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     data = prepare_data(cfg, ctx, objective)
     model = objective.build_model(ctx)
     if cfg.train.init_from:
-        init_from_folder(model, cfg, cfg.train.init_from)
+        init_from_folder(model, cfg, cfg.train.init_from, objective)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
