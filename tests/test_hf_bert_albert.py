@@ -225,7 +225,8 @@ def test_continued_pretraining_of_an_albert_with_sop_and_back_to_transformers(wo
                               valid_fraction=0.1, shard_tokens=8_000), tokenizer, progress=False)
     cfg = load_config([tmp_path / "start/config.yaml"], [
         f"data.shards={tmp_path / 'shards'}", f"train.init_from={tmp_path / 'start'}",
-        f"train.run_dir={tmp_path / 'run'}", "objective.name=sop", "train.steps=3", "train.micro_batch_size=4", "optim.warmup_steps=1",
+        f"train.run_dir={tmp_path / 'run'}", "objective.name=sop", "train.steps=3", "train.micro_batch_size=4",
+        "optim.warmup_steps=1",
         "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=1000"])
     batch, _ = run_on_ranks(_first_batch_and_train, 1, cfg)[0]
     order = tokenizer.vocab_order
