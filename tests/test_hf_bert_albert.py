@@ -15,14 +15,19 @@ from megamlm.cli import main as cli
 from megamlm.config import load_config
 from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.convert.pipeline import convert, read_megamlm
+from megamlm.data.pieces import WordPieceTokenizer
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import encode
 from megamlm.glue.tasks import Example
 from megamlm.model.embedding import token_types
+from megamlm.model.folder import read_model_folder, write_model_folder
+from megamlm.model.reshard import full_state_dict
+from megamlm.objectives import MaskedLM
 from tests.multiproc import run_on_ranks
 from tests.test_faults import one_line
 from tests.test_hf_import import _first_batch_and_train
 from tests.test_train import ROOT, logged
+from tests.variants import variant_config
 
 QUIET = {"log": lambda *a: None, "tolerance": 1e-5}
 WORDS = ("the a of and to in is was he she it for on with as his her by at from that this which an be "
@@ -240,3 +245,26 @@ def test_continued_pretraining_of_an_albert_with_sop_and_back_to_transformers(wo
     assert 0.5 < logged(tmp_path / "run", key="sop_loss")[1] < 0.9  # a fresh 2-way head: about ln 2
     report = convert("megamlm", "hf", tmp_path / "run/final", tmp_path / "continued", **QUIET)
     assert report["max_diff"]["transformers AlbertForMaskedLM"] < 1e-5
+
+
+@pytest.mark.parametrize("parts", [[], ["model.token_types=2", "model.embedding_size=24", "model.share_layers=true",
+                                        "model.activation=gelu_tanh", "model.num_layers=3"]],
+                         ids=["alibi", "alibi+albert-parts"])
+def test_megamlms_own_remote_code_exports_read_back(world, tmp_path, parts):
+    """Variants transformers has no class for go out as modeling_megamlm.py (ALiBi; with BERT / ALBERT
+    parts and a WordPiece vocabulary written in megamlm's order) and come back bit for bit."""
+    if parts:
+        WordPieceTokenizer.write(tmp_path / "wordpiece", VOCAB, lowercase=True)
+        extra = [*parts, "model.vocab_size=301", f"data.tokenizer={tmp_path / 'wordpiece'}"]
+    else:
+        extra = ["model.vocab_size=50265", "data.tokenizer=gpt2"]
+    cfg = variant_config("alibi", extra)
+    write_model_folder(tmp_path / "model", cfg, full_state_dict(MaskedLM(cfg.model, world, seed=5)))
+    out = convert("megamlm", "hf", tmp_path / "model", tmp_path / "hf", **QUIET)
+    assert out["max_diff"]["transformers MegamlmForMaskedLM (trust_remote_code)"] < 1e-5
+    back = convert("hf", "megamlm", tmp_path / "hf", tmp_path / "back", **QUIET)
+    assert back["max_diff"]["hf source"] < 1e-5
+    original, returned = read_model_folder(tmp_path / "model"), read_model_folder(tmp_path / "back")
+    assert returned.cfg.model == original.cfg.model
+    assert original.full.keys() == returned.full.keys()
+    assert all(torch.equal(original.full[k], returned.full[k]) for k in original.full)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megamlm.config import Config, load_config
+from megamlm.config import Config, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import (ACTIVATIONS, BERT, HF_FORMATS, ROBERTA, HFFormat, hf_to_megamlm,
                                 model_values, permute_vocab)
@@ -28,7 +28,9 @@ from megamlm.data.pieces import PieceTokenizer, SentencePieceTokenizer, WordPiec
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.embedding import token_types
 
-SUPPORTED = tuple(HF_FORMATS)
+MEGAMLM_EXPORT = "MegamlmForMaskedLM"
+"""megamlm's own export of the other variants (hf_export.py: modeling_megamlm.py through auto_map)."""
+SUPPORTED = (*HF_FORMATS, MEGAMLM_EXPORT)
 """Architectures `convert --from hf` reads."""
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
@@ -46,7 +48,8 @@ class HFSource:
     """Files of the tokenizer folder to ship with the model (BERT's WordPiece), or None (bundled GPT-2)."""
 
 
-def _read_config(folder: Path) -> tuple[dict, HFFormat]:
+def _read_config(folder: Path) -> tuple[dict, HFFormat | None]:
+    """config.json's values and their format (None: megamlm's own export)."""
     path = folder / "config.json"
     if not path.is_file():
         raise ConversionError(f"{folder}: no config.json: not a Hugging Face model folder")
@@ -58,6 +61,8 @@ def _read_config(folder: Path) -> tuple[dict, HFFormat]:
     if architectures[0] not in SUPPORTED:
         raise ConversionError(f"{path}: architecture {architectures[0]} is not supported; "
                               f"--from hf reads {', '.join(SUPPORTED)}")
+    if architectures[0] == MEGAMLM_EXPORT:
+        return values, None
     fmt = HF_FORMATS[architectures[0]]
     differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
@@ -148,6 +153,8 @@ def read_hf(folder: str | Path) -> HFSource:
     if not folder.is_dir():
         raise ConversionError(f"{folder}: not a folder (--from hf reads a save_pretrained folder)")
     values, fmt = _read_config(folder)
+    if fmt is None:
+        return _read_megamlm_export(folder, values)
     model = model_values(values, fmt)
     overrides = [f"model.{key}={value}" for key, value in model.items()]
     overrides.append(f"data.seq_length={model['max_positions']}")
@@ -156,10 +163,7 @@ def read_hf(folder: str | Path) -> HFSource:
         files, tokenizer = _vocabulary(folder, fmt, values["vocab_size"])
         order = torch.from_numpy(tokenizer.vocab_order)
     else:
-        bundled = len(Tokenizer.gpt2().dictionary)
-        if values["vocab_size"] != bundled:
-            raise ConversionError(f"{folder}/config.json: vocab_size={values['vocab_size']}, not RoBERTa's GPT-2 "
-                                  f"BPE ({bundled} fairseq ids): other vocabularies are not supported yet")
+        _check_gpt2(folder, values["vocab_size"], zero_mask=False)
     cfg = load_config(VARIANTS / VARIANT[fmt.architecture], overrides)
     weights, state = _read_weights(folder)
     _check_keys(weights, state, _expected_shapes(values, fmt), fmt)
@@ -184,6 +188,43 @@ def read_hf(folder: str | Path) -> HFSource:
         with torch.no_grad():
             logits = model.float().eval()(**inputs).logits
         return logits if order is None else logits[..., order]  # the vocabulary's columns -> megamlm's
+
+    return HFSource(cfg, full, reference, files)
+
+
+def _check_gpt2(folder: Path, vocab_size: int, zero_mask: bool) -> str:
+    """The bundled tokenizer's name for a model of `vocab_size` GPT-2 rows (refused otherwise)."""
+    bundled = len(Tokenizer.gpt2(zero_clap=zero_mask).dictionary)
+    if vocab_size != bundled:
+        raise ConversionError(f"{folder}/config.json: vocab_size={vocab_size}, not the GPT-2 BPE's {bundled} fairseq "
+                              f"ids and no vocab.txt / tokenizer.json: other vocabularies are not supported yet")
+    return "gpt2-zero-clap" if zero_mask else "gpt2"
+
+
+def _read_megamlm_export(folder: Path, values: dict) -> HFSource:
+    """megamlm's own export: config.json's `megamlm` section is the model section, the weights carry
+    megamlm's names; the reference is the folder's modeling_megamlm.py run by transformers."""
+    section = values.get("megamlm")
+    if not isinstance(section, dict):
+        raise ConversionError(f"{folder}/config.json: no 'megamlm' section: not written by `megamlm convert --to hf`")
+    files = None
+    if (folder / WordPieceTokenizer.VOCAB).is_file():  # exported in megamlm's id order (hf_export.py)
+        files, _ = _vocabulary(folder, BERT, section.get("vocab_size", 0))
+        tokenizer = "tokenizer"
+    else:
+        tokenizer = _check_gpt2(folder, section.get("vocab_size", 0), bool(section.get("zero_mask")))
+    cfg = config_from_dict({"model": section, "data": {"tokenizer": tokenizer,
+                                                       "seq_length": section.get("max_positions", 512)}},
+                           origin=str(folder / "config.json"))
+    _, state = _read_weights(folder)
+    full = {k: v.float() for k, v in state.items()}
+
+    def reference(tokens: torch.Tensor) -> torch.Tensor:
+        from transformers import AutoModelForMaskedLM
+
+        model = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True).float().eval()
+        with torch.no_grad():
+            return model(input_ids=tokens, attention_mask=tokens.ne(cfg.model.pad_token_id).long()).logits
 
     return HFSource(cfg, full, reference, files)
 
