@@ -31,7 +31,6 @@ from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
 from megamlm.model.folder import read_model_folder, staged_write
 from megamlm.objectives import get_objective
-from megamlm.objectives.mlm import MaskedLanguageModeling
 
 SOURCES = ("fairseq", "megamlm", "zero", "hf")
 TARGETS = ("megamlm", "fairseq", "hf")
@@ -135,7 +134,7 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
 def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
              overwrite: bool) -> dict:
     cfg = model.cfg
-    if cfg.objective.name != "mlm" and isinstance(get_objective(cfg), MaskedLanguageModeling):
+    if cfg.objective.name != "mlm" and get_objective(cfg).masked_lm_inside:
         model, cfg = _masked_lm_part(model, log)
     if cfg.objective.name != "mlm":
         raise fs.ConversionError(

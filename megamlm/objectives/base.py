@@ -60,6 +60,9 @@ class Objective(ABC):
     """The validation metric `summary` adds next to the loss (lower is better)."""
     loss_terms: ClassVar[tuple[str, ...]] = ("mlm",)
     """Names of the loss's terms, in LossOutput order; the loss is their sum."""
+    masked_lm_inside: ClassVar[bool] = False
+    """The model is mlm's MaskedLM plus the heads `fresh_head` names (NSP, SOP): conversion takes the
+    MaskedLM."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -60,6 +60,7 @@ class SentencePairObjective(MaskedLanguageModeling):
     """MLM + the classification of each sample's pair (`kind`: nsp | sop)."""
 
     kind: ClassVar[str]
+    masked_lm_inside = True
 
     def build_model(self, ctx: ParallelContext, params_dtype: torch.dtype = torch.float32) -> PairedMaskedLM:
         return PairedMaskedLM(self.cfg.model, ctx, seed=self.cfg.train.seed, params_dtype=params_dtype)
