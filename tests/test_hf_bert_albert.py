@@ -25,7 +25,7 @@ from megamlm.model.reshard import full_state_dict
 from megamlm.objectives import MaskedLM
 from tests.multiproc import run_on_ranks
 from tests.test_faults import one_line
-from tests.test_hf_import import _first_batch_and_train
+from tests.test_hf_import import _first_batch_and_train, assert_refused_in_one_line
 from tests.test_train import ROOT, logged
 from tests.variants import variant_config
 
@@ -205,13 +205,7 @@ def test_bad_bert_folders_are_one_line_and_write_nothing(world, tmp_path, capsys
     values = json.loads((groups / "config.json").read_text())
     (groups / "config.json").write_text(json.dumps({**values, "num_hidden_groups": 3, "hidden_act": "relu"}))
     cases["groups"] = "num_hidden_groups=3 (needs 1); hidden_act='relu' (needs one of gelu, gelu_new"
-    for name, expected in cases.items():
-        capsys.readouterr()
-        out = tmp_path / f"{name}-out"
-        assert cli(["convert", "--from", "hf", "--to", "megamlm", str(tmp_path / name), str(out)]) == 2
-        line = one_line(capsys.readouterr().err)
-        assert line.startswith("megamlm: convert: ") and expected in line, (name, line)
-        assert not out.exists()
+    assert_refused_in_one_line(tmp_path, cases, capsys)
 
 
 @pytest.mark.slow

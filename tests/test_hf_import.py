@@ -98,6 +98,12 @@ def test_bad_hugging_face_folders_are_one_line_and_write_nothing(world, tmp_path
     (shape / "config.json").write_text(json.dumps({**values, "intermediate_size": 64}))
     cases["shape"] = ("roberta.encoder.layer.0.intermediate.dense.weight has shape (96, 48), config.json "
                       "gives (64, 48)")
+    assert_refused_in_one_line(tmp_path, cases, capsys)
+
+
+def assert_refused_in_one_line(tmp_path: Path, cases: dict[str, str], capsys) -> None:
+    """`convert --from hf` of each folder tmp_path/<name> exits 2 with one line holding its expected
+    text, and writes nothing."""
     for name, expected in cases.items():
         capsys.readouterr()
         out = tmp_path / f"{name}-out"

@@ -126,18 +126,15 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
     if not source.is_file():
         raise ConversionError(f"{folder}: no {source.name}: {fmt.architecture} folders need {needs} "
                               f"(tokenizer.save_pretrained(folder))")
-    if kind is WordPieceTokenizer:
-        files = {kind.VOCAB: source.read_text(encoding="utf-8"),
-                 kind.SETTINGS: json.dumps({"lowercase": settings.get("do_lower_case", True)}) + "\n"}
-    else:
-        names = [settings.get(key, default) for key, default in ALBERT_NAMES.items()]
-        files = {kind.TOKENIZER: source.read_text(encoding="utf-8"),
-                 kind.SPECIAL_NAMES: json.dumps({"specials": names[:4], "mask": names[4]}) + "\n"}
-    try:
+    try:  # written by the tokenizer class itself, read back as the files to ship
         with tempfile.TemporaryDirectory() as tmp:
-            for name, text in files.items():
-                (Path(tmp) / name).write_text(text, encoding="utf-8")
+            if kind is WordPieceTokenizer:
+                kind.write(tmp, source.read_text(encoding="utf-8").splitlines(), settings.get("do_lower_case", True))
+            else:
+                names = [settings.get(key, default) for key, default in ALBERT_NAMES.items()]
+                kind.write(tmp, source.read_text(encoding="utf-8"), tuple(names[:4]), names[4])
             tokenizer = kind(tmp)
+            files = {name: (Path(tmp) / name).read_text(encoding="utf-8") for name in kind.FILES}
     except TokenizerError as err:  # it names the staged copy: name the folder's file
         raise ConversionError(f"{source}: {str(err).split(': ', 1)[1]}") from None
     if len(tokenizer.dictionary) != vocab_size:
