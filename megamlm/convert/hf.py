@@ -17,8 +17,7 @@ non-renaming steps are written next to it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from dataclasses import field as dataclass_field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,7 +66,7 @@ class HFFormat:
     """config.json values the format must have for megamlm to compute the same function."""
     config: tuple[tuple[str, str], ...] = ()
     """(config attribute, ModelConfig field) pairs beyond HF_CONFIG."""
-    variant: dict = dataclass_field(default_factory=dict)
+    variant: dict = field(default_factory=dict)
     """ModelConfig values the format always has (beyond the variant file's)."""
 
     @property

@@ -15,10 +15,7 @@ position tables stay under `embedding.positions` and ALiBi's learned slopes unde
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -30,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from megamlm.config import ConfigError, ModelConfig
+from megamlm.model.activation import activation_function
 from megamlm.model.attention import ATTENTION_BACKENDS
 from megamlm.model.embedding import TokenEmbedding
 from megamlm.model.heads import mark_vocab_parallel
@@ -70,11 +68,6 @@ def transformer_config(model: ModelConfig, tp_size: int,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
     )
-
-
-def activation_function(model: ModelConfig):
-    """model.activation as a function (the FFN's and the MLM head's)."""
-    return functools.partial(F.gelu, approximate="tanh") if model.activation == "gelu_tanh" else F.gelu
 
 
 def encoder_flops_per_token(model: ModelConfig, seq_length: int) -> float:

@@ -13,8 +13,6 @@ gathered the head's parameters.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -22,6 +20,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from torch import nn
 
 from megamlm.config import ModelConfig
+from megamlm.model.activation import activation_function
 
 
 def vocab_padding_bias(vocab_start: int, vocab_local: int, vocab_size: int) -> torch.Tensor:
@@ -47,7 +46,7 @@ class RobertaLMHead(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         self.dense = nn.Linear(input_size or model.hidden_size, model.embedding_dim)
-        self.activation = F.gelu if model.activation == "gelu" else functools.partial(F.gelu, approximate="tanh")
+        self.activation = activation_function(model)
         self.layernorm = nn.LayerNorm(model.embedding_dim, eps=model.layernorm_epsilon)
         self.bias = mark_vocab_parallel(nn.Parameter(torch.zeros(vocab_local)))
         self.weight = (None if model.tie_embeddings else
