@@ -66,7 +66,7 @@ def test_overrides_are_typed_and_win_over_files():
 BAD = [
     (["model.positon=alibi"], "unknown key 'model.positon'; allowed: num_layers"),
     (["modle.position=alibi"], "unknown section 'modle'"),
-    (["model.position=rope"], "model.position='rope' is invalid; allowed: learned | sinusoidal | none | alibi"),
+    (["model.position=xpos"], "model.position='xpos' is invalid; allowed: learned | sinusoidal | none | alibi | rope"),
     (["model.num_layers=two"], "model.num_layers='two' is invalid; allowed: int"),
     (["model.zero_mask=1"], "model.zero_mask=1 is invalid; allowed: bool"),
     (["model.num_attention_heads=12", "parallel.tensor_parallel=5"],
@@ -84,6 +84,18 @@ BAD = [
     (["model.alibi_mode=sideways", "model.position=alibi"],
      "model.alibi_mode='sideways' is invalid; allowed: symmetric | offset | learned or null"),
     (["position=alibi"], "override 'position=alibi' must look like section.key=value"),
+    # issue 19: RoPE and local/global attention
+    (["model.position=learned", "model.rope_theta=10000"],
+     "model.rope_theta=10000.0 needs model.position=rope, got position=learned (one position encoding at a time"),
+    (["model.position=rope", "model.local_window=128", "model.global_every=3", "data.seq_length=64"],
+     "model.local_window=128 is larger than data.seq_length=64: the local layers would attend globally"),
+    (["model.global_every=3"], "model.global_every=3 needs model.local_window"),
+    (["model.local_window=16"], "model.local_window=16 needs model.global_every >= 2"),
+    (["model.local_window=15", "model.global_every=2"], "model.local_window=15 must be a positive even number"),
+    (["model.num_layers=2", "model.local_window=16", "model.global_every=3"],
+     "model.global_every=3 must be in [1, model.num_layers=2]"),
+    (["model.first_layer_norm=false"], "model.first_layer_norm=false needs model.layernorm=pre"),
+    (["model.rope_theta=ten", "model.position=rope"], "model.rope_theta='ten' is invalid; allowed: float or null"),
 ]
 
 

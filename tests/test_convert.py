@@ -17,7 +17,7 @@ from megamlm.convert.parity import probe_tokens
 from megamlm.convert.pipeline import convert, read_megamlm
 from megamlm.convert.safe_load import UnsafeCheckpointError, load_untrusted
 from megamlm.model.folder import SHARD_FILE
-from megamlm.model.tp import shard_rule
+from megamlm.model.tp import shard_rule, shard_stride
 from tests.fairseq_fixtures import VARIANT_KNOBS, fairseq_checkpoint
 from tests.variants import VARIANTS, variant_config
 
@@ -76,8 +76,8 @@ def test_fairseq_knobs_map_to_the_model_config(tmp_path):
     assert fs.model_config_from_fairseq(fs.fairseq_model_cfg(ckpt), ckpt["model"]).alibi_mode == "symmetric"
     # and back: our cfg for a megamlm model reads back to the same ModelConfig
     for variant in VARIANTS:
-        if variant in ("alibi-learned", "bert", "albert"):  # no fairseq counterpart (fixed slopes, BERT parts)
-            continue
+        if variant in ("alibi-learned", "bert", "albert", "modernbert", "rope-swiglu-rmsnorm"):
+            continue  # no fairseq counterpart (fixed slopes, BERT / ALBERT / ModernBERT parts)
         model = variant_config(variant).model
         state = fs.megamlm_to_fairseq(
             {k: v for k, v in _full_state(model).items()}, model,
@@ -160,6 +160,8 @@ def assert_shard_table_matches(model):
     for name, param in model.named_parameters():
         dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
         assert shard_rule(name) == (dim, getattr(param, "vocab_parallel", False)), name
+        if dim is not None:  # a gated FFN's first linear holds two halves per shard
+            assert shard_stride(name, model.config) == getattr(param, "partition_stride", 1), name
 
 
 def test_tensor_parallel_resharding_is_bit_exact(world, tmp_path):

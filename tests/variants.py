@@ -24,6 +24,11 @@ VARIANTS = {
     "no-positions": ("baseline", ["model.position=none"]),
     "bert": ("bert", []),
     "albert": ("albert", ["model.embedding_size=24", "model.num_layers=3"]),
+    # layer 0 global, layer 1 through a 16-token window (each side 8); 64-token samples
+    "modernbert": ("modernbert", ["model.local_window=16", "model.global_every=2"]),
+    # the other ModernBERT-era mix: SwiGLU, RMSNorm, biases kept (a gated fc1 bias is sharded too)
+    "rope-swiglu-rmsnorm": ("modernbert", ["model.local_window=16", "model.global_every=2", "model.activation=silu",
+                                           "model.normalization=rmsnorm", "model.bias=true"]),
 }
 
 

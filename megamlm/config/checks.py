@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, Literal
 
@@ -21,11 +22,15 @@ def _divisors(n: int, upto: int | None = None) -> str:
     return ", ".join(map(str, found))
 
 
+UNIONS = (typing.Union, types.UnionType)
+"""`Optional[X]` and `X | None` (PEP 604) are both unions."""
+
+
 def _describe(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         return " | ".join(str(a) for a in args)
-    if origin is typing.Union:
+    if origin in UNIONS:
         return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
     if origin is tuple:
         return "[" + ", ".join(_describe(a) for a in args) + "]"
@@ -38,7 +43,7 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     """(ok, value converted to tp). Ints and numeric strings are accepted for floats; bools never
     count as numbers."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:
+    if origin in UNIONS:
         if value is None and type(None) in args:
             return True, None
         for arg in args:

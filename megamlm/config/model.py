@@ -30,9 +30,18 @@ class ModelConfig:
     share_layers: bool = field(default=False, metadata=ARCHITECTURE)
     """ALBERT's cross-layer sharing: one layer's parameters applied num_layers times (compute as
     num_layers layers, parameters of one; post-LN only)."""
-    activation: Literal["gelu", "gelu_tanh"] = field(default="gelu", metadata=ARCHITECTURE)
-    """The FFN's and the MLM head's activation: exact erf GELU (fairseq, BERT) or its tanh
-    approximation (ALBERT's `gelu_new`)."""
+    activation: Literal["gelu", "gelu_tanh", "silu"] = field(default="gelu", metadata=ARCHITECTURE)
+    """The FFN's and the MLM head's activation: exact erf GELU (fairseq, BERT, ModernBERT), its tanh
+    approximation (ALBERT's `gelu_new`) or SiLU (SwiGLU with gated_ffn)."""
+    gated_ffn: bool = field(default=False, metadata=ARCHITECTURE)
+    """Gated linear unit FFN (megatron-core's gated_linear_unit): the first linear maps to 2 ×
+    ffn_hidden_size and the FFN computes activation(first half) * second half (GeGLU with gelu,
+    ModernBERT; SwiGLU with silu)."""
+    bias: bool = field(default=True, metadata=ARCHITECTURE)
+    """Biases in the linear layers and norms (encoder, embedding norm, MLM head's dense and norm).
+    ModernBERT has none; the MLM head's vocabulary bias is kept either way (its decoder_bias)."""
+    normalization: Literal["layernorm", "rmsnorm"] = field(default="layernorm", metadata=ARCHITECTURE)
+    """Every norm of the model: LayerNorm, or RMSNorm (a scale only, no centering, no bias)."""
     vocab_size: int = field(default=50265, metadata=ARCHITECTURE)
     """Real vocabulary size = len(fairseq dictionary): 50265 for GPT-2 BPE with `<mask>`,
     50262 for zero-clap (no `<mask>` row, the two last madeupwords removed)."""
@@ -44,8 +53,21 @@ class ModelConfig:
     max_positions: int = field(default=512, metadata=ARCHITECTURE)
     """Longest sequence the learned position table holds (it has max_positions + 2 rows, fairseq
     layout). Other position kinds accept any length."""
-    position: Literal["learned", "sinusoidal", "none", "alibi"] = field(default="learned", metadata=ARCHITECTURE)
-    """Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, or ALiBi."""
+    position: Literal["learned", "sinusoidal", "none", "alibi", "rope"] = field(default="learned",
+                                                                               metadata=ARCHITECTURE)
+    """Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, ALiBi, or rotary
+    (RoPE, Su et al.: queries and keys of every head rotated by their position; ModernBERT)."""
+    rope_theta: float | None = None
+    """RoPE's base θ in the global layers (only with position=rope; default 10,000, ModernBERT 160,000).
+    Not an architecture field: continued pretraining may raise it to extend the context."""
+    rope_theta_local: float | None = None
+    """RoPE's θ in the local (sliding-window) layers; null: rope_theta (ModernBERT 10,000)."""
+    local_window: int | None = None
+    """Sliding-window attention in the local layers: a query sees the keys within local_window / 2
+    positions on each side (ModernBERT's local_attention = 128: 64 each side). null: every layer global."""
+    global_every: int = 1
+    """With local_window: layer i attends globally when i % global_every == 0, through the window
+    otherwise (ModernBERT: 3, so layers 0, 3, 6, ... are global)."""
     alibi_mode: Literal["symmetric", "offset", "learned"] | None = field(default=None, metadata=ARCHITECTURE)
     """ALiBi variant (only with position=alibi; default offset, the blog's choice): symmetric
     `-m|i-j|`; offset: keys after the query get `-m(|i-j|-0.5)`; learned: separate learnable
@@ -57,6 +79,9 @@ class ModelConfig:
     """LayerNorm epsilon (fairseq 1e-5)."""
     embedding_layernorm: bool = field(default=True, metadata=ARCHITECTURE)
     """LayerNorm on the summed input embeddings (fairseq `layernorm_embedding`)."""
+    first_layer_norm: bool = field(default=True, metadata=ARCHITECTURE)
+    """pre-LN: layer 0's norm before attention. ModernBERT has none there (the embedding norm has just
+    normalized layer 0's input)."""
     token_types: int = field(default=0, metadata=ARCHITECTURE)
     """Token-type (segment) embeddings added to the input: 2 for BERT, 0 for none (RoBERTa). A
     token's type is the number of separators (separator_token_id) before it in its sample, capped at
@@ -119,6 +144,9 @@ class ModelConfig:
             )
         if self.position == "alibi" and self.alibi_mode is None:
             self.alibi_mode = "offset"
+        if not self.first_layer_norm and self.layernorm != "pre":
+            raise ConfigError("model.first_layer_norm=false needs model.layernorm=pre (post-LN layers have no "
+                              f"norm before attention), got layernorm={self.layernorm}")
         if self.embedding_size is not None and self.embedding_size <= 0:
             raise ConfigError(f"model.embedding_size={self.embedding_size} must be positive (or null: hidden_size)")
         if self.head == "clap" and self.embedding_dim != self.hidden_size:
@@ -147,6 +175,45 @@ class ModelConfig:
                     "vocab_size", "max_positions", "make_vocab_size_divisible_by", "head_loss_chunk"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be positive")
+        self._check_rope_and_window()
+
+    def _check_rope_and_window(self) -> None:
+        rope_set = [f"model.{key}={getattr(self, key)}" for key in ("rope_theta", "rope_theta_local")
+                    if getattr(self, key) is not None]
+        if rope_set and self.position != "rope":
+            raise ConfigError(f"{', '.join(rope_set)} needs model.position=rope, got position={self.position} "
+                              "(one position encoding at a time: RoPE replaces the position table / score term)")
+        if self.position == "rope":
+            self.rope_theta = self.rope_theta or 10000.0
+            self.rope_theta_local = self.rope_theta_local or self.rope_theta
+            if min(self.rope_theta, self.rope_theta_local) <= 1:
+                raise ConfigError(f"model.rope_theta={self.rope_theta} and rope_theta_local="
+                                  f"{self.rope_theta_local} must be > 1")
+            if self.head_dim % 2:
+                raise ConfigError(f"model.position=rope needs an even head size (rotates pairs of "
+                                  f"dimensions), got hidden_size / num_attention_heads = {self.head_dim}")
+        if self.global_every < 1 or self.global_every > self.num_layers:
+            raise ConfigError(f"model.global_every={self.global_every} must be in [1, model.num_layers="
+                              f"{self.num_layers}] (layer i is global when i % global_every == 0)")
+        if self.local_window is None:
+            if self.global_every > 1:
+                raise ConfigError(f"model.global_every={self.global_every} needs model.local_window "
+                                  "(the window of the other layers), e.g. 128")
+            return
+        if self.local_window <= 0 or self.local_window % 2:
+            raise ConfigError(f"model.local_window={self.local_window} must be a positive even number "
+                              "(a query sees local_window / 2 keys on each side)")
+        if self.global_every == 1:
+            raise ConfigError(f"model.local_window={self.local_window} needs model.global_every >= 2 "
+                              "(with 1 every layer is global), e.g. 3")
+        if self.share_layers:
+            raise ConfigError("model.local_window needs layers of their own; model.share_layers=true applies "
+                              "one layer everywhere")
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window (local_window for a local layer, None for a global one)."""
+        return [None if self.local_window is None or i % self.global_every == 0 else self.local_window
+                for i in range(self.num_layers)]
 
     @property
     def embedding_dim(self) -> int:

@@ -276,7 +276,12 @@ class Config:
             raise ConfigError(
                 f"data.seq_length={self.data.seq_length} exceeds model.max_positions="
                 f"{model.max_positions} of the learned position table; raise max_positions "
-                f"or use position=alibi|sinusoidal|none"
+                f"or use position=alibi|sinusoidal|rope|none"
+            )
+        if model.local_window is not None and model.local_window > self.data.seq_length:
+            raise ConfigError(
+                f"model.local_window={model.local_window} is larger than data.seq_length={self.data.seq_length}: "
+                f"the local layers would attend globally; use a window below the sequence length or null"
             )
 
     def to_dict(self) -> dict:

@@ -1,5 +1,5 @@
-"""Hugging Face `RobertaForMaskedLM` / `BertForMaskedLM` / `AlbertForMaskedLM` <-> megamlm key tables
-(full TP=1 tensors).
+"""Hugging Face `RobertaForMaskedLM` / `BertForMaskedLM` / `AlbertForMaskedLM` / `ModernBertForMaskedLM`
+<-> megamlm key tables (full TP=1 tensors).
 
 One declarative table per format maps each HF key to a megamlm key (`HFFormat.keys`); the only
 non-renaming steps are written next to it:
@@ -11,6 +11,10 @@ non-renaming steps are written next to it:
   position table); BERT's and ALBERT's two rows are megamlm's `model.token_types` table;
 - ALBERT's one shared layer is megamlm's layer 0 (model.share_layers), its `embedding_hidden_mapping_in`
   megamlm's embedding projection (model.embedding_size);
+- ModernBERT's `Wqkv` rows are [all heads' q; k; v] (`fused_qkv`); its `Wi` rows are [activation half;
+  gate half], megatron's full gated fc1 layout as is (model/tp.py shards it); it has no position table
+  (RoPE), no layer-0 attention norm (model.first_layer_norm) and, by default, no biases: keys a model
+  does not have are absent on both sides (`_rename`), and a decoder without bias imports as zeros;
 - vocabulary rows: RoBERTa's ids are fairseq's; BERT's WordPiece and ALBERT's SentencePiece ids are
   permuted into megamlm's (data/pieces.py: vocab_order) by the importer / exporter, which hold the vocab.
 """
@@ -22,12 +26,15 @@ from dataclasses import dataclass, field
 import torch
 
 from megamlm.config import ModelConfig
+from megamlm.convert.hf_modernbert import modernbert_config_values, modernbert_model_values
 from megamlm.model import names
 from megamlm.model.names import weight_and_bias
 
 # RoBERTa and BERT are post-LN: megatron's post-LN slots
 POST_LN = {"attention": names.ATTENTION_NORM.replace("{attn_norm}", names.LAYER_NORM_SLOTS["post"]["attn_norm"]),
            "mlp": names.MLP_NORM.replace("{mlp_norm}", names.LAYER_NORM_SLOTS["post"]["mlp_norm"])}
+PRE_LN = {"attention": names.ATTENTION_NORM.replace("{attn_norm}", names.LAYER_NORM_SLOTS["pre"]["attn_norm"]),
+          "mlp": names.MLP_NORM.replace("{mlp_norm}", names.LAYER_NORM_SLOTS["pre"]["mlp_norm"])}
 POSITION_OFFSET = 2
 """megamlm's (fairseq's) position table has max_positions + 2 rows: rows 0-1 unused, padding_idx 1."""
 
@@ -68,6 +75,10 @@ class HFFormat:
     """(config attribute, ModelConfig field) pairs beyond HF_CONFIG."""
     variant: dict = field(default_factory=dict)
     """ModelConfig values the format always has (beyond the variant file's)."""
+    fused_qkv: bool = False
+    """`qkv` is one tensor of rows [q; k; v] (ModernBERT's Wqkv), not three {part}s."""
+    position_table: bool = True
+    """Position and token-type tables in BERT's layout (ModernBERT: neither)."""
 
     @property
     def positions(self) -> str:
@@ -78,8 +89,12 @@ class HFFormat:
         return f"{self.prefix}.embeddings.token_type_embeddings.weight"
 
     @property
+    def word_embeddings(self) -> str:
+        return next(theirs for theirs, ours in self.keys if ours == names.WORD_EMBEDDINGS)
+
+    @property
     def decoder(self) -> str:
-        return f"{self.head}.decoder.{{kind}}"
+        return f"{self.head}.decoder.{{kind}}" if self.head else "decoder.{kind}"
 
 
 ALBERT_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.{i}"
@@ -115,8 +130,25 @@ ALBERT = HFFormat(
     qkv=f"{ALBERT_LAYER}.attention.{{part}}.{{kind}}", head="predictions", position_rows_dropped=POSITION_OFFSET,
     fixed={"num_hidden_groups": 1, "inner_group_num": 1, "tie_word_embeddings": True},
     config=(("embedding_size", "embedding_size"),), variant={"share_layers": True})
-HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT)}
-ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+MODERNBERT_LAYER = "model.layers.{i}"
+MODERNBERT = HFFormat(
+    "ModernBertForMaskedLM", "model",
+    [("model.embeddings.tok_embeddings.weight", names.WORD_EMBEDDINGS),
+     *weight_and_bias("model.embeddings.norm.{kind}", names.EMBEDDING_NORM),
+     *weight_and_bias(f"{MODERNBERT_LAYER}.attn_norm.{{kind}}", PRE_LN["attention"]),  # none in layer 0
+     *weight_and_bias(f"{MODERNBERT_LAYER}.attn.Wo.{{kind}}", names.ATTENTION_OUT),
+     *weight_and_bias(f"{MODERNBERT_LAYER}.mlp_norm.{{kind}}", PRE_LN["mlp"]),
+     *weight_and_bias(f"{MODERNBERT_LAYER}.mlp.Wi.{{kind}}", names.FC1),
+     *weight_and_bias(f"{MODERNBERT_LAYER}.mlp.Wo.{{kind}}", names.FC2),
+     *weight_and_bias("model.final_norm.{kind}", names.FINAL_NORM),
+     *weight_and_bias("head.dense.{kind}", names.LM_HEAD_DENSE),
+     *weight_and_bias("head.norm.{kind}", names.LM_HEAD_NORM),
+     ("decoder.bias", names.LM_HEAD_BIAS)],
+    qkv=f"{MODERNBERT_LAYER}.attn.Wqkv.{{kind}}", head="", position_rows_dropped=0,
+    fixed={"tie_word_embeddings": True}, fused_qkv=True, position_table=False)
+HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT)}
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
+               "swish": "silu"}
 """config.json's hidden_act -> model.activation (the first name of each is what export writes)."""
 
 # (transformers config attribute, megamlm ModelConfig field): the same names in RobertaConfig and BertConfig
@@ -131,6 +163,9 @@ HF_CONFIG: list[tuple[str, str]] = [
 def hf_config_values(model: ModelConfig, fmt: HFFormat, pad_token_id: int) -> dict:
     """The format's config keyword arguments for a megamlm model of that shape; `pad_token_id`: the
     padding's row in the exported vocabulary."""
+    if fmt is MODERNBERT:
+        activation = next(theirs for theirs, ours in ACTIVATIONS.items() if ours == model.activation)
+        return {**modernbert_config_values(model, activation, pad_token_id), **fmt.fixed}
     values = {theirs: getattr(model, ours) for theirs, ours in HF_CONFIG + list(fmt.config)}
     values["max_position_embeddings"] = model.max_positions + POSITION_OFFSET - fmt.position_rows_dropped
     values["hidden_act"] = next(theirs for theirs, ours in ACTIVATIONS.items() if ours == model.activation)
@@ -140,6 +175,8 @@ def hf_config_values(model: ModelConfig, fmt: HFFormat, pad_token_id: int) -> di
 
 def model_values(values: dict, fmt: HFFormat) -> dict:
     """The ModelConfig values a config.json gives (the inverse of hf_config_values)."""
+    if fmt is MODERNBERT:
+        return modernbert_model_values(values, ACTIVATIONS)
     out = {ours: values[theirs] for theirs, ours in HF_CONFIG + list(fmt.config) if theirs in values}
     out["max_positions"] = values["max_position_embeddings"] - POSITION_OFFSET + fmt.position_rows_dropped
     out["activation"] = ACTIVATIONS[values.get("hidden_act", "gelu")]
@@ -163,9 +200,11 @@ def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _rename(state: dict[str, torch.Tensor], pairs, layers: int) -> dict[str, torch.Tensor]:
-    """Apply (source key, target key) pairs; pairs with {i} once per layer."""
+    """Apply (source key, target key) pairs; pairs with {i} once per layer. Keys the source does not
+    have are left out (biases of a model without, ModernBERT's layer-0 norm): the importer checks the
+    HF state against transformers' own keys, and loading into megamlm's model checks the rest."""
     return {dst.format(i=i): state[src.format(i=i)] for src, dst in pairs
-            for i in (range(layers) if "{i}" in src else [None])}
+            for i in (range(layers) if "{i}" in src else [None]) if src.format(i=i) in state}
 
 
 def _layers(model: ModelConfig) -> int:
@@ -178,9 +217,16 @@ def hf_to_megamlm(hf_state: dict[str, torch.Tensor], model: ModelConfig,
     """A RobertaForMaskedLM / BertForMaskedLM state dict (HF vocabulary order) -> full megamlm tensors."""
     out = _rename(hf_state, fmt.keys, _layers(model))
     for i in range(_layers(model)):
-        for kind in ("weight", "bias"):
-            q, k, v = (hf_state[fmt.qkv.format(i=i, part=p, kind=kind)] for p in ("query", "key", "value"))
+        for kind in ("weight", "bias") if model.bias else ("weight",):
+            if fmt.fused_qkv:  # [3h, ...] -> [h, ...] each
+                q, k, v = hf_state[fmt.qkv.format(i=i, kind=kind)].chunk(3)
+            else:
+                q, k, v = (hf_state[fmt.qkv.format(i=i, part=p, kind=kind)] for p in ("query", "key", "value"))
             out[names.QKV.format(i=i, kind=kind)] = fuse_qkv(q, k, v, model.num_attention_heads)
+    if names.LM_HEAD_BIAS not in out:  # a decoder without bias (ModernBERT's decoder_bias: false)
+        out[names.LM_HEAD_BIAS] = torch.zeros(out[names.WORD_EMBEDDINGS].shape[0])
+    if not fmt.position_table:
+        return out
     table = hf_state[fmt.positions]
     out[names.POSITION_TABLE] = torch.cat([table.new_zeros(fmt.position_rows_dropped, table.shape[1]), table])
     types = hf_state.get(fmt.token_types)
@@ -196,12 +242,16 @@ def megamlm_to_hf(full: dict[str, torch.Tensor], model: ModelConfig,
     """The inverse: full megamlm tensors -> the format's state dict (tied decoder included)."""
     out = _rename(full, [(ours, theirs) for theirs, ours in fmt.keys], _layers(model))
     for i in range(_layers(model)):
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias") if model.bias else ("weight",):
             parts = split_qkv(full[names.QKV.format(i=i, kind=kind)], model.num_attention_heads)
+            if fmt.fused_qkv:
+                out[fmt.qkv.format(i=i, kind=kind)] = torch.cat(parts)
+                continue
             for name, tensor in zip(("query", "key", "value"), parts):
                 out[fmt.qkv.format(i=i, part=name, kind=kind)] = tensor
-    out[fmt.positions] = full[names.POSITION_TABLE][fmt.position_rows_dropped:]
-    out[fmt.token_types] = full.get(names.TOKEN_TYPES, torch.zeros(1, model.embedding_dim))
+    if fmt.position_table:
+        out[fmt.positions] = full[names.POSITION_TABLE][fmt.position_rows_dropped:]
+        out[fmt.token_types] = full.get(names.TOKEN_TYPES, torch.zeros(1, model.embedding_dim))
     out[fmt.decoder.format(kind="weight")] = full[names.WORD_EMBEDDINGS]
     out[fmt.decoder.format(kind="bias")] = full[names.LM_HEAD_BIAS]
     return out

@@ -1,9 +1,11 @@
 """Hugging Face export: the RoBERTa-shaped variant as `RobertaForMaskedLM`, the BERT-shaped one (token
 types) as `BertForMaskedLM`, the ALBERT-shaped one (factorized embedding, shared layer) as
-`AlbertForMaskedLM`, every other variant as megamlm's own modeling file registered through `auto_map`
-(trust_remote_code), plus tokenizer files: GPT-2 BPE whose ids are the fairseq dictionary's (as
-RoBERTa's vocab.json on the Hub), BERT's vocab.txt or ALBERT's tokenizer.json in their own id order
-(the model's vocabulary rows permuted back, convert/hf.py)."""
+`AlbertForMaskedLM`, the ModernBERT-shaped one (RoPE, GeGLU, pre-LN without layer 0's norm) as
+`ModernBertForMaskedLM`, every other variant as megamlm's own modeling file registered through `auto_map`
+(trust_remote_code; not for the ModernBERT parts, which are refused there), plus tokenizer files: GPT-2
+BPE whose ids are the fairseq dictionary's (as RoBERTa's vocab.json on the Hub), BERT's vocab.txt or
+ALBERT's / ModernBERT's tokenizer.json in their own id order (the model's vocabulary rows permuted
+back, convert/hf.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import ALBERT, BERT, ROBERTA, HFFormat, hf_config_values, megamlm_to_hf, permute_vocab
+from megamlm.convert.hf import (ALBERT, BERT, MODERNBERT, ROBERTA, HFFormat, hf_config_values, megamlm_to_hf,
+                                permute_vocab)
 from megamlm.convert.parity import compare
 from megamlm.data.dictionary import TokenizerError
-from megamlm.data.pieces import SentencePieceTokenizer, WordPieceTokenizer
+from megamlm.data.pieces import JsonTokenizer, WordPieceTokenizer
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import staged_output
 from megamlm.model.embedding import token_types
@@ -28,11 +31,18 @@ MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_megamlm.py"
 
 def hf_format(model: ModelConfig) -> HFFormat | None:
     """The transformers class that computes exactly what `model` does (baseline: RoBERTa; baseline +
-    token types: BERT; + a factorized embedding and a shared layer: ALBERT), or None (megamlm's own
-    modeling file)."""
-    if not (model.position == "learned" and model.embedding_layernorm and model.head == "roberta"
-            and model.layernorm == "post" and model.tie_embeddings and not model.scale_embeddings
-            and not model.normalize_embeddings and not model.zero_mask and model.pad_token_id == 1):
+    token types: BERT; + a factorized embedding and a shared layer: ALBERT; the modernbert variant:
+    ModernBERT), or None (megamlm's own modeling file)."""
+    common = (model.embedding_layernorm and model.head == "roberta" and model.tie_embeddings
+              and not model.scale_embeddings and not model.normalize_embeddings and not model.zero_mask
+              and model.pad_token_id == 1 and model.normalization == "layernorm")
+    if common and model.position == "rope":
+        modern = (model.layernorm == "pre" and not model.first_layer_norm and model.gated_ffn
+                  and not model.token_types and model.embedding_size in (None, model.hidden_size)
+                  and not model.share_layers)
+        return MODERNBERT if modern else None
+    if not (common and model.position == "learned" and model.layernorm == "post" and model.bias
+            and not model.gated_ffn and model.local_window is None):
         return None
     if model.share_layers:  # ALBERT's embedding always has its own width (a projection follows)
         return ALBERT if model.token_types and model.separator_token_id == 2 and model.embedding_size else None
@@ -41,6 +51,18 @@ def hf_format(model: ModelConfig) -> HFFormat | None:
     if model.token_types:
         return BERT if model.separator_token_id == 2 else None
     return ROBERTA
+
+
+MODERN_PARTS = ("position=rope", "gated_ffn", "bias=false", "normalization=rmsnorm", "first_layer_norm=false",
+                "local_window")
+"""The model parts megamlm's own modeling file (modeling_megamlm.py) does not implement."""
+
+
+def modern_parts(model: ModelConfig) -> list[str]:
+    """Which of MODERN_PARTS `model` uses."""
+    used = (model.position == "rope", model.gated_ffn, not model.bias, model.normalization == "rmsnorm",
+            not model.first_layer_norm, model.local_window is not None)
+    return [part for part, on in zip(MODERN_PARTS, used) if on]
 
 
 def _load_tokenizer(spec: str, zero_mask: bool):
@@ -52,22 +74,22 @@ def _load_tokenizer(spec: str, zero_mask: bool):
 
 def write_tokenizer(tokenizer, folder: Path, wordpiece_order: bool = True) -> bool:
     """transformers tokenizer files: WordPiece's vocab.txt (BertTokenizer; lines in WordPiece order,
-    or in megamlm's id order for a model that keeps megamlm's rows), SentencePiece's tokenizer.json
-    (AlbertTokenizer; its own order only), or vocab.json (BPE token ->
+    or in megamlm's id order for a model that keeps megamlm's rows), a tokenizer.json
+    (AlbertTokenizer, ModernBERT's PreTrainedTokenizerFast; its own order only), or vocab.json (BPE token ->
     fairseq id) + merges.txt (RobertaTokenizer); False if there are none (a converted checkpoint with
     only a dict.txt)."""
     from transformers import AddedToken, BertTokenizer, RobertaTokenizer
 
     if tokenizer is None:
         return False
-    if isinstance(tokenizer, SentencePieceTokenizer):
+    if isinstance(tokenizer, JsonTokenizer):
         if not wordpiece_order:
             return False  # a tokenizer.json's ids cannot be renumbered into megamlm's order here
         shutil.copyfile(tokenizer.folder / tokenizer.TOKENIZER, folder / "tokenizer.json")
         names = json.loads((tokenizer.folder / tokenizer.SPECIAL_NAMES).read_text())
         cls, pad, sep, unk = names["specials"]
         (folder / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "AlbertTokenizer", "cls_token": cls, "bos_token": cls, "pad_token": pad,
+            {"tokenizer_class": tokenizer.tokenizer_class, "cls_token": cls, "bos_token": cls, "pad_token": pad,
              "sep_token": sep, "eos_token": sep, "unk_token": unk, "mask_token": names["mask"]}, indent=1))
         return True
     if isinstance(tokenizer, WordPieceTokenizer):
@@ -99,6 +121,9 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
 
     cfg = model.cfg.model
     fmt = hf_format(cfg)
+    if fmt is None and modern_parts(cfg):
+        raise ConversionError(f"model.{', model.'.join(modern_parts(cfg))}: only the modernbert variant's mix of "
+                              f"these exports (as ModernBertForMaskedLM); megamlm's own modeling file has none of them")
     tokenizer = _load_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask)
     order = getattr(tokenizer, "vocab_order", None)  # megamlm id -> WordPiece row
     order = None if order is None else torch.from_numpy(order)

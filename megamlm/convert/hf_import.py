@@ -1,11 +1,12 @@
-"""Hugging Face import: a `RobertaForMaskedLM`, `BertForMaskedLM` or `AlbertForMaskedLM` folder
-(config.json + model.safetensors or pytorch_model.bin, saved locally) -> a megamlm model, for continued
-pretraining.
+"""Hugging Face import: a `RobertaForMaskedLM`, `BertForMaskedLM`, `AlbertForMaskedLM` or
+`ModernBertForMaskedLM` folder (config.json + model.safetensors or pytorch_model.bin, saved locally) ->
+a megamlm model, for continued pretraining.
 
 The key tables and the config table are `megamlm.convert.hf`'s (the export's, read the other way).
 RoBERTa's vocabulary is GPT-2 BPE with fairseq's dictionary ids (`vocab.json` of roberta-base is
 fairseq's dict.txt order): a 50,265-row model takes megamlm's bundled tokenizer unchanged. BERT's
-WordPiece vocab.txt and ALBERT's SentencePiece tokenizer.json travel with the model (the output's
+WordPiece vocab.txt and ALBERT's (SentencePiece) and ModernBERT's (byte-level BPE) tokenizer.json travel
+with the model (the output's
 `tokenizer/` folder) and their ids are permuted into megamlm's convention (data/pieces.py). The
 reference side of the parity check is transformers' own forward of the folder.
 """
@@ -21,10 +22,11 @@ import torch
 
 from megamlm.config import Config, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ACTIVATIONS, BERT, HF_FORMATS, ROBERTA, HFFormat, hf_to_megamlm,
+from megamlm.convert.hf import (ACTIVATIONS, BERT, HF_FORMATS, MODERNBERT, ROBERTA, HFFormat, hf_to_megamlm,
                                 model_values, permute_vocab)
+from megamlm.convert.hf_modernbert import modernbert_problems
 from megamlm.data.dictionary import TokenizerError
-from megamlm.data.pieces import PieceTokenizer, SentencePieceTokenizer, WordPieceTokenizer
+from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.embedding import token_types
 
@@ -34,7 +36,8 @@ SUPPORTED = (*HF_FORMATS, MEGAMLM_EXPORT)
 """Architectures `convert --from hf` reads."""
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
-VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml"}
+VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml",
+           "ModernBertForMaskedLM": "modernbert.yaml"}
 """The megamlm variant each format is (its config file)."""
 
 
@@ -66,7 +69,9 @@ def _read_config(folder: Path) -> tuple[dict, HFFormat | None]:
     fmt = HF_FORMATS[architectures[0]]
     differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
-    if values.get("hidden_act", "gelu") not in ACTIVATIONS:
+    if fmt is MODERNBERT:
+        differ += modernbert_problems(values, ACTIVATIONS)
+    elif values.get("hidden_act", "gelu") not in ACTIVATIONS:
         differ.append(f"hidden_act={values['hidden_act']!r} (needs one of {', '.join(ACTIVATIONS)})")
     if values.get("position_embedding_type", "absolute") != "absolute":
         differ.append(f"position_embedding_type={values['position_embedding_type']!r} (needs 'absolute')")
@@ -107,22 +112,32 @@ def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, 
                                   f"{tuple(shape)}")
 
 
-ALBERT_NAMES = {"cls_token": "[CLS]", "pad_token": "<pad>", "sep_token": "[SEP]", "unk_token": "<unk>",
-                "mask_token": "[MASK]"}
-"""AlbertTokenizer's special names (tokenizer_config.json may give others), in megamlm's order."""
+SPECIAL_NAMES = {
+    "AlbertForMaskedLM": {"cls_token": "[CLS]", "pad_token": "<pad>", "sep_token": "[SEP]", "unk_token": "<unk>",
+                          "mask_token": "[MASK]", "tokenizer_class": "AlbertTokenizer"},
+    "ModernBertForMaskedLM": {"cls_token": "[CLS]", "pad_token": "[PAD]", "sep_token": "[SEP]", "unk_token": "[UNK]",
+                              "mask_token": "[MASK]", "tokenizer_class": "PreTrainedTokenizerFast"}}
+"""The tokenizers' special names in megamlm's order and their transformers class, where
+tokenizer_config.json does not give them."""
+
+
+def _setting(settings: dict, key: str, default: str) -> str:
+    """tokenizer_config.json's value for `key`: a string, or an AddedToken's {"content": ...}."""
+    value = settings.get(key, default)
+    return value["content"] if isinstance(value, dict) else value
 
 
 def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str, str], PieceTokenizer]:
-    """BERT's vocab.txt + casing (tokenizer_config.json's do_lower_case), or ALBERT's tokenizer.json +
-    its special names, as megamlm's tokenizer files; checked to hold the model's vocabulary."""
+    """BERT's vocab.txt + casing (tokenizer_config.json's do_lower_case), or ALBERT's / ModernBERT's
+    tokenizer.json + its special names, as megamlm's tokenizer files; checked to hold the model's vocabulary."""
     settings_path = folder / "tokenizer_config.json"
     settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
     if fmt is BERT:
         kind, source = WordPieceTokenizer, folder / "vocab.txt"
         needs = "its WordPiece vocabulary"
     else:
-        kind, source = SentencePieceTokenizer, folder / "tokenizer.json"
-        needs = "its SentencePiece tokenizer"
+        kind, source = JsonTokenizer, folder / "tokenizer.json"
+        needs = "its tokenizers tokenizer.json"
     if not source.is_file():
         raise ConversionError(f"{folder}: no {source.name}: {fmt.architecture} folders need {needs} "
                               f"(tokenizer.save_pretrained(folder))")
@@ -131,8 +146,8 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
             if kind is WordPieceTokenizer:
                 kind.write(tmp, source.read_text(encoding="utf-8").splitlines(), settings.get("do_lower_case", True))
             else:
-                names = [settings.get(key, default) for key, default in ALBERT_NAMES.items()]
-                kind.write(tmp, source.read_text(encoding="utf-8"), tuple(names[:4]), names[4])
+                names = [_setting(settings, key, default) for key, default in SPECIAL_NAMES[fmt.architecture].items()]
+                kind.write(tmp, source.read_text(encoding="utf-8"), tuple(names[:4]), names[4], names[5])
             tokenizer = kind(tmp)
             files = {name: (Path(tmp) / name).read_text(encoding="utf-8") for name in kind.FILES}
     except TokenizerError as err:  # it names the staged copy: name the folder's file
@@ -144,8 +159,8 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
 
 
 def read_hf(folder: str | Path) -> HFSource:
-    """A RobertaForMaskedLM / BertForMaskedLM / AlbertForMaskedLM folder in megamlm terms (checked:
-    architecture, weights, keys, shapes, vocabulary)."""
+    """A RobertaForMaskedLM / BertForMaskedLM / AlbertForMaskedLM / ModernBertForMaskedLM folder in megamlm
+    terms (checked: architecture, weights, keys, shapes, vocabulary)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConversionError(f"{folder}: not a folder (--from hf reads a save_pretrained folder)")
@@ -166,7 +181,7 @@ def read_hf(folder: str | Path) -> HFSource:
     _check_keys(weights, state, _expected_shapes(values, fmt), fmt)
     state = {k: v.float() for k, v in state.items()}
     decoder = state.get(fmt.decoder.format(kind="weight"))
-    if decoder is not None and not torch.equal(decoder, state[f"{fmt.prefix}.embeddings.word_embeddings.weight"]):
+    if decoder is not None and not torch.equal(decoder, state[fmt.word_embeddings]):
         raise ConversionError(f"{weights}: {fmt.decoder.format(kind='weight')} differs from the word embeddings "
                               f"(an untied decoder): megamlm's {fmt.prefix} ties them")
     full = hf_to_megamlm(state, cfg.model, fmt)
@@ -178,10 +193,9 @@ def read_hf(folder: str | Path) -> HFSource:
 
         model = getattr(transformers, fmt.architecture).from_pretrained(folder, attn_implementation="eager")
         inputs = dict(attention_mask=tokens.ne(cfg.model.pad_token_id).long())
-        if order is not None:  # megamlm ids -> the vocabulary's; token types by the same rule as megamlm's
-            inputs.update(input_ids=order[tokens], token_type_ids=token_types(tokens, cfg.model))
-        else:
-            inputs.update(input_ids=tokens)
+        inputs.update(input_ids=tokens if order is None else order[tokens])  # megamlm ids -> the vocabulary's
+        if cfg.model.token_types:  # by the same rule as megamlm's
+            inputs.update(token_type_ids=token_types(tokens, cfg.model))
         with torch.no_grad():
             logits = model.float().eval()(**inputs).logits
         return logits if order is None else logits[..., order]  # the vocabulary's columns -> megamlm's

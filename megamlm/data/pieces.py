@@ -1,19 +1,21 @@
-"""WordPiece (BERT) and SentencePiece (ALBERT) vocabularies mapped to megamlm's ids.
+"""WordPiece (BERT), SentencePiece (ALBERT) and byte-level BPE (ModernBERT) vocabularies mapped to megamlm's ids.
 
 megamlm's data, masking and models use one id convention (data/dictionary.py), so a vocabulary with
 its own specials is mapped into it: the specials move to fairseq's places and every other piece keeps
 its order,
 
-    BERT:   [CLS] -> 0 (<s>), [PAD] -> 1, [SEP] -> 2 (</s>), [UNK] -> 3, other pieces, [MASK] last
-    ALBERT: [CLS] -> 0,       <pad> -> 1, [SEP] -> 2,        <unk> -> 3, other pieces, [MASK] last
+    BERT:       [CLS] -> 0 (<s>), [PAD] -> 1, [SEP] -> 2 (</s>), [UNK] -> 3, other pieces, [MASK] last
+    ALBERT:     [CLS] -> 0,       <pad> -> 1, [SEP] -> 2,        <unk> -> 3, other pieces, [MASK] last
+    ModernBERT: [CLS] -> 0,       [PAD] -> 1, [SEP] -> 2,        [UNK] -> 3, other pieces, [MASK] last
 
 as many ids as the vocabulary has pieces (bert-base-uncased: 30,522; albert-base-v2: 30,000).
 `vocab_order` is that permutation (megamlm id -> the vocabulary's id), which the Hugging Face
 converters apply to the embedding rows. Both pair texts as `[CLS] A [SEP] B [SEP]`; the model's token
 types count the separators (model.token_types).
 
-    WordPiece folder:      vocab.txt (one piece per line) + wordpiece.json {"lowercase": bool}
-    SentencePiece folder:  tokenizer.json (Hugging Face `tokenizers`) + pieces.json (the special names)
+    WordPiece folder:  vocab.txt (one piece per line) + wordpiece.json {"lowercase": bool}
+    tokenizer.json folder (SentencePiece, byte-level BPE): tokenizer.json (Hugging Face `tokenizers`) +
+                       pieces.json (the special names, the word-start mark, transformers' tokenizer class)
 """
 
 from __future__ import annotations
@@ -141,37 +143,49 @@ class WordPieceTokenizer(PieceTokenizer):
         return self._wordpiece.decode(ids)
 
 
-class SentencePieceTokenizer(PieceTokenizer):
-    """A `tokenizers` tokenizer.json (ALBERT's SentencePiece Unigram) + pieces.json naming its specials."""
+class JsonTokenizer(PieceTokenizer):
+    """A `tokenizers` tokenizer.json (ALBERT's SentencePiece Unigram, ModernBERT's byte-level BPE) +
+    pieces.json naming its specials, the mark that begins a word and transformers' tokenizer class."""
 
     TOKENIZER, SPECIAL_NAMES = "tokenizer.json", "pieces.json"
     FILES = (TOKENIZER, SPECIAL_NAMES)
-    WORD_MARK = "\u2581"
-    """SentencePiece's word-start marker ▁."""
+    WORD_MARKS = {"Metaspace": "\u2581", "ByteLevel": "\u0120"}
+    """tokenizer.json's pre-tokenizer -> the mark a word-initial piece starts with (SentencePiece's ▁,
+    byte-level BPE's Ġ)."""
 
     def __init__(self, folder: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
 
         folder = Path(folder)
         path = folder / self.TOKENIZER
-        read_text(path, "SentencePiece tokenizer")  # exists and is readable: named if not
+        read_text(path, "tokenizer.json")  # exists and is readable: named if not
         try:
             self._backend = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on malformed files
             raise TokenizerError(f"{path}: not a tokenizers file ({err})") from None
         names = json.loads(read_text(folder / self.SPECIAL_NAMES, "special piece names"))
+        self.tokenizer_class = names.get("tokenizer_class", "AlbertTokenizer")
         vocab = self._backend.get_vocab()
         pieces = sorted(vocab, key=vocab.get)
-        super().__init__(folder, pieces, tuple(names["specials"]), names["mask"],
-                         lambda piece: piece.startswith(self.WORD_MARK))
+        if [vocab[p] for p in pieces] != list(range(len(pieces))):
+            raise TokenizerError(f"{path}: ids are not 0..{len(pieces) - 1} without gaps")
+        mark = names.get("word_mark", self.WORD_MARKS["Metaspace"])
+        super().__init__(folder, pieces, tuple(names["specials"]), names["mask"], lambda piece: piece.startswith(mark))
 
     @classmethod
-    def write(cls, folder: str | Path, tokenizer_json: str, specials: tuple[str, ...], mask: str) -> Path:
-        """A SentencePiece folder from a tokenizer.json's text and its names for <s> <pad> </s> <unk>, mask."""
+    def write(cls, folder: str | Path, tokenizer_json: str, specials: tuple[str, ...], mask: str,
+              tokenizer_class: str = "AlbertTokenizer") -> Path:
+        """A tokenizer.json folder from a tokenizer.json's text, its names for <s> <pad> </s> <unk>, mask,
+        and transformers' class for it (written back on export)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / cls.TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
-        (folder / cls.SPECIAL_NAMES).write_text(json.dumps({"specials": list(specials), "mask": mask}) + "\n")
+        pre = json.loads(tokenizer_json).get("pre_tokenizer") or {}  # one, or a Sequence of them
+        kinds = [step.get("type") for step in [pre, *pre.get("pretokenizers", [])]]
+        word_mark = next((cls.WORD_MARKS[k] for k in kinds if k in cls.WORD_MARKS), cls.WORD_MARKS["Metaspace"])
+        (folder / cls.SPECIAL_NAMES).write_text(json.dumps(
+            {"specials": list(specials), "mask": mask, "word_mark": word_mark,
+             "tokenizer_class": tokenizer_class}) + "\n")
         return folder
 
     def _encode(self, texts: list[str]) -> list[list[int]]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from megamlm.data.dictionary import (BOS, EOS, MASK_SYMBOL, PAD, SPECIALS, UNK, Dictionary,  # noqa: F401
                                      TokenizerError)
-from megamlm.data.pieces import PieceTokenizer, SentencePieceTokenizer, WordPieceTokenizer
+from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
 from megamlm.files import check_writable, read_text
 
 GPT2_SHA256 = {
@@ -108,7 +108,7 @@ class Tokenizer:
         folder (tokenizer.json + pieces.json: an imported ALBERT's)."""
         if spec in ("gpt2", "gpt2-zero-clap"):
             return cls.gpt2(zero_clap=zero_clap or spec == "gpt2-zero-clap")
-        for kind in (WordPieceTokenizer, SentencePieceTokenizer):
+        for kind in (WordPieceTokenizer, JsonTokenizer):
             if (Path(spec) / kind.FILES[0]).is_file():
                 return kind(spec)
         return cls.from_dir(spec, zero_clap=zero_clap)

@@ -10,5 +10,6 @@ from megamlm.config import ModelConfig
 
 
 def activation_function(model: ModelConfig):
-    """Exact erf GELU (fairseq, BERT) or its tanh approximation (ALBERT's gelu_new)."""
-    return functools.partial(F.gelu, approximate="tanh") if model.activation == "gelu_tanh" else F.gelu
+    """Exact erf GELU (fairseq, BERT, ModernBERT), its tanh approximation (ALBERT's gelu_new) or SiLU."""
+    functions = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu}
+    return functions[model.activation]

@@ -19,6 +19,7 @@ from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.model.dropout import dropout
+from megamlm.model.norm import norm
 from megamlm.model.positions import PositionEncoding, sample_starts
 
 
@@ -43,8 +44,7 @@ class TokenEmbedding(nn.Module):
             config=transformer_config, tp_group=tp_group)
         self.positions = positions
         self.token_types = nn.Embedding(model.token_types, model.embedding_dim) if model.token_types else None
-        self.layernorm = (nn.LayerNorm(model.embedding_dim, eps=model.layernorm_epsilon)
-                          if model.embedding_layernorm else None)
+        self.layernorm = norm(model, model.embedding_dim) if model.embedding_layernorm else None
         self.scale = math.sqrt(model.embedding_dim) if model.scale_embeddings else 1.0
 
     def forward(self, tokens: torch.Tensor, padding: torch.Tensor,

@@ -15,6 +15,8 @@ position tables stay under `embedding.positions` and ALiBi's learned slopes unde
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -32,9 +34,10 @@ from megamlm.model.attention import ATTENTION_BACKENDS
 from megamlm.model.embedding import TokenEmbedding
 from megamlm.model.heads import mark_vocab_parallel
 from megamlm.model.init import init_parameters
-from megamlm.model.layer import encoder_layer_spec
+from megamlm.model.layer import encoder_block_spec
+from megamlm.model.norm import norm_parameter_count
 from megamlm.model.positions import Alibi, build_position
-from megamlm.model.tp import parameter_count
+from megamlm.model.tp import parameter_count, shard_stride
 from megamlm.parallel import ParallelContext
 
 
@@ -51,8 +54,8 @@ def transformer_config(model: ModelConfig, tp_size: int,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         layernorm_epsilon=model.layernorm_epsilon,
-        add_bias_linear=True,
-        gated_linear_unit=False,
+        add_bias_linear=model.bias,
+        gated_linear_unit=model.gated_ffn,
         activation_func=activation_function(model),
         normalization="LayerNorm",
         tensor_model_parallel_size=tp_size,
@@ -70,12 +73,22 @@ def transformer_config(model: ModelConfig, tp_size: int,
     )
 
 
+def attended_keys(model: ModelConfig, seq_length: int) -> list[int]:
+    """Keys each query of a layer attends to: the sequence in a global layer, at most the window + 1
+    (local_window / 2 on each side and itself) in a local one."""
+    return [seq_length if w is None else min(seq_length, w + 1) for w in model.layer_windows()]
+
+
 def encoder_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     """Matmul FLOPs per token of the encoder body, forward + backward (3 × forward):
-    6·L·(4h² + 2h·f) for the projections and 12·L·s·h for q·kᵀ and p·v (bidirectional: not halved);
-    a shared layer (ALBERT) counts every application, a factorized embedding its e -> h projection."""
+    6·L·(4h² + (g+1)·h·f) for the projections (g = 2 for a gated FFN's doubled first linear, else 1)
+    and 12·h·Σ_layers k_l for q·kᵀ and p·v, k_l the keys a query attends to (`attended_keys`: s in a
+    global layer, the window in a local one; bidirectional: not halved); a shared layer (ALBERT)
+    counts every application, a factorized embedding its e -> h projection."""
     h, f, L, e = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.embedding_dim
-    return 6 * L * (4 * h * h + 2 * h * f) + 12 * L * seq_length * h + (6 * e * h if e != h else 0)
+    g = 2 if model.gated_ffn else 1
+    attention = 12 * h * sum(attended_keys(model, seq_length))
+    return 6 * L * (4 * h * h + (g + 1) * h * f) + attention + (6 * e * h if e != h else 0)
 
 
 def encoder_parameter_count(model: ModelConfig, input_size: int | None = None) -> int:
@@ -83,21 +96,24 @@ def encoder_parameter_count(model: ModelConfig, input_size: int | None = None) -
     layer once); with `input_size`, the encoder without an embedding of its own (reading embeddings
     of that width)."""
     h, f, e, V = model.hidden_size, model.ffn_hidden_size, model.embedding_dim, model.vocab_size
+    b = int(model.bias)
+    g = 2 if model.gated_ffn else 1
+    norm = functools.partial(norm_parameter_count, model)
     if input_size is None:
         count = V * e
         if model.position == "learned":
             count += (model.max_positions + model.pad_token_id + 1) * e
         if model.embedding_layernorm:
-            count += 2 * e
+            count += norm(e)
         count += model.token_types * e
         input_size = e
     else:
         count = 0
     count += input_size * h + h if input_size != h else 0  # the embedding projection
-    layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+    layer = (3 * h * h + 3 * h * b) + (h * h + h * b) + (h * g * f + g * f * b) + (f * h + h * b) + 2 * norm(h)
     count += (1 if model.share_layers else model.num_layers) * layer
     if model.layernorm == "pre":
-        count += 2 * h
+        count += norm(h) - (0 if model.first_layer_norm else norm(h))  # the final norm; layer 0's
     if model.position == "alibi" and model.alibi_mode == "learned":
         count += 2 * model.num_attention_heads
     return count
@@ -139,7 +155,7 @@ class Encoder(nn.Module):
                                      if input_size != model.hidden_size else None)
         self.alibi = position if isinstance(position, Alibi) else None  # wave 1's name: alibi.log_slopes
         self.attention = ATTENTION_BACKENDS[model.attention_backend](position)
-        self.encoder = TransformerBlock(tcfg, encoder_layer_spec(model, self.attention),
+        self.encoder = TransformerBlock(tcfg, encoder_block_spec(model, self.attention),
                                         post_layer_norm=model.layernorm == "pre",
                                         pg_collection=ctx.pg_collection)
         if initialize:
@@ -147,9 +163,12 @@ class Encoder(nn.Module):
 
     def initialize(self, seed: int, params_dtype: torch.dtype = torch.float32) -> None:
         """Mark megatron's sharded weights, draw every parameter (init.py) and move to the device."""
-        for sub in self.modules():  # megatron sets these only inside its own init, which we skip
+        for name, sub in self.named_modules():  # megatron sets these only inside its own init, which we skip
             if isinstance(sub, ColumnParallelLinear):
                 set_tensor_model_parallel_attributes(sub.weight, True, 0, 1)
+                for param in (sub.weight, sub.bias):  # a gated FFN's first linear: 2 halves per shard
+                    if param is not None:
+                        param.partition_stride = shard_stride(f"{name}.weight", self.config)
             elif isinstance(sub, RowParallelLinear):
                 set_tensor_model_parallel_attributes(sub.weight, True, 1, 1)
             elif isinstance(sub, VocabParallelEmbedding):
@@ -172,9 +191,9 @@ class Encoder(nn.Module):
         if self.embedding_projection is not None:
             x = self.embedding_projection(x)  # [s, b, e] -> [s, b, h]
         documents = documents if self.config.document_mask else None
-        prepared = self.attention.prepare(padding, documents, segments, x.dtype)
-        # megatron's attention_mask slot carries the backend's prepared inputs (attention.py); a
-        # shared layer (ALBERT) is a one-layer block applied num_layers times
+        prepared = self.attention.prepare_layers(self.config.layer_windows(), padding, documents, segments, x.dtype)
+        # megatron's attention_mask slot carries the backend's prepared inputs per window (attention.py);
+        # a shared layer (ALBERT) is a one-layer block applied num_layers times
         for _ in range(self.config.num_layers if self.config.share_layers else 1):
             x = self.encoder(hidden_states=x, attention_mask=prepared)
         return x

@@ -21,6 +21,7 @@ from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.model.activation import activation_function
+from megamlm.model.norm import norm
 
 
 def vocab_padding_bias(vocab_start: int, vocab_local: int, vocab_size: int) -> torch.Tensor:
@@ -45,9 +46,9 @@ class RobertaLMHead(nn.Module):
         """`input_size`: width of the features when it is not the model's (ELECTRA's generator)."""
         super().__init__()
         self.tp_group = tp_group
-        self.dense = nn.Linear(input_size or model.hidden_size, model.embedding_dim)
+        self.dense = nn.Linear(input_size or model.hidden_size, model.embedding_dim, bias=model.bias)
         self.activation = activation_function(model)
-        self.layernorm = nn.LayerNorm(model.embedding_dim, eps=model.layernorm_epsilon)
+        self.layernorm = norm(model, model.embedding_dim)
         self.bias = mark_vocab_parallel(nn.Parameter(torch.zeros(vocab_local)))
         self.weight = (None if model.tie_embeddings else
                        mark_vocab_parallel(nn.Parameter(torch.empty(vocab_local, model.embedding_dim))))

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from megamlm.config import ModelConfig
-from megamlm.model.tp import full_shape
+from megamlm.model.norm import NORM_TYPES
+from megamlm.model.tp import full_shape, shard
 
 _NOT_RANDOM = ("beta", "log_slopes")  # set by their modules from the config / Press et al.
 
@@ -31,7 +32,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: int,
                     tp_size: int) -> None:
     zero_token_pad_row = model.head != "clap" and not model.zero_mask
-    norms = tuple(m for m in module.modules() if isinstance(m, nn.LayerNorm))
+    norms = tuple(m for m in module.modules() if isinstance(m, NORM_TYPES))
     norm_params = {id(p) for m in norms for p in m.parameters()}
     for name, param in module.named_parameters():
         if name.rsplit(".", 1)[-1] in _NOT_RANDOM:
@@ -53,5 +54,5 @@ def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: i
         if name.endswith("positions.weight"):
             full[model.pad_token_id] = 0
         if getattr(param, "tensor_model_parallel", False):
-            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            full = shard(full, param.partition_dim, tp_size, tp_rank, getattr(param, "partition_stride", 1))
         param.copy_(full)

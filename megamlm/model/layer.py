@@ -1,10 +1,14 @@
-"""The encoder layer as a megatron-core ModuleSpec: bidirectional attention, post- or pre-LN.
+"""The encoder layers as megatron-core ModuleSpecs: bidirectional attention, post- or pre-LN.
 
 megatron-core ships pre-LN layers only. RoBERTa is post-LN:
     x = LN(x + dropout(attention(x)));  x = LN(x + dropout(mlp(x)))
 `PostLNTransformerLayer` reuses megatron's TransformerLayer unchanged for attention, MLP and
 bias-dropout-add, with empty (identity) pre-norm slots, and only appends the two LayerNorms after
 the residual adds. No megatron code is copied.
+
+Each layer has a spec of its own (`encoder_block_spec`): its attention window (model.local_window for
+local layers, ModernBERT's alternation) is a parameter of its core attention, and ModernBERT's layer 0
+has no pre-attention norm (model.first_layer_norm).
 """
 
 from __future__ import annotations
@@ -12,15 +16,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import torch
-from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -29,6 +31,7 @@ from megatron.core.transformer.transformer_layer import (
 from megamlm.config import ModelConfig
 from megamlm.model.attention import AttentionBackend, BidirectionalAttention
 from megamlm.model.dropout import dropout
+from megamlm.model.norm import norm_spec
 
 
 @dataclasses.dataclass
@@ -71,16 +74,19 @@ def bias_dropout_add(training: bool, fused: bool):
     return apply
 
 
-def layer_norm_impl() -> type:
-    """apex's fused LayerNorm when apex and a GPU are present, else torch's LayerNorm."""
-    return LocalSpecProvider().layer_norm() if torch.cuda.is_available() else WrappedTorchNorm
+def encoder_block_spec(model: ModelConfig, backend: AttentionBackend) -> TransformerBlockSubmodules:
+    """Every layer's spec (one for a shared layer) and the final norm's (built by pre-LN blocks)."""
+    windows = model.layer_windows()[:1] if model.share_layers else model.layer_windows()
+    layers = [encoder_layer_spec(model, backend, window, first=i == 0) for i, window in enumerate(windows)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(model))
 
 
-def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend) -> ModuleSpec:
-    """The layer spec for `model`: our core attention running `backend` (one instance shared by
-    every layer), megatron's TP linears, LN placement."""
-    norm = layer_norm_impl()
-    core_attention = functools.partial(BidirectionalAttention, backend=backend)
+def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend, window: int | None = None,
+                       first: bool = False) -> ModuleSpec:
+    """One layer: our core attention running `backend` (one instance shared by every layer) through
+    `window` (None: global), megatron's TP linears, the norms' placement."""
+    norm = norm_spec(model)
+    core_attention = functools.partial(BidirectionalAttention, backend=backend, window=window)
     self_attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.no_mask},
@@ -109,7 +115,7 @@ def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend) -> ModuleS
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
+            input_layernorm=norm if model.first_layer_norm or not first else IdentityOp,
             self_attention=self_attention,
             self_attn_bda=bias_dropout_add,
             pre_mlp_layernorm=norm,

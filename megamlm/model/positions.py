@@ -5,6 +5,7 @@ attention scores, and the encoder and the attention backend ask it (`POSITIONS` 
     score_bias(length, dtype) -> [np, s, s] score term, materialized (the sdpa backend)
     score_params() -> tensor, score_function()(params, h, q_idx, kv_idx)
                                            the same score term element by element (flex's score_mod)
+    rotation(positions, local) -> (cos, sin) queries and keys rotated by position (RoPE): `rotates = True`
 
 fairseq numbers positions from `pad_token_id + 1` (= 2): position ids are
 `cumsum(not_pad) * not_pad + pad_token_id`, so padding gets the (zero) pad row and the first real
@@ -36,6 +37,8 @@ class PositionEncoding(nn.Module):
     input_term: bool = False
     """True: adds `embed(tokens)` to the token embeddings (registered in the embedding as
     `embedding.positions`); False: acts on attention scores (registered as `alibi`, wave 1's name)."""
+    rotates: bool = False
+    """True: rotates each layer's queries and keys (`rotation`, RoPE) before the backend attends."""
 
     @classmethod
     def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> PositionEncoding:
@@ -54,6 +57,10 @@ class PositionEncoding(nn.Module):
         query q_idx, key kv_idx; broadcasts. A plain function of its arguments and constants (no
         module attributes): FlexAttention traces it into its kernel."""
         raise NotImplementedError(f"{type(self).__name__} has no score term")
+
+    def rotation(self, positions: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b|1, s] (sample_positions) -> (cos, sin) [b|1, 1, s, hn] for `apply_rotation`."""
+        raise NotImplementedError(f"{type(self).__name__} does not rotate")
 
     def score_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The score term for every (head, query, key) of a `length` sample: [np, s, s], or None."""
@@ -256,11 +263,63 @@ class Alibi(PositionEncoding):
         return cached[:, :length, :length]
 
 
+# ------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------
+
+
+def sample_positions(segments: torch.Tensor | None, length: int, device) -> torch.Tensor:
+    """0-based position of each token in its sample: [b, s] for packed rows (restarting at every
+    sample, so a packed sample is rotated exactly as it is alone), else [1, s]."""
+    index = torch.arange(length, device=device)[None]
+    return index if segments is None else index - sample_starts(segments)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., hn] -> [..., hn]: (x1, x2) -> (-x2, x1) on the two halves (GPT-NeoX / HF layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotation(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[b, np, s, hn] rotated by position: t·cos + rotate_half(t)·sin, in fp32, back in t's dtype."""
+    rotated = t.float() * cos + rotate_half(t.float()) * sin
+    return rotated.to(t.dtype)
+
+
+class Rotary(PositionEncoding):
+    """Rotary position embeddings (Su et al.): dimension pairs (d, d + hn/2) of each head's query and
+    key are rotated by position × θ^(-2d/hn), so q·k depends on the distance only. Nothing is
+    learned and every head rotates alike, so tensor parallelism needs nothing; local layers use
+    their own θ (model.rope_theta_local), as ModernBERT does."""
+
+    rotates = True
+
+    def __init__(self, head_dim: int, theta: float, theta_local: float):
+        super().__init__()
+        self.head_dim, self.theta, self.theta_local = head_dim, theta, theta_local
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> Rotary:
+        return cls(model.head_dim, model.rope_theta, model.rope_theta_local)
+
+    def rotation(self, positions: torch.Tensor, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b|1, s] -> (cos, sin) [b|1, 1, s, hn] in fp32 for a global or local layer."""
+        theta = self.theta_local if local else self.theta
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=positions.device) / self.head_dim
+        inverse_frequency = 1.0 / (theta ** exponent)
+        # [b, s, 1] * [hn/2] -> [b, s, hn/2] -> [b, s, hn] (both halves) -> [b, 1, s, hn]
+        angles = positions[..., None].float() * inverse_frequency
+        angles = torch.cat((angles, angles), dim=-1)[:, None]
+        return angles.cos(), angles.sin()
+
+
 POSITIONS: dict[str, type[PositionEncoding]] = {
     "none": PositionEncoding,
     "learned": LearnedPositions,
     "sinusoidal": SinusoidalPositions,
     "alibi": Alibi,
+    "rope": Rotary,
 }
 """model.position -> its encoding (the names of ModelConfig.position; tests/test_model.py checks both)."""
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megamlm.errors import MegamlmError
-from megamlm.model.tp import full_shape
+from megamlm.model.tp import full_shape, shard, unshard
 
 
 class StateDictMismatch(MegamlmError):
@@ -32,7 +32,7 @@ def to_full(model: nn.Module, param: nn.Parameter, local: torch.Tensor) -> torch
     if _is_sharded(param) and ctx.tp_size > 1:
         parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
         dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
-        full = torch.cat(parts, dim=param.partition_dim)
+        full = unshard(parts, param.partition_dim, getattr(param, "partition_stride", 1))
     if getattr(param, "vocab_parallel", False):
         full = full[: model.config.vocab_size]
     return full
@@ -45,7 +45,7 @@ def from_full(model: nn.Module, param: nn.Parameter, full: torch.Tensor) -> torc
         padded = full_shape(param, ctx.tp_size)[0]
         full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
     if _is_sharded(param):
-        full = full.chunk(ctx.tp_size, dim=param.partition_dim)[ctx.tp_rank]
+        full = shard(full, param.partition_dim, ctx.tp_size, ctx.tp_rank, getattr(param, "partition_stride", 1))
     return full
 
 

@@ -6,6 +6,10 @@ parameter counts use. Tools that work on files (resharding folders, ZeRO consoli
 facts by parameter name without building the model: `SHARD_RULES`, which `tests/test_convert.py`
 checks against every variant's parameter attributes. Vocab-parallel tables are padded with zero rows to a multiple of
 make_vocab_size_divisible_by × TP; their full form holds exactly `vocab_size` rows.
+
+A gated FFN's first linear (model.gated_ffn) is megatron's strided partition: its full rows are
+[activation half; gate half] and each rank holds its slice of both halves, [a_r; g_r] (stride 2), so
+that every rank gates its own columns; `shard` / `unshard` are the one place that layout is written.
 """
 
 from __future__ import annotations
@@ -43,6 +47,23 @@ def _pattern(template: str) -> re.Pattern:
 _RULES = [(_pattern(template), dim, vocab) for template, dim, vocab in SHARD_RULES]
 
 
+def shard_stride(name: str, model: ModelConfig) -> int:
+    """Halves each TP shard of `name` holds: 2 for a gated FFN's first linear, else 1."""
+    return 2 if model.gated_ffn and _pattern(names.FC1).match(name) else 1
+
+
+def shard(full: torch.Tensor, dim: int, tp: int, rank: int, stride: int = 1) -> torch.Tensor:
+    """A full tensor -> rank's shard along `dim`: its slice of each of the `stride` parts."""
+    parts = full.chunk(tp * stride, dim=dim)
+    return torch.cat(parts[rank::tp], dim=dim) if stride > 1 else parts[rank]
+
+
+def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The inverse of `shard` over every rank's shard."""
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([piece[j] for j in range(stride) for piece in pieces], dim=dim)
+
+
 def full_shape(param: nn.Parameter, tp_size: int, vocab_size: int | None = None) -> list[int]:
     """The TP=1 shape of this rank's `param`: the partition dim times tp_size; with `vocab_size`,
     vocab-parallel rows without their padding (else the padded rows)."""
@@ -75,7 +96,8 @@ def split_full(full: dict[str, torch.Tensor], model: ModelConfig, tp: int) -> li
         dim, vocab = shard_rule(name)
         if vocab:
             tensor = torch.cat([tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])])
-        parts = [tensor] * tp if dim is None else tensor.chunk(tp, dim=dim)
+        stride = shard_stride(name, model)
+        parts = [tensor] * tp if dim is None else [shard(tensor, dim, tp, rank, stride) for rank in range(tp)]
         for rank, part in enumerate(parts):
             shards[rank][name] = part.clone()
     return shards
@@ -89,11 +111,11 @@ def merge_shards(shards: list[dict[str, torch.Tensor]], model: ModelConfig,
     for name, first in shards[0].items():
         dim, vocab = shard_rule(name)
         if dim is None:
-            for rank, shard in enumerate(shards[1:] if check_replicas else [], 1):
-                if not torch.equal(shard[name], first):
+            for rank, replica in enumerate(shards[1:] if check_replicas else [], 1):
+                if not torch.equal(replica[name], first):
                     raise MegamlmError(f"{name}: replicated parameter differs between TP rank 0 and {rank}")
             tensor = first
         else:
-            tensor = torch.cat([shard[name] for shard in shards], dim=dim)
+            tensor = unshard([ranks[name] for ranks in shards], dim, shard_stride(name, model))
         full[name] = tensor[: model.vocab_size] if vocab else tensor
     return full

@@ -27,6 +27,7 @@ from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.encoder import Encoder, encoder_flops_per_token, encoder_parameter_count
 from megamlm.model.head_loss import fused_vocab_parallel_cross_entropy
 from megamlm.model.heads import ClapHead, RobertaLMHead, vocab_padding_bias
+from megamlm.model.norm import norm_parameter_count
 from megamlm.objectives.base import LossOutput, Objective, register_objective
 from megamlm.parallel import ParallelContext
 
@@ -129,7 +130,8 @@ def mlm_head_parameter_count(model: ModelConfig, input_size: int | None = None) 
     h, e, V = model.hidden_size, model.embedding_dim, model.vocab_size
     if model.head == "clap" and input_size is None:
         return 1
-    return ((input_size or h) * e + e) + 2 * e + V + (0 if model.tie_embeddings else V * e)
+    dense = (input_size or h) * e + (e if model.bias else 0)
+    return dense + norm_parameter_count(model, e) + V + (0 if model.tie_embeddings else V * e)
 
 
 def mlm_head_flops_per_token(model: ModelConfig, head_fraction: float) -> float:

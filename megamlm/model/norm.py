@@ -1,0 +1,47 @@
+"""The model's norms, one factory for all of them (model.normalization, model.bias).
+
+megatron's layer slots build a norm as `build_module(spec, config=, hidden_size=, eps=)`; `norm_spec`
+is that slot for our configuration, and `norm` builds the norms outside the layers (embedding norm,
+MLM head). LayerNorm with a bias keeps megatron's choice (apex's fused LayerNorm on a GPU when apex
+is installed, torch's otherwise); a LayerNorm without bias (ModernBERT) or an RMSNorm is torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from torch import nn
+
+from megamlm.config import ModelConfig
+
+NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+"""The norm modules this package builds (initialization sets them to 1 / 0)."""
+
+
+def norm(model: ModelConfig, size: int) -> nn.Module:
+    """A norm over the last `size` features: LayerNorm (bias = model.bias) or RMSNorm."""
+    if model.normalization == "rmsnorm":
+        return nn.RMSNorm(size, eps=model.layernorm_epsilon)
+    return nn.LayerNorm(size, eps=model.layernorm_epsilon, bias=model.bias)
+
+
+def norm_parameter_count(model: ModelConfig, size: int) -> int:
+    """Parameters of one `norm(model, size)`: a scale, and a bias for LayerNorm with biases."""
+    return size * (2 if model.normalization == "layernorm" and model.bias else 1)
+
+
+class _SlotNorm:
+    """megatron's norm-slot signature -> `norm` (a class: build_module calls it with keyword arguments)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float, *, model: ModelConfig, **_):
+        return norm(model, hidden_size)
+
+
+def norm_spec(model: ModelConfig) -> ModuleSpec | type:
+    """The norm slots of megatron's layers and block for `model`."""
+    if model.normalization == "layernorm" and model.bias:
+        # apex's fused LayerNorm when apex and a GPU are present, else torch's LayerNorm
+        return LocalSpecProvider().layer_norm() if torch.cuda.is_available() else WrappedTorchNorm
+    return ModuleSpec(module=_SlotNorm, params={"model": model})
