@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, flex_block_mask
+from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, LayerInputs, flex_block_mask
 from megamlm.model.encoder import transformer_config
 from megamlm.model.positions import Alibi, alibi_bias
 from megamlm.parallel import TensorParallelRNG
@@ -42,11 +42,11 @@ def test_flex_score_mod_equals_sdpa_with_materialized_bias(mode, documents):
     documents = groups if documents else None
     sdpa, flex = _attention("sdpa", position), _attention("flex", position)
     torch.testing.assert_close(sdpa.backend.prepare(padding, documents, None, torch.float32).expand_as(bias), bias)
-    want = sdpa(q, k, v, bias)
+    want = sdpa(q, k, v, {None: LayerInputs(bias, rotation=None)})
     # no_grad: the CPU (eager) FlexAttention cannot trace learned slopes that require grad
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
-        got = flex(q, k, v, flex.backend.prepare(padding, documents, None, torch.float32))
+        got = flex(q, k, v, flex.backend.prepare_layers([None], padding, documents, None, torch.float32))
     assert got.shape == (s, b, np_ * hn)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -87,3 +87,43 @@ def test_flex_block_mask_skips_padding_and_other_documents():
     assert visited[1, 0].tolist() == [2, 2, 2, 2]  # key blocks 2 and 3 are padding only
     assert visited[2, 0].tolist() == [2, 2, 2, 2]  # each query block stays in its document's 2 blocks
     assert mask.BLOCK_SIZE == (block, block)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flex", "varlen"])
+def test_sliding_window_equals_dense_attention_with_the_explicit_window_mask(backend):
+    """A local layer's query sees the keys within window / 2 of it (ModernBERT's |i - j| <= 8 for a
+    16-token window), never padding, on every backend; checked on rows 2.5x and 1.9x the window."""
+    from megamlm.model.positions import PositionEncoding
+
+    s, b, np_, hn, window = 40, 2, 4, 8, 16
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b, np_, s, hn, generator=g) for _ in range(3))
+    padding = torch.zeros(b, s, dtype=torch.bool)
+    padding[1, 30:] = True
+    index = torch.arange(s)
+    visible = ((index[:, None] - index[None, :]).abs() <= window // 2) & ~padding[:, None, None, :]
+    scores = (q @ k.transpose(-1, -2)) * hn ** -0.5
+    want = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+    attention = ATTENTION_BACKENDS[backend](PositionEncoding())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
+        got = attention.attend(q, k, v, attention.prepare(padding, None, None, torch.float32, window), 0.0, None)
+    real = ~padding  # [b, s]: padded queries are never read
+    torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5)
+    wider = attention.attend(q, k, v, attention.prepare(padding, None, None, torch.float32, 2 * window), 0.0, None)
+    assert not torch.allclose(wider.transpose(1, 2)[real], got.transpose(1, 2)[real], atol=1e-3)
+
+
+def test_flex_block_mask_visits_only_the_blocks_of_the_window():
+    s = 1024  # 8 blocks of 128
+    groups = torch.zeros(2, s, dtype=torch.long)
+    groups[1, 512:] = -1  # 512 real tokens, then padding
+    local = flex_block_mask(groups, window=256)  # 128 keys on each side: the block and its neighbours
+    visited = local.kv_num_blocks + local.full_kv_num_blocks
+    assert visited[0, 0].tolist() == [2, 3, 3, 3, 3, 3, 3, 2]
+    # padding queries (blocks 4-7 of row 1) keep every real key, as on the SDPA path
+    assert visited[1, 0].tolist() == [2, 3, 3, 2, 4, 4, 4, 4]
+    narrow = flex_block_mask(groups, window=16)  # 8 keys each side: still the neighbours at block edges
+    assert (narrow.kv_num_blocks + narrow.full_kv_num_blocks)[0, 0].tolist() == [2, 3, 3, 3, 3, 3, 3, 2]
+    dense = flex_block_mask(groups)
+    assert (dense.kv_num_blocks + dense.full_kv_num_blocks).sum() == 8 * 8 + 8 * 4

@@ -32,16 +32,19 @@ def test_variants_carry_the_reference_knobs():
     assert (base.head, base.embedding_layernorm, base.vocab_size) == ("roberta", True, 50265)
 
 
-def test_bert_and_albert_base_are_the_published_shapes():
-    """Parameter counts from the config alone equal the papers' (BERT-base 110M, ALBERT-base 12M) and
-    transformers' own count of the same configuration."""
-    from transformers import AlbertConfig, AlbertForMaskedLM, BertConfig, BertForMaskedLM
+def test_bert_albert_and_modernbert_are_the_published_shapes():
+    """Parameter counts from the config alone equal the papers' (BERT-base 110M, ALBERT-base 12M,
+    ModernBERT-base 149M, -large 395M) and transformers' own count of the same configuration."""
+    from transformers import (AlbertConfig, AlbertForMaskedLM, BertConfig, BertForMaskedLM, ModernBertConfig,
+                              ModernBertForMaskedLM)
 
     from megamlm.objectives import get_objective
 
     for name, config_class, model_class, extra in (
             ("bert-base", BertConfig, BertForMaskedLM, {}),
-            ("albert-base", AlbertConfig, AlbertForMaskedLM, {"embedding_size": 128})):
+            ("albert-base", AlbertConfig, AlbertForMaskedLM, {"embedding_size": 128}),
+            ("modernbert-base", ModernBertConfig, ModernBertForMaskedLM, {}),
+            ("modernbert-large", ModernBertConfig, ModernBertForMaskedLM, {})):
         cfg = load_config([CONFIGS / "model" / f"{name}.yaml"])
         m = cfg.model
         with torch.device("meta"):
@@ -49,8 +52,9 @@ def test_bert_and_albert_base_are_the_published_shapes():
                                           num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                                           intermediate_size=m.ffn_hidden_size, **extra))
         theirs = sum(p.numel() for p in hf.parameters())
-        # megamlm's learned table has 2 (padding) rows more than HF's (fairseq's layout)
-        assert get_objective(cfg).parameter_count() == theirs + 2 * m.embedding_dim, name
+        # megamlm's learned table has 2 (padding) rows more than HF's (fairseq's layout); RoPE has none
+        padding_rows = 2 if m.position == "learned" else 0
+        assert get_objective(cfg).parameter_count() == theirs + padding_rows * m.embedding_dim, name
     assert load_config([CONFIGS / "model/albert-base.yaml"]).model.share_layers
 
 
