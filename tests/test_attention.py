@@ -6,7 +6,9 @@ import warnings
 import pytest
 import torch
 
-from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, LayerInputs, flex_block_mask
+from megamlm.config import GLOBAL_ATTENTION, LayerAttention
+from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, LayerInputs
+from megamlm.model.patterns import flex_block_mask
 from megamlm.model.encoder import transformer_config
 from megamlm.model.positions import Alibi, alibi_bias
 from megamlm.parallel import TensorParallelRNG
@@ -42,11 +44,11 @@ def test_flex_score_mod_equals_sdpa_with_materialized_bias(mode, documents):
     documents = groups if documents else None
     sdpa, flex = _attention("sdpa", position), _attention("flex", position)
     torch.testing.assert_close(sdpa.backend.prepare(padding, documents, None, torch.float32).expand_as(bias), bias)
-    want = sdpa(q, k, v, {None: LayerInputs(bias, rotation=None)})
+    want = sdpa(q, k, v, {GLOBAL_ATTENTION: LayerInputs(bias, rotation=None)})
     # no_grad: the CPU (eager) FlexAttention cannot trace learned slopes that require grad
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
-        got = flex(q, k, v, flex.backend.prepare_layers([None], padding, documents, None, torch.float32))
+        got = flex(q, k, v, flex.backend.prepare_layers([GLOBAL_ATTENTION], padding, documents, None, torch.float32))
     assert got.shape == (s, b, np_ * hn)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -107,10 +109,12 @@ def test_sliding_window_equals_dense_attention_with_the_explicit_window_mask(bac
     attention = ATTENTION_BACKENDS[backend](PositionEncoding())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
-        got = attention.attend(q, k, v, attention.prepare(padding, None, None, torch.float32, window), 0.0, None)
+        local = attention.prepare(padding, None, None, torch.float32, LayerAttention(window=window))
+        got = attention.attend(q, k, v, local, 0.0, None)
     real = ~padding  # [b, s]: padded queries are never read
     torch.testing.assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=1e-5)
-    wider = attention.attend(q, k, v, attention.prepare(padding, None, None, torch.float32, 2 * window), 0.0, None)
+    wide = attention.prepare(padding, None, None, torch.float32, LayerAttention(window=2 * window))
+    wider = attention.attend(q, k, v, wide, 0.0, None)
     assert not torch.allclose(wider.transpose(1, 2)[real], got.transpose(1, 2)[real], atol=1e-3)
 
 
@@ -118,12 +122,57 @@ def test_flex_block_mask_visits_only_the_blocks_of_the_window():
     s = 1024  # 8 blocks of 128
     groups = torch.zeros(2, s, dtype=torch.long)
     groups[1, 512:] = -1  # 512 real tokens, then padding
-    local = flex_block_mask(groups, window=256)  # 128 keys on each side: the block and its neighbours
+    local = flex_block_mask(groups, LayerAttention(window=256))  # 128 keys on each side: the block and its neighbours
     visited = local.kv_num_blocks + local.full_kv_num_blocks
     assert visited[0, 0].tolist() == [2, 3, 3, 3, 3, 3, 3, 2]
     # padding queries (blocks 4-7 of row 1) keep every real key, as on the SDPA path
     assert visited[1, 0].tolist() == [2, 3, 3, 2, 4, 4, 4, 4]
-    narrow = flex_block_mask(groups, window=16)  # 8 keys each side: still the neighbours at block edges
+    narrow = flex_block_mask(groups, LayerAttention(window=16))  # 8 keys each side: still the neighbours at block edges
     assert (narrow.kv_num_blocks + narrow.full_kv_num_blocks)[0, 0].tolist() == [2, 3, 3, 3, 3, 3, 3, 2]
     dense = flex_block_mask(groups)
     assert (dense.kv_num_blocks + dense.full_kv_num_blocks).sum() == 8 * 8 + 8 * 4
+
+
+def test_bigbird_pattern_is_window_global_tokens_and_random_blocks_on_every_backend():
+    """BigBird (model.local_attention=bigbird): a real query sees its window, the sample's first global
+    tokens see and are seen by all, and each query block sees its random key blocks; sdpa's explicit
+    mask and flex's BlockMask agree, and the pattern is the same for a sample packed or padded."""
+    from megamlm.model.patterns import pattern_sees, random_block_table
+    from megamlm.model.positions import PositionEncoding
+
+    pattern = LayerAttention(window=4, global_tokens=2, random_blocks=1, block_size=8, table_blocks=4, seed=3)
+    table = random_block_table(pattern)
+    assert table.sum(dim=1).tolist() == [1, 1, 1, 1]  # one random key block per query block
+    assert not torch.equal(table, random_block_table(LayerAttention(**{**pattern.__dict__, "seed": 4})))
+    index = torch.arange(40)
+    seen = pattern_sees(pattern, index[:, None], index[None, :], table)
+    assert seen[0].all() and seen[:, 1].all()  # global tokens
+    assert seen[20, 18] and seen[20, 22] and seen[20, 23] == table[2, 2]  # the window: 2 keys each side
+    random_keys = {j for j in range(40) if seen[20, j] and abs(20 - j) > 2 and j >= 2}
+    want = {j for j in range(40) if table[(20 // 8) % 4, (j // 8) % 4] and abs(20 - j) > 2 and j >= 2}
+    assert random_keys == want and len(want) >= 6  # a whole block of 8, repeating beyond 4 blocks
+
+    s, b, np_, hn = 40, 2, 2, 8
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(b, np_, s, hn, generator=g) for _ in range(3))
+    padding = torch.zeros(b, s, dtype=torch.bool)
+    padding[1, 27:] = True
+    visible = seen & ~padding[:, None, None, :]
+    scores = (q @ k.transpose(-1, -2)) * hn ** -0.5
+    want_out = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+    real = ~padding
+    for name in ("sdpa", "flex"):
+        backend = ATTENTION_BACKENDS[name](PositionEncoding())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
+            got = backend.attend(q, k, v, backend.prepare(padding, None, None, torch.float32, pattern), 0.0, None)
+        torch.testing.assert_close(got.transpose(1, 2)[real], want_out.transpose(1, 2)[real], rtol=0, atol=1e-5)
+    # row 1's sample packed after a 13-token sample: its positions (so its pattern) restart
+    packed_q, packed_k, packed_v = (torch.cat([t[:1, :, :13], t[1:, :, :27]], dim=2) for t in (q, k, v))
+    segments = torch.tensor([[0] * 13 + [1] * 27])
+    sdpa = ATTENTION_BACKENDS["sdpa"](PositionEncoding())
+    out = sdpa.attend(packed_q, packed_k, packed_v, sdpa.prepare(segments < 0, None, segments, torch.float32, pattern),
+                      0.0, None)
+    alone = sdpa.attend(q[1:, :, :27], k[1:, :, :27], v[1:, :, :27],
+                        sdpa.prepare(padding[1:, :27], None, None, torch.float32, pattern), 0.0, None)
+    torch.testing.assert_close(out[:, :, 13:], alone, rtol=0, atol=1e-6)

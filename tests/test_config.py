@@ -100,6 +100,7 @@ BAD = [
      "model.global_every=3 must be in [1, model.num_layers=2]"),
     (["model.first_layer_norm=false"], "model.first_layer_norm=false needs model.layernorm=pre"),
     (["model.rope_theta=ten", "model.position=rope"], "model.rope_theta='ten' is invalid; allowed: float or null"),
+    (["model.local_attention=bigbird"], "model.local_attention=bigbird needs model.local_window"),
 ]
 
 

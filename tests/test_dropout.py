@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from megamlm.config import GLOBAL_ATTENTION
 from megamlm.model.attention import AttentionBackend, BidirectionalAttention, LayerInputs
 from megamlm.model.dropout import dropout
 from megamlm.model.encoder import transformer_config
@@ -66,7 +67,7 @@ def test_cpu_attention_dropout_path_matches_sdpa_in_expectation():
     q, k, v = (torch.randn(s, b, np_, hn, generator=g) for _ in range(3))
     bias = torch.randn(b, np_, s, s, generator=g)
     bias[1, :, :, 4:] = float("-inf")  # padded keys of sample 1
-    bias = {None: LayerInputs(bias, rotation=None)}  # what the encoder prepares for global layers
+    bias = {GLOBAL_ATTENTION: LayerInputs(bias, rotation=None)}  # what the encoder prepares for global layers
     attention = _attention(0.1)
     tensor_parallel_rng.seed(0)
     want = attention.eval()(q, k, v, bias)  # SDPA, no dropout

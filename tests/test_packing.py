@@ -191,10 +191,13 @@ def test_packed_resume_after_sigkill_reproduces_the_uninterrupted_losses(shards,
     assert len(full["losses"]) == 10 and resumed["losses"] == full["losses"][5:]  # bit for bit
 
 
+@pytest.mark.parametrize("window", [None, 4], ids=["global", "window-4"])
 @pytest.mark.parametrize("layout", ["padded", "packed", "documents"])
-def test_varlen_takes_only_the_real_tokens_and_equals_sdpa(layout):
-    """The varlen backend's layout (sequences end to end, cu_seqlens) with its CPU stand-in kernel
-    equals sdpa; on a GPU the kernel is torch's varlen FlashAttention (benchmarks/gpu.sh)."""
+def test_varlen_takes_only_the_real_tokens_and_equals_sdpa(layout, window):
+    """The varlen backend's layout (sequences end to end, cu_seqlens; a local layer's window as the
+    kernel's window_size) with its CPU stand-in kernel equals sdpa; on a GPU the kernel is torch's
+    varlen FlashAttention (benchmarks/gpu.sh)."""
+    from megamlm.config import LayerAttention
     from megamlm.model.attention import ATTENTION_BACKENDS, Sequences
     from megamlm.model.positions import PositionEncoding
 
@@ -209,9 +212,10 @@ def test_varlen_takes_only_the_real_tokens_and_equals_sdpa(layout):
     b, s = padding.shape
     q, k, v = (torch.randn(b, 4, s, 8, generator=g) for _ in range(3))
     sdpa, varlen = (ATTENTION_BACKENDS[name](PositionEncoding()) for name in ("sdpa", "varlen"))
-    prepared = varlen.prepare(padding, documents, segments, torch.float32)
+    pattern = LayerAttention(window=window)
+    prepared = varlen.prepare(padding, documents, segments, torch.float32, pattern)
     assert isinstance(prepared, Sequences) and int(prepared.cu_seqlens[-1]) == int((~padding).sum())
-    want = sdpa.attend(q, k, v, sdpa.prepare(padding, documents, segments, torch.float32), 0.0, None)
+    want = sdpa.attend(q, k, v, sdpa.prepare(padding, documents, segments, torch.float32, pattern), 0.0, None)
     got = varlen.attend(q, k, v, prepared, 0.0, None)
     real = ~padding[:, None, :, None].expand_as(want)
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-6)
@@ -225,3 +229,6 @@ def test_varlen_refuses_what_it_cannot_compute():
     assert "no score term for ALiBi; use model.attention_backend=flex" in VarlenAttention.unsupported_here(alibi)
     dropout = variant_config("baseline", ["model.attention_backend=varlen", "model.attention_dropout=0.1"]).model
     assert "no attention dropout" in VarlenAttention.unsupported_here(dropout)
+    bigbird = variant_config("bigbird", ["model.attention_backend=varlen"]).model
+    assert "no BigBird pattern (only windows); use model.attention_backend=flex" in (
+        VarlenAttention.unsupported_here(bigbird))

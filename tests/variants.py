@@ -29,6 +29,9 @@ VARIANTS = {
     # the other ModernBERT-era mix: SwiGLU, RMSNorm, biases kept (a gated fc1 bias is sharded too)
     "rope-swiglu-rmsnorm": ("modernbert", ["model.local_window=16", "model.global_every=2", "model.activation=silu",
                                            "model.normalization=rmsnorm", "model.bias=true"]),
+    # BigBird's local layers: the window + 2 global tokens + 1 random block of 8 per query block
+    "bigbird": ("modernbert", ["model.local_window=16", "model.global_every=2", "model.local_attention=bigbird",
+                               "model.bigbird_block_size=8"]),
 }
 
 

@@ -13,6 +13,7 @@ where it was set and what is allowed.
 
 from megamlm.config.checks import ARCHITECTURE, ConfigError, check_fields
 from megamlm.config.loading import build_config, config_from_dict, load_config, parse_override, replace_config
+from megamlm.config.model import GLOBAL_ATTENTION, LayerAttention
 from megamlm.config.sections import (
     Config,
     DataConfig,
@@ -23,6 +24,6 @@ from megamlm.config.sections import (
     TrainConfig,
 )
 
-__all__ = ["ARCHITECTURE", "Config", "ConfigError", "DataConfig", "ModelConfig", "ObjectiveConfig", "OptimConfig",
-           "ParallelConfig", "TrainConfig", "build_config", "check_fields", "config_from_dict", "load_config",
-           "parse_override", "replace_config"]
+__all__ = ["ARCHITECTURE", "Config", "ConfigError", "DataConfig", "GLOBAL_ATTENTION", "LayerAttention", "ModelConfig",
+           "ObjectiveConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "build_config", "check_fields",
+           "config_from_dict", "load_config", "parse_override", "replace_config"]

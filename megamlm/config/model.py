@@ -9,6 +9,36 @@ from typing import Literal
 from megamlm.config.checks import ARCHITECTURE, ConfigError, _divisors, check_fields
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's queries may see within their sample (and document, with document_mask):
+    every key, a sliding window, or BigBird's block-sparse pattern (window + global tokens + random
+    key blocks, Zaheer et al. 2020). Hashable: the encoder prepares each distinct pattern once."""
+
+    window: int | None = None
+    """Keys within window // 2 positions of the query (None: every key, a global layer)."""
+    global_tokens: int = 0
+    """The sample's first global_tokens positions see, and are seen by, every token."""
+    random_blocks: int = 0
+    """Key blocks (of block_size positions in the sample) each query block also sees, drawn at random."""
+    block_size: int = 128
+    table_blocks: int = 1
+    """Blocks the random draw covers (max_positions / block_size; the pattern repeats beyond)."""
+    seed: int = 0
+    """The random blocks' draw: the layer's index, so every layer has its own."""
+
+    def keys_per_query(self, seq_length: int) -> int:
+        """Keys a query attends to at most (the FLOPs count): s in a global layer; the window + 1,
+        the global tokens and the random blocks in a local one (overlaps counted twice: an upper bound)."""
+        if self.window is None:
+            return seq_length
+        return min(seq_length, self.window + 1 + self.global_tokens + self.random_blocks * self.block_size)
+
+
+GLOBAL_ATTENTION = LayerAttention()
+"""A global layer's pattern: every key of the sample."""
+
+
 @dataclass
 class ModelConfig:
     """Encoder architecture. fairseq `roberta` knob names are given where they differ. Fields with
@@ -68,6 +98,16 @@ class ModelConfig:
     global_every: int = 1
     """With local_window: layer i attends globally when i % global_every == 0, through the window
     otherwise (ModernBERT: 3, so layers 0, 3, 6, ... are global)."""
+    local_attention: Literal["window", "bigbird"] = "window"
+    """How the local layers attend: their window (ModernBERT), or BigBird's block-sparse pattern: the
+    window plus bigbird_global_tokens and bigbird_random_blocks (flex, sdpa, eager; not varlen)."""
+    bigbird_global_tokens: int = 2
+    """bigbird: the first tokens of each sample that see and are seen by every token (BigBird ITC's
+    global tokens: [CLS] and the next)."""
+    bigbird_random_blocks: int = 1
+    """bigbird: random key blocks each query block also sees, drawn per layer."""
+    bigbird_block_size: int = 64
+    """bigbird: positions per random block (BigBird's 64; FlexAttention's BlockMask blocks are 128)."""
     alibi_mode: Literal["symmetric", "offset", "learned"] | None = field(default=None, metadata=ARCHITECTURE)
     """ALiBi variant (only with position=alibi; default offset, the blog's choice): symmetric
     `-m|i-j|`; offset: keys after the query get `-m(|i-j|-0.5)`; learned: separate learnable
@@ -196,6 +236,9 @@ class ModelConfig:
             raise ConfigError(f"model.global_every={self.global_every} must be in [1, model.num_layers="
                               f"{self.num_layers}] (layer i is global when i % global_every == 0)")
         if self.local_window is None:
+            if self.local_attention != "window":
+                raise ConfigError(f"model.local_attention={self.local_attention} needs model.local_window (the "
+                                  "window of its local layers) and model.global_every")
             if self.global_every > 1:
                 raise ConfigError(f"model.global_every={self.global_every} needs model.local_window "
                                   "(the window of the other layers), e.g. 128")
@@ -209,11 +252,22 @@ class ModelConfig:
         if self.share_layers:
             raise ConfigError("model.local_window needs layers of their own; model.share_layers=true applies "
                               "one layer everywhere")
+        if min(self.bigbird_global_tokens, self.bigbird_random_blocks) < 0 or self.bigbird_block_size <= 0:
+            raise ConfigError(f"model.bigbird_global_tokens={self.bigbird_global_tokens} and bigbird_random_blocks="
+                              f"{self.bigbird_random_blocks} must be >= 0, bigbird_block_size="
+                              f"{self.bigbird_block_size} positive")
 
-    def layer_windows(self) -> list[int | None]:
-        """Each layer's attention window (local_window for a local layer, None for a global one)."""
-        return [None if self.local_window is None or i % self.global_every == 0 else self.local_window
-                for i in range(self.num_layers)]
+    def layer_attention(self) -> list[LayerAttention]:
+        """Each layer's attention pattern: global for layer i % global_every == 0 (or without
+        local_window), the window (or BigBird's pattern) otherwise."""
+        if self.local_attention == "bigbird":
+            local = dict(global_tokens=self.bigbird_global_tokens, random_blocks=self.bigbird_random_blocks,
+                         block_size=self.bigbird_block_size,
+                         table_blocks=-(-self.max_positions // self.bigbird_block_size))
+        else:
+            local = {}
+        return [LayerAttention() if self.local_window is None or i % self.global_every == 0 else
+                LayerAttention(window=self.local_window, seed=i, **local) for i in range(self.num_layers)]
 
     @property
     def embedding_dim(self) -> int:

@@ -38,6 +38,7 @@ def hf_format(model: ModelConfig) -> HFFormat | None:
               and model.pad_token_id == 1 and model.normalization == "layernorm")
     if common and model.position == "rope":
         modern = (model.layernorm == "pre" and not model.first_layer_norm and model.gated_ffn
+                  and model.local_attention == "window"
                   and not model.token_types and model.embedding_size in (None, model.hidden_size)
                   and not model.share_layers)
         return MODERNBERT if modern else None
@@ -54,14 +55,14 @@ def hf_format(model: ModelConfig) -> HFFormat | None:
 
 
 MODERN_PARTS = ("position=rope", "gated_ffn", "bias=false", "normalization=rmsnorm", "first_layer_norm=false",
-                "local_window")
+                "local_window", "local_attention=bigbird")
 """The model parts megamlm's own modeling file (modeling_megamlm.py) does not implement."""
 
 
 def modern_parts(model: ModelConfig) -> list[str]:
     """Which of MODERN_PARTS `model` uses."""
     used = (model.position == "rope", model.gated_ffn, not model.bias, model.normalization == "rmsnorm",
-            not model.first_layer_norm, model.local_window is not None)
+            not model.first_layer_norm, model.local_window is not None, model.local_attention == "bigbird")
     return [part for part, on in zip(MODERN_PARTS, used) if on]
 
 

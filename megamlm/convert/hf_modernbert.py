@@ -27,7 +27,7 @@ def modernbert_config_values(model: ModelConfig, activation: str, pad_token_id: 
         hidden_activation=activation, classifier_activation=activation, max_position_embeddings=model.max_positions,
         norm_eps=model.layernorm_epsilon, decoder_bias=True, **{key: model.bias for key in BIASES},
         embedding_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout, mlp_dropout=0.0,
-        layer_types=[GLOBAL if window is None else LOCAL for window in model.layer_windows()],
+        layer_types=[GLOBAL if layer.window is None else LOCAL for layer in model.layer_attention()],
         local_attention=model.local_window or model.max_positions,
         rope_parameters={GLOBAL: {"rope_type": "default", "rope_theta": model.rope_theta},
                          LOCAL: {"rope_type": "default", "rope_theta": model.rope_theta_local}},

@@ -6,27 +6,27 @@ heads only, query/key/value [s, b, np, hn], and returns [s, b, np * hn]; the wor
 `AttentionBackend` chosen by name (`ATTENTION_BACKENDS`, model.attention_backend):
 
     backend = ATTENTION_BACKENDS[name](position)    # one per encoder, shared by its layers
-    layers = backend.prepare_layers(windows, padding, documents, segments, dtype)   # once per forward
-    out = backend.attend(q, k, v, layers[window].attention, dropout_p, scale)   # in every layer
+    layers = backend.prepare_layers(patterns, padding, documents, segments, dtype)   # once per forward
+    out = backend.attend(q, k, v, layers[pattern].attention, dropout_p, scale)   # in every layer
 
 Attention never crosses a sample (`segments`, packed rows) nor, when `documents` is given
-(model.document_mask), a document; padded keys are never attended to. A local layer (`window`,
-model.local_window) lets a real query see only keys within window / 2 positions of it.
+(model.document_mask), a document; padded keys are never attended to; a local layer's pattern
+(`LayerAttention`: a window, or BigBird's block-sparse pattern) narrows it further (patterns.py).
 
-megatron's slots have one meaning each: `attention_mask` carries the prepared `LayerInputs` per window
-(whatever the backend built: a bias tensor for sdpa, a BlockMask and score parameters for flex; the
-RoPE rotation) and `attention_bias` is unused. A backend asks the position encoding for its score
-term; padding, document boundaries and windows are the backend's to express.
+megatron's slots have one meaning each: `attention_mask` carries the prepared `LayerInputs` per
+pattern (whatever the backend built: a bias tensor for sdpa, a BlockMask and score parameters for
+flex; the RoPE rotation) and `attention_bias` is unused. A backend asks the position encoding for its
+score term; padding, document boundaries and patterns are the backend's to express.
 
   sdpa   PyTorch scaled_dot_product_attention with one additive bias [b, np|1, s, s] (-inf on padded
-         keys, other documents and outside the window, plus the position's score term), CPU and GPU. Packed rows are
+         keys, other documents and outside the pattern, plus the position's score term), CPU and GPU. Packed rows are
          first gathered per sample into [n, np, L, hn] (L the longest sample), so nothing of size
          [T, T] is built for a row of T tokens and the bias is [n, np|1, L, L].
   eager  the same math unfused: softmax, then our dropout. sdpa runs it on CPU whenever attention
          dropout is on (torch's CPU SDPA then does this math with a slower dropout mask).
   flex   FlexAttention: the position's score term is a `score_mod`, key padding / documents / the
-         window a BlockMask; nothing [s, s] is materialized and key blocks a query block cannot see
-         are skipped. CUDA only for training: torch 2.13 has no FlexAttention backward on CPU.
+         pattern (BigBird's too) a BlockMask; nothing [s, s] is materialized and key blocks a query
+         block cannot see are skipped. CUDA only for training: torch 2.13 has no FlexAttention backward on CPU.
   varlen torch's variable-length FlashAttention (torch.nn.attention.varlen) over the real tokens only:
          every sample (or document) is one sequence of `cu_seqlens`, no padding is computed, padded
          or packed rows alike; a window is the kernel's window_size. CUDA only; no score term (not
@@ -44,9 +44,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from megamlm.config import ConfigError, ModelConfig
+from megamlm.config import GLOBAL_ATTENTION, ConfigError, LayerAttention, ModelConfig
 from megamlm.model.dropout import dropout
-from megamlm.model.positions import PositionEncoding, apply_rotation, sample_positions
+from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
+from megamlm.model.positions import PositionEncoding, apply_rotation, sample_positions, sample_starts
 from megamlm.parallel import tensor_parallel_rng
 
 
@@ -82,12 +83,12 @@ class PackedRows:
 
 @dataclass
 class LayerInputs:
-    """What the layers of one window need, prepared once per forward."""
+    """What the layers of one attention pattern need, prepared once per forward."""
 
     attention: object
-    """The backend's `prepare` for that window."""
+    """The backend's `prepare` for that pattern."""
     rotation: tuple[torch.Tensor, torch.Tensor] | None
-    """RoPE's (cos, sin) [b|1, 1, s, hn] for that window's layers, or None (no rotation)."""
+    """RoPE's (cos, sin) [b|1, 1, s, hn] for those layers (local ones: rope_theta_local), or None."""
 
 
 class AttentionBackend:
@@ -98,13 +99,13 @@ class AttentionBackend:
     def __init__(self, position: PositionEncoding):
         self.position = position
 
-    def prepare_layers(self, windows, padding: torch.Tensor, documents: torch.Tensor | None,
-                       segments: torch.Tensor | None, dtype: torch.dtype) -> dict[int | None, LayerInputs]:
-        """Each window in use (None: global layers) -> its LayerInputs (`prepare` and the rotation)."""
+    def prepare_layers(self, patterns, padding: torch.Tensor, documents: torch.Tensor | None,
+                       segments: torch.Tensor | None, dtype: torch.dtype) -> dict[LayerAttention, LayerInputs]:
+        """Each pattern in use (ModelConfig.layer_attention) -> its LayerInputs (`prepare`, the rotation)."""
         positions = sample_positions(segments, padding.size(1), padding.device) if self.position.rotates else None
-        return {window: LayerInputs(self.prepare(padding, documents, segments, dtype, window),
-                                    None if positions is None else self.position.rotation(positions, bool(window)))
-                for window in set(windows)}
+        return {pattern: LayerInputs(self.prepare(padding, documents, segments, dtype, pattern), None
+                                     if positions is None else self.position.rotation(positions, bool(pattern.window)))
+                for pattern in set(patterns)}
 
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
@@ -112,16 +113,16 @@ class AttentionBackend:
         return None
 
     def prepare(self, padding: torch.Tensor, documents: torch.Tensor | None, segments: torch.Tensor | None,
-                dtype: torch.dtype, window: int | None = None):
+                dtype: torch.dtype, pattern: LayerAttention = GLOBAL_ATTENTION):
         """padding [b, s] bool; documents [b, s] (document index, -1 on padding) or None when
         attention may span a whole sample; segments [b, s] (sample index in a packed row, -1 on
-        padding) or None for one sample per row; window: a local layer's (None: global) -> the
-        additive bias [b, np|1, s, s], or PackedRows."""
+        padding) or None for one sample per row; pattern: the layers' (patterns.py) -> the additive
+        bias [b, np|1, s, s], or PackedRows."""
         if segments is not None:
-            return self._prepare_packed(documents, segments, dtype, window)
-        return self._bias(padding, documents, dtype, window)
+            return self._prepare_packed(documents, segments, dtype, pattern)
+        return self._bias(padding, documents, dtype, pattern)
 
-    def _bias(self, padding, documents, dtype, window: int | None = None) -> torch.Tensor:
+    def _bias(self, padding, documents, dtype, pattern: LayerAttention) -> torch.Tensor:
         b, s = padding.shape
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
@@ -130,11 +131,12 @@ class AttentionBackend:
             # [b, 1, s, 1] vs [b, 1, 1, s] -> [b, 1, s, s]: real queries see only their document
             query_doc, key_doc = documents[:, None, :, None], documents[:, None, None, :]
             bias = bias.masked_fill((query_doc >= 0) & (query_doc != key_doc), float("-inf"))
-        if window is not None:
-            # [s, 1] - [1, s] -> [s, s]; [b, 1, s, 1] & [s, s] -> [b, 1, s, s]: real queries see their
-            # window (a padded query keeps every real key, so no row of the softmax is empty)
+        if pattern.window is not None:
+            # [s, 1] with [1, s] -> [s, s]; [b, 1, s, 1] & [s, s] -> [b, 1, s, s]: real queries see their
+            # pattern (a padded query keeps every real key, so no row of the softmax is empty)
             index = torch.arange(s, device=padding.device)
-            outside = (index[:, None] - index[None, :]).abs() > window // 2
+            table = random_block_table(pattern, padding.device)
+            outside = ~pattern_sees(pattern, index[:, None], index[None, :], table)
             bias = bias.masked_fill(~padding[:, None, :, None] & outside, float("-inf"))
         score = self.position.score_bias(s, dtype)
         if score is not None:
@@ -142,7 +144,7 @@ class AttentionBackend:
             bias = bias + score[None]
         return bias
 
-    def _prepare_packed(self, documents, segments, dtype, window) -> PackedRows:
+    def _prepare_packed(self, documents, segments, dtype, pattern) -> PackedRows:
         positions, sample, lengths = _sequences(segments)
         starts = torch.cumsum(lengths, 0) - lengths
         slot = torch.arange(len(sample), device=segments.device) - starts[sample]
@@ -152,7 +154,7 @@ class AttentionBackend:
         index[sample, slot], filled[sample, slot] = positions, True
         # within each sample, the layout of one padded row per sample: [n, L] -> [n, np|1, L, L]
         docs = None if documents is None else documents.flatten()[index].masked_fill(~filled, -1)
-        return PackedRows(index, positions, sample * longest + slot, self._bias(~filled, docs, dtype, window))
+        return PackedRows(index, positions, sample * longest + slot, self._bias(~filled, docs, dtype, pattern))
 
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
         """q, k, v [b, np, s, hn] -> [b, np, s, hn]."""
@@ -190,11 +192,12 @@ class FlexAttention(AttentionBackend):
                     "backward on CPU); use model.attention_backend=sdpa")
         return None
 
-    def prepare(self, padding, documents, segments, dtype, window=None):
+    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION):
         """(BlockMask over the rows as they are, packed or not; the position's score parameters or
         None). Distances in a packed row are distances within its samples (they never mix)."""
         groups = next(g for g in (documents, segments, padding.long().neg()) if g is not None)  # -1 on padding
-        return flex_block_mask(groups, window), self.position.score_params()
+        starts = None if segments is None else sample_starts(segments)
+        return flex_block_mask(groups, pattern, starts), self.position.score_params()
 
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
         if dropout_p > 0:
@@ -229,6 +232,9 @@ class VarlenAttention(AttentionBackend):
 
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
+        if model.local_attention == "bigbird":
+            return ("model.attention_backend=varlen has no BigBird pattern (only windows); use "
+                    "model.attention_backend=flex (or sdpa)")
         if model.position == "alibi":
             return ("model.attention_backend=varlen has no score term for ALiBi; use "
                     "model.attention_backend=flex (or sdpa)")
@@ -238,11 +244,11 @@ class VarlenAttention(AttentionBackend):
             return "model.attention_backend=varlen needs a CUDA GPU (torch's varlen FlashAttention); use sdpa"
         return None
 
-    def prepare(self, padding, documents, segments, dtype, window=None) -> Sequences:
+    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION) -> Sequences:
         groups = next(g for g in (documents, segments, padding.long().neg()) if g is not None)  # -1 on padding
         positions, _, lengths = _sequences(groups)
         cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
-        return Sequences(positions, cu_seqlens, int(lengths.max()), window)
+        return Sequences(positions, cu_seqlens, int(lengths.max()), pattern.window)
 
     def attend(self, q, k, v, prepared: Sequences, dropout_p: float, scale: float | None) -> torch.Tensor:
         if dropout_p > 0:
@@ -319,11 +325,12 @@ class BidirectionalAttention(MegatronModule):
     """megatron's core-attention slot: permutes to [b, np, s, hn], lets the backend attend."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None, *, backend: AttentionBackend, window: int | None = None):
+                 softmax_scale=None, pg_collection=None, *, backend: AttentionBackend,
+                 pattern: LayerAttention = GLOBAL_ATTENTION):
         super().__init__(config=config)
         self.backend = backend
-        self.window = window
-        """This layer's attention window (None: global); its key into the prepared LayerInputs."""
+        self.pattern = pattern
+        """This layer's attention pattern; its key into the prepared LayerInputs."""
         self.dropout_p = config.attention_dropout
         self.softmax_scale = softmax_scale
 
@@ -332,34 +339,13 @@ class BidirectionalAttention(MegatronModule):
         s, b, np_local, hn = query.shape
         # [s, b, np, hn] -> [b, np, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        inputs: LayerInputs = attention_mask[self.window]
+        inputs: LayerInputs = attention_mask[self.pattern]
         if inputs.rotation is not None:
             q, k = (apply_rotation(t, *inputs.rotation) for t in (q, k))
         dropout_p = self.dropout_p if self.training else 0.0
         out = self.backend.attend(q, k, v, inputs.attention, dropout_p, self.softmax_scale)
         # [b, np, s, hn] -> [s, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
-
-
-def flex_block_mask(groups: torch.Tensor, window: int | None = None):
-    """[b, s] key groups (-1 on padding, else the document index; 0 when samples are not split into
-    documents) -> the FlexAttention BlockMask: real queries see the real keys of their own
-    document (within window / 2 positions of them in a local layer), padding queries every real key
-    (as on the SDPA path, so no row is empty). The kernel skips key blocks that are all padding, all
-    another document or all outside the window."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    half = None if window is None else window // 2
-
-    def visible(b, h, q_idx, kv_idx):
-        query, key = groups[b, q_idx], groups[b, kv_idx]
-        seen = (key >= 0) & ((query < 0) | (key == query))
-        return seen if half is None else seen & (((q_idx - kv_idx).abs() <= half) | (query < 0))
-
-    b, s = groups.shape
-    # compiled on GPU: the eager construction materializes [b, s, s] index tensors (GiBs at 8192)
-    return create_block_mask(visible, b, None, s, s, device=groups.device,
-                             _compile=groups.device.type == "cuda")
 
 
 @functools.cache

@@ -74,9 +74,10 @@ def transformer_config(model: ModelConfig, tp_size: int,
 
 
 def attended_keys(model: ModelConfig, seq_length: int) -> list[int]:
-    """Keys each query of a layer attends to: the sequence in a global layer, at most the window + 1
-    (local_window / 2 on each side and itself) in a local one."""
-    return [seq_length if w is None else min(seq_length, w + 1) for w in model.layer_windows()]
+    """Keys each query of a layer attends to (LayerAttention.keys_per_query): the sequence in a global
+    layer; in a local one at most the window + 1 (local_window / 2 on each side and itself), plus
+    BigBird's global tokens and random blocks."""
+    return [pattern.keys_per_query(seq_length) for pattern in model.layer_attention()]
 
 
 def encoder_flops_per_token(model: ModelConfig, seq_length: int) -> float:
@@ -191,8 +192,9 @@ class Encoder(nn.Module):
         if self.embedding_projection is not None:
             x = self.embedding_projection(x)  # [s, b, e] -> [s, b, h]
         documents = documents if self.config.document_mask else None
-        prepared = self.attention.prepare_layers(self.config.layer_windows(), padding, documents, segments, x.dtype)
-        # megatron's attention_mask slot carries the backend's prepared inputs per window (attention.py);
+        prepared = self.attention.prepare_layers(self.config.layer_attention(), padding, documents, segments,
+                                                 x.dtype)
+        # megatron's attention_mask slot carries the backend's prepared inputs per pattern (attention.py);
         # a shared layer (ALBERT) is a one-layer block applied num_layers times
         for _ in range(self.config.num_layers if self.config.share_layers else 1):
             x = self.encoder(hidden_states=x, attention_mask=prepared)

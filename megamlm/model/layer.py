@@ -6,9 +6,9 @@ megatron-core ships pre-LN layers only. RoBERTa is post-LN:
 bias-dropout-add, with empty (identity) pre-norm slots, and only appends the two LayerNorms after
 the residual adds. No megatron code is copied.
 
-Each layer has a spec of its own (`encoder_block_spec`): its attention window (model.local_window for
-local layers, ModernBERT's alternation) is a parameter of its core attention, and ModernBERT's layer 0
-has no pre-attention norm (model.first_layer_norm).
+Each layer has a spec of its own (`encoder_block_spec`): its attention pattern (ModelConfig.layer_attention:
+global, a window or BigBird's for local layers, ModernBERT's alternation) is a parameter of its core
+attention, and ModernBERT's layer 0 has no pre-attention norm (model.first_layer_norm).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from megamlm.config import ModelConfig
+from megamlm.config import GLOBAL_ATTENTION, LayerAttention, ModelConfig
 from megamlm.model.attention import AttentionBackend, BidirectionalAttention
 from megamlm.model.dropout import dropout
 from megamlm.model.norm import norm_spec
@@ -76,17 +76,17 @@ def bias_dropout_add(training: bool, fused: bool):
 
 def encoder_block_spec(model: ModelConfig, backend: AttentionBackend) -> TransformerBlockSubmodules:
     """Every layer's spec (one for a shared layer) and the final norm's (built by pre-LN blocks)."""
-    windows = model.layer_windows()[:1] if model.share_layers else model.layer_windows()
-    layers = [encoder_layer_spec(model, backend, window, first=i == 0) for i, window in enumerate(windows)]
+    patterns = model.layer_attention()[:1] if model.share_layers else model.layer_attention()
+    layers = [encoder_layer_spec(model, backend, pattern, first=i == 0) for i, pattern in enumerate(patterns)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm_spec(model))
 
 
-def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend, window: int | None = None,
+def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend, pattern: LayerAttention = GLOBAL_ATTENTION,
                        first: bool = False) -> ModuleSpec:
-    """One layer: our core attention running `backend` (one instance shared by every layer) through
-    `window` (None: global), megatron's TP linears, the norms' placement."""
+    """One layer: our core attention running `backend` (one instance shared by every layer) with
+    `pattern` (global by default), megatron's TP linears, the norms' placement."""
     norm = norm_spec(model)
-    core_attention = functools.partial(BidirectionalAttention, backend=backend, window=window)
+    core_attention = functools.partial(BidirectionalAttention, backend=backend, pattern=pattern)
     self_attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.no_mask},
