@@ -169,3 +169,26 @@ def test_flops_count_local_layers_by_their_window():
     want = 6 * L * (4 * h * h + 3 * h * f) + 12 * h * ((L - local_layers) * s + local_layers * 129)
     assert encoder_flops_per_token(cfg.model, s) == want
     assert math.isclose(encoder_flops_per_token(cfg.model, 128), 6 * L * (4 * h * h + 3 * h * f) + 12 * h * L * 128)
+
+
+@pytest.mark.parametrize("to", ["hf", "fairseq"])
+def test_other_mixes_of_the_modernbert_parts_are_refused_on_export_in_one_line(world, tmp_path, capsys, to):
+    """RoPE + SwiGLU + RMSNorm + biases is no transformers class and megamlm's modeling file has none of
+    these parts; fairseq has none of them either: one line, nothing written."""
+    from megamlm.cli import main as cli
+    from megamlm.model.folder import write_model_folder
+    from megamlm.model.reshard import full_state_dict
+    from megamlm.objectives import MaskedLM
+    from tests.test_faults import one_line
+    from tests.variants import variant_config
+
+    cfg = variant_config("rope-swiglu-rmsnorm", ["model.vocab_size=50265", "data.tokenizer=gpt2"])
+    write_model_folder(tmp_path / "model", cfg, full_state_dict(MaskedLM(cfg.model, world, seed=5)))
+    capsys.readouterr()
+    assert cli(["convert", "--from", "megamlm", "--to", to, str(tmp_path / "model"), str(tmp_path / "out")]) == 2
+    line = one_line(capsys.readouterr().err)
+    parts = ("model.position=rope, model.gated_ffn=True, model.normalization=rmsnorm, model.first_layer_norm=False, "
+             "model.local_window=16")
+    want = f"{parts}: only the modernbert variant's mix" if to == "hf" else f"{parts} has no fairseq counterpart"
+    assert line.startswith("megamlm: convert: ") and want in line, line
+    assert not (tmp_path / "out").exists()

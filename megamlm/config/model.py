@@ -257,6 +257,15 @@ class ModelConfig:
                               f"{self.bigbird_random_blocks} must be >= 0, bigbird_block_size="
                               f"{self.bigbird_block_size} positive")
 
+    def modern_parts(self) -> list[str]:
+        """The ModernBERT-era parts this model uses, as `model.key=value` (fairseq's RoBERTa and megamlm's
+        own HF modeling file have none of them)."""
+        plain = {"gated_ffn": False, "bias": True, "normalization": "layernorm", "first_layer_norm": True,
+                 "local_window": None, "local_attention": "window"}
+        used = ["model.position=rope"] if self.position == "rope" else []
+        return used + [f"model.{key}={getattr(self, key)}" for key, value in plain.items()
+                       if getattr(self, key) != value]
+
     def layer_attention(self) -> list[LayerAttention]:
         """Each layer's attention pattern: global for layer i % global_every == 0 (or without
         local_window), the window (or BigBird's pattern) otherwise."""

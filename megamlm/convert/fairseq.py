@@ -222,12 +222,8 @@ def megamlm_to_fairseq(full: dict[str, torch.Tensor], model: ModelConfig, source
                               "slopes are fixed); allowed: symmetric, offset")
     beyond = [f"model.{key}={value}" for key, value, plain in (
         ("token_types", model.token_types, 0), ("embedding_size", model.embedding_size, None),
-        ("share_layers", model.share_layers, False), ("activation", model.activation, "gelu"),
-        ("gated_ffn", model.gated_ffn, False), ("bias", model.bias, True),
-        ("normalization", model.normalization, "layernorm"), ("first_layer_norm", model.first_layer_norm, True),
-        ("local_window", model.local_window, None)) if value != plain]
-    if model.position == "rope":
-        beyond.insert(0, "model.position=rope")
+        ("share_layers", model.share_layers, False), ("activation", model.activation, "gelu")) if value != plain]
+    beyond += model.modern_parts()
     if beyond:  # BERT / ALBERT / ModernBERT parts
         raise ConversionError(f"{', '.join(beyond)} has no fairseq counterpart (fairseq's RoBERTa); --to hf "
                               f"writes it")

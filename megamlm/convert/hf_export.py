@@ -54,18 +54,6 @@ def hf_format(model: ModelConfig) -> HFFormat | None:
     return ROBERTA
 
 
-MODERN_PARTS = ("position=rope", "gated_ffn", "bias=false", "normalization=rmsnorm", "first_layer_norm=false",
-                "local_window", "local_attention=bigbird")
-"""The model parts megamlm's own modeling file (modeling_megamlm.py) does not implement."""
-
-
-def modern_parts(model: ModelConfig) -> list[str]:
-    """Which of MODERN_PARTS `model` uses."""
-    used = (model.position == "rope", model.gated_ffn, not model.bias, model.normalization == "rmsnorm",
-            not model.first_layer_norm, model.local_window is not None, model.local_attention == "bigbird")
-    return [part for part, on in zip(MODERN_PARTS, used) if on]
-
-
 def _load_tokenizer(spec: str, zero_mask: bool):
     try:
         return Tokenizer.load(spec, zero_clap=zero_mask)
@@ -122,9 +110,9 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
 
     cfg = model.cfg.model
     fmt = hf_format(cfg)
-    if fmt is None and modern_parts(cfg):
-        raise ConversionError(f"model.{', model.'.join(modern_parts(cfg))}: only the modernbert variant's mix of "
-                              f"these exports (as ModernBertForMaskedLM); megamlm's own modeling file has none of them")
+    if fmt is None and cfg.modern_parts():
+        raise ConversionError(f"{', '.join(cfg.modern_parts())}: only the modernbert variant's mix of these "
+                              f"exports (as ModernBertForMaskedLM); megamlm's own modeling file has none of them")
     tokenizer = _load_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask)
     order = getattr(tokenizer, "vocab_order", None)  # megamlm id -> WordPiece row
     order = None if order is None else torch.from_numpy(order)

@@ -137,7 +137,7 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
         needs = "its WordPiece vocabulary"
     else:
         kind, source = JsonTokenizer, folder / "tokenizer.json"
-        needs = "its tokenizers tokenizer.json"
+        needs = f"its {'SentencePiece' if fmt.architecture == 'AlbertForMaskedLM' else 'byte-level BPE'} tokenizer"
     if not source.is_file():
         raise ConversionError(f"{folder}: no {source.name}: {fmt.architecture} folders need {needs} "
                               f"(tokenizer.save_pretrained(folder))")

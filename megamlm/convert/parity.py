@@ -14,9 +14,10 @@ from megamlm.parallel import init_distributed
 
 
 def probe_tokens(cfg: Config, seed: int = 0) -> torch.Tensor:
-    """[2, s] fairseq ids: <s> ... </s>, a mask token, the second row right-padded."""
+    """[2, s] fairseq ids: <s> ... </s>, a mask token, the second row right-padded; longer than a
+    local layer's window (so that the window is exercised)."""
     model = cfg.model
-    length = min(24, model.max_positions) if model.position == "learned" else 24
+    length = min(24, model.max_positions) if model.position == "learned" else max(24, (model.local_window or 0) + 8)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(4, model.vocab_size, (2, length), generator=g)
     tokens[:, 0], tokens[:, -1] = 0, 2
