@@ -9,13 +9,15 @@
 # each packed document (the BlockMask skips the other documents' blocks), bf16, WikiText-103), packed
 # (the same loop at 2048 with data.packing=packed on SDPA and on compiled FlexAttention, next to the
 # padded SDPA row, and the learned-position baseline padded on SDPA vs packed on varlen FlashAttention;
-# real tokens/s and the fill are in each log's update lines). Each step has its own
+# real tokens/s and the fill are in each log's update lines), modernbert (modernbert-base at 8192, 14 of
+# 22 layers through a 128-token window, vs transformers' ModernBertForMaskedLM: SDPA with the window in
+# the bias, Flex whose BlockMask skips the blocks outside it, varlen with the kernel's window). Each step has its own
 # time limit and log file; a failed step is reported and the next one runs.
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}
 shift || true
-STEPS=${*:-throughput compiled large attention profile loop packed}
+STEPS=${*:-throughput compiled large attention profile loop packed modernbert}
 mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
 TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
@@ -55,6 +57,12 @@ for s in $STEPS; do
     large)
         step large-baseline 300 $TP --model large --batch 8
         step large-zero-clap-flex 300 $TP --model large --batch 8 --variant zero-clap --set $FLEX ;;
+    modernbert)
+        MB="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 8192 --model modernbert-base"
+        MB="$MB --variant modernbert --batch 2"
+        step modernbert-sdpa 300 $MB
+        step modernbert-flex 360 $MB --set model.attention_backend=flex
+        step modernbert-varlen 300 $MB --set model.attention_backend=varlen ;;
     attention)
         step attention 300 $PY benchmarks/attention.py --lengths 512,1024,2048,4096,8192 --dtype bf16 \
             --heads 12 --batch 2 ;;

@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Training throughput: megamlm vs Hugging Face `RobertaForMaskedLM` at identical configuration.
+"""Training throughput: megamlm vs Hugging Face (`RobertaForMaskedLM`, or the transformers class of the
+variant) at identical configuration.
 
     python benchmarks/train_throughput.py                                          # CPU: tiny, 512, fp32
     python benchmarks/train_throughput.py --model base --seq-length 2048 --batch 8 --dtype bf16   # GPU
     python benchmarks/train_throughput.py --model base --seq-length 2048 --batch 8 --dtype bf16 \
         --variant zero-clap --set model.attention_backend=flex model.attention_dropout=0
+    python benchmarks/train_throughput.py --model modernbert-base --variant modernbert --seq-length 8192 \
+        --batch 2 --dtype bf16 --set model.attention_backend=flex         # vs ModernBertForMaskedLM
 
 Both models: post-LN RoBERTa (the baseline variant: learned positions, RoBERTa head), the real
 50265-symbol vocabulary, the same sequence length, batch, dropout, 15% masking and torch AdamW; one
@@ -12,9 +15,10 @@ update = forward + backward + optimizer step. Hugging Face projects every positi
 vocabulary, megamlm only the masked ones. Rounds are interleaved (A B A B ...) so drift on a noisy
 machine hits both; the table gives medians, the median per-round ratio, and the model FLOP rate
 against a matmul timed in the same run (CPU) or the GPU's datasheet peak. `--variant` (and `--set`
-overrides) changes megamlm's model only: Hugging Face has no ALiBi or CLAP, so its row then stays
-the baseline, a reference rather than a like-for-like pair. `--compile` compiles every
-transformer layer of both models (torch.compile).
+overrides) changes megamlm's model; Hugging Face gets the same configuration in the transformers
+class that computes it (convert/hf_export.py's `hf_format`: BERT, ModernBERT, ...) and otherwise (ALiBi,
+CLAP) stays the baseline RoBERTa, a reference rather than a like-for-like pair. `--compile` compiles
+every transformer layer of both models (torch.compile).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from pathlib import Path
 import torch
 
 from megamlm.config import ParallelConfig, load_config
+from megamlm.convert.hf import hf_config_values
+from megamlm.convert.hf_export import hf_format
 from megamlm.model.encoder import encoder_flops_per_token
 from megamlm.objectives import MaskedLM
 from megamlm.objectives.mlm import mlm_head_flops_per_token
@@ -78,7 +84,8 @@ def timed(step, steps: int, device) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", choices=("tiny", "base", "large"))
+    parser.add_argument("--model", default="tiny", choices=("tiny", "base", "large", "modernbert-base",
+                                                            "modernbert-large"))
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
@@ -89,7 +96,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
     parser.add_argument("--profile", action="store_true", help="also print megamlm's top kernels (torch.profiler)")
     args = parser.parse_args()
-    from transformers import RobertaConfig, RobertaForMaskedLM
+    import transformers
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     sizes = [f"model.max_positions={max(512, args.seq_length)}"]
@@ -100,15 +107,15 @@ def main() -> None:
     seed_everything(1, ctx)
     device = ctx.device
     ours = MaskedLM(ours_cfg, ctx, seed=1).train()
-    hf = RobertaForMaskedLM(RobertaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_hidden_size, hidden_act="gelu",
-        hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
-        max_position_embeddings=m.max_positions + 2, type_vocab_size=1, layer_norm_eps=m.layernorm_epsilon,
-        pad_token_id=1, attn_implementation="sdpa")).to(device).train()
+    if hf_format(ours_cfg) is not None:  # the variant is a transformers class: compare like for like
+        m = ours_cfg
+    fmt = hf_format(m)
+    config = getattr(transformers, fmt.architecture.replace("ForMaskedLM", "Config"))(
+        **hf_config_values(m, fmt, m.pad_token_id), attn_implementation="sdpa")
+    hf = getattr(transformers, fmt.architecture)(config).to(device).train()
     if args.compile:
         compile_layers(ours)  # what train.compile does
-        for layer in hf.roberta.encoder.layer:
+        for layer in next(sub for sub in hf.base_model.modules() if isinstance(sub, torch.nn.ModuleList)):
             layer.compile()
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6,
                                           weight_decay=0.01, fused=True)
@@ -143,6 +150,7 @@ def main() -> None:
               "hf": flops_per_token(m, args.seq_length, fraction)}
     ratios = [a / b for a, b in zip(rates["megamlm"], rates["hf"])]
     print(f"{args.model} (L={m.num_layers}, h={m.hidden_size}, V={m.vocab_size}), megamlm {args.variant} "
+          f"vs {fmt.architecture} "
           f"{' '.join(args.set)}{', compiled' if args.compile else ''}, length {args.seq_length}, "
           f"batch {args.batch}, {args.dtype}, {args.rounds} interleaved rounds x {args.steps} updates, "
           f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
