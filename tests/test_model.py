@@ -204,10 +204,11 @@ def test_stream_marks_documents_from_the_unmasked_text(tmp_path):
             assert docs[end + 1] == docs[end] + 1
 
 
-def test_compiled_layers_give_the_eager_outputs_and_gradients(world):
+@pytest.mark.parametrize("variant", ["alibi", "modernbert"])  # modernbert: RoPE, a global and a windowed layer
+def test_compiled_layers_give_the_eager_outputs_and_gradients(world, variant):
     from megamlm.train.layers import compile_layers
 
-    cfg = variant_config("alibi", ["model.num_layers=1"])
+    cfg = variant_config(variant, ["model.num_layers=1"] if variant == "alibi" else [])
     tokens, masked = batch(cfg.model.vocab_size)
     results = []
     for compiled in (False, True):
