@@ -192,3 +192,16 @@ def test_other_mixes_of_the_modernbert_parts_are_refused_on_export_in_one_line(w
     want = f"{parts}: only the modernbert variant's mix" if to == "hf" else f"{parts} has no fairseq counterpart"
     assert line.startswith("megamlm: convert: ") and want in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_config_json_of_the_hub_format_reads_the_same(world, tmp_path):
+    """The Hub's ModernBERT config.json files predate layer_types / rope_parameters:
+    global_attn_every_n_layers, global_rope_theta and local_rope_theta give the same model."""
+    source = save_modernbert(tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    del config["layer_types"], config["rope_parameters"]
+    config.update(global_attn_every_n_layers=2, global_rope_theta=160000.0, local_rope_theta=10000.0)
+    (source / "config.json").write_text(json.dumps(config))
+    assert convert("hf", "megamlm", source, tmp_path / "megamlm", **QUIET)["max_diff"]["hf source"] < 1e-5
+    m = read_megamlm(tmp_path / "megamlm").cfg.model
+    assert (m.rope_theta, m.rope_theta_local, m.global_every, m.local_window) == (160000.0, 10000.0, 2, 16)
