@@ -102,9 +102,12 @@ class AttentionBackend:
     def prepare_layers(self, patterns, padding: torch.Tensor, documents: torch.Tensor | None,
                        segments: torch.Tensor | None, dtype: torch.dtype) -> dict[LayerAttention, LayerInputs]:
         """Each pattern in use (ModelConfig.layer_attention) -> its LayerInputs (`prepare`, the rotation)."""
-        positions = sample_positions(segments, padding.size(1), padding.device) if self.position.rotates else None
-        return {pattern: LayerInputs(self.prepare(padding, documents, segments, dtype, pattern), None
-                                     if positions is None else self.position.rotation(positions, bool(pattern.window)))
+        rotations = {}  # (cos, sin) for global / local layers, computed once each
+        if self.position.rotates:
+            positions = sample_positions(segments, padding.size(1), padding.device)
+            rotations = {local: self.position.rotation(positions, local) for local in (False, True)}
+        return {pattern: LayerInputs(self.prepare(padding, documents, segments, dtype, pattern),
+                                     rotations.get(pattern.window is not None))
                 for pattern in set(patterns)}
 
     @staticmethod
