@@ -163,12 +163,12 @@ HF_CONFIG: list[tuple[str, str]] = [
 def hf_config_values(model: ModelConfig, fmt: HFFormat, pad_token_id: int) -> dict:
     """The format's config keyword arguments for a megamlm model of that shape; `pad_token_id`: the
     padding's row in the exported vocabulary."""
+    activation = next(theirs for theirs, ours in ACTIVATIONS.items() if ours == model.activation)
     if fmt is MODERNBERT:
-        activation = next(theirs for theirs, ours in ACTIVATIONS.items() if ours == model.activation)
         return {**modernbert_config_values(model, activation, pad_token_id), **fmt.fixed}
     values = {theirs: getattr(model, ours) for theirs, ours in HF_CONFIG + list(fmt.config)}
     values["max_position_embeddings"] = model.max_positions + POSITION_OFFSET - fmt.position_rows_dropped
-    values["hidden_act"] = next(theirs for theirs, ours in ACTIVATIONS.items() if ours == model.activation)
+    values["hidden_act"] = activation
     values.update(type_vocab_size=model.token_types or 1, pad_token_id=pad_token_id)
     return {**values, **fmt.fixed}
 

@@ -102,10 +102,11 @@ class AttentionBackend:
     def prepare_layers(self, patterns, padding: torch.Tensor, documents: torch.Tensor | None,
                        segments: torch.Tensor | None, dtype: torch.dtype) -> dict[LayerAttention, LayerInputs]:
         """Each pattern in use (ModelConfig.layer_attention) -> its LayerInputs (`prepare`, the rotation)."""
-        rotations = {}  # (cos, sin) for global / local layers, computed once each
+        rotations = {}  # (cos, sin) for the global / local layers in use, computed once each
         if self.position.rotates:
             positions = sample_positions(segments, padding.size(1), padding.device)
-            rotations = {local: self.position.rotation(positions, local) for local in (False, True)}
+            rotations = {local: self.position.rotation(positions, local)
+                         for local in {pattern.window is not None for pattern in patterns}}
         return {pattern: LayerInputs(self.prepare(padding, documents, segments, dtype, pattern),
                                      rotations.get(pattern.window is not None))
                 for pattern in set(patterns)}

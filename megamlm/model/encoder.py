@@ -166,10 +166,10 @@ class Encoder(nn.Module):
         """Mark megatron's sharded weights, draw every parameter (init.py) and move to the device."""
         for name, sub in self.named_modules():  # megatron sets these only inside its own init, which we skip
             if isinstance(sub, ColumnParallelLinear):
-                set_tensor_model_parallel_attributes(sub.weight, True, 0, 1)
-                for param in (sub.weight, sub.bias):  # a gated FFN's first linear: 2 halves per shard
-                    if param is not None:
-                        param.partition_stride = shard_stride(f"{name}.weight", self.config)
+                stride = shard_stride(f"{name}.weight", self.config)  # a gated FFN's first linear: 2 halves
+                set_tensor_model_parallel_attributes(sub.weight, True, 0, stride)
+                if sub.bias is not None:  # megatron marked it already, with stride 1
+                    sub.bias.partition_stride = stride
             elif isinstance(sub, RowParallelLinear):
                 set_tensor_model_parallel_attributes(sub.weight, True, 1, 1)
             elif isinstance(sub, VocabParallelEmbedding):

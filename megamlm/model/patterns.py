@@ -17,6 +17,8 @@ pattern padded or packed, at any length.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megamlm.config import GLOBAL_ATTENTION, LayerAttention
@@ -24,13 +26,18 @@ from megamlm.config import GLOBAL_ATTENTION, LayerAttention
 
 def random_block_table(pattern: LayerAttention, device=None) -> torch.Tensor | None:
     """[N, N] bool: key block j is one of query block i's random blocks (None without random blocks)."""
-    if not pattern.random_blocks:
-        return None
+    table = _drawn_table(pattern) if pattern.random_blocks else None
+    return None if table is None else table.to(device)
+
+
+@functools.cache
+def _drawn_table(pattern: LayerAttention) -> torch.Tensor:
+    """The draw behind random_block_table, once per pattern (on the host; every forward reuses it)."""
     n = pattern.table_blocks
     generator = torch.Generator().manual_seed(1_000_003 + pattern.seed)
     # [N, N] uniform -> per row the indices of its random_blocks smallest draws
     chosen = torch.rand(n, n, generator=generator).argsort(dim=1)[:, : min(pattern.random_blocks, n)]
-    return torch.zeros(n, n, dtype=torch.bool).scatter_(1, chosen, True).to(device)
+    return torch.zeros(n, n, dtype=torch.bool).scatter_(1, chosen, True)
 
 
 def pattern_sees(pattern: LayerAttention, query_position, key_position, table: torch.Tensor | None):
@@ -54,7 +61,7 @@ def flex_block_mask(groups: torch.Tensor, pattern: LayerAttention = GLOBAL_ATTEN
     all padding, all another document or all outside the pattern."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    table = None if pattern.window is None else random_block_table(pattern, groups.device)
+    table = random_block_table(pattern, groups.device)
 
     def visible(b, h, q_idx, kv_idx):
         query, key = groups[b, q_idx], groups[b, kv_idx]

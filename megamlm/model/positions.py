@@ -81,8 +81,8 @@ def fairseq_position_ids(tokens: torch.Tensor, pad_token_id: int,
     if segments is None:
         not_pad = tokens.ne(pad_token_id).int()
         return (torch.cumsum(not_pad, dim=1) * not_pad).long() + pad_token_id
-    index = torch.arange(segments.size(1), device=segments.device).expand_as(segments)
-    return torch.where(segments >= 0, index - sample_starts(segments) + pad_token_id + 1, pad_token_id)
+    return torch.where(segments >= 0, sample_positions(segments, segments.size(1), segments.device) + pad_token_id + 1,
+                       pad_token_id)
 
 
 def sample_starts(segments: torch.Tensor) -> torch.Tensor:
@@ -91,6 +91,13 @@ def sample_starts(segments: torch.Tensor) -> torch.Tensor:
     starts = segments.ne(torch.nn.functional.pad(segments, (1, 0), value=-2)[:, :-1])
     # a running max over the sample starts
     return torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
+def sample_positions(segments: torch.Tensor | None, length: int, device) -> torch.Tensor:
+    """0-based position of each token in its sample: [b, s] for packed rows (restarting at every
+    sample, so a packed sample is rotated exactly as it is alone), else [1, s]."""
+    index = torch.arange(length, device=device)[None]
+    return index if segments is None else index - sample_starts(segments)
 
 
 class LearnedPositions(PositionEncoding):
@@ -266,13 +273,6 @@ class Alibi(PositionEncoding):
 # ------------------------------------------------------------------------------------------------
 # RoPE
 # ------------------------------------------------------------------------------------------------
-
-
-def sample_positions(segments: torch.Tensor | None, length: int, device) -> torch.Tensor:
-    """0-based position of each token in its sample: [b, s] for packed rows (restarting at every
-    sample, so a packed sample is rotated exactly as it is alone), else [1, s]."""
-    index = torch.arange(length, device=device)[None]
-    return index if segments is None else index - sample_starts(segments)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
