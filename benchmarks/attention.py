@@ -5,7 +5,8 @@
     python benchmarks/attention.py --lengths 512,1024,2048,4096,8192 --dtype bf16 --heads 12   # GPU
 
 Rows per length: eager (matmul + bias + softmax, the fork's way), SDPA with the cached bias
-(megamlm's default), FlexAttention with the ALiBi score_mod (GPU; no bias tensor), and as speed
+(megamlm's default), FlexAttention with the ALiBi score_mod (GPU; no bias tensor), both also with
+the reference recipe's attention dropout 0.1 (Flex: megamlm's two passes, flex_dropout.py), and as speed
 references SDPA without any bias and, where the flash_attn package is installed, FlashAttention-2
 with its built-in symmetric ALiBi. Columns: time, achieved TFLOP/s (4·b·np·s²·hn fwd, ×3.5 fwd+bwd
 with the recomputation flash kernels do), peak memory (GPU: inputs, the bias where the kernel takes
@@ -21,8 +22,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
+from megamlm.model.flex_dropout import attend_with_dropout
 from megamlm.model.positions import alibi_bias, alibi_slopes
+
+DROPOUT = 0.1  # the reference recipe's attention dropout
 
 
 def eager(q, k, v, bias):
@@ -38,17 +43,34 @@ def sdpa_no_bias(q, k, v, bias):
     return F.scaled_dot_product_attention(q, k, v)
 
 
-def make_flex(slopes):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    compiled = torch.compile(flex_attention)
-
+def _alibi_offset(slopes):
     def score_mod(score, b, h, q_idx, kv_idx):
         distance = (q_idx - kv_idx).abs().to(score.dtype)
         distance = torch.where(kv_idx > q_idx, distance - 0.5, distance)
         return score - slopes[h] * distance
 
+    return score_mod
+
+
+def sdpa_dropout(q, k, v, bias):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=DROPOUT)
+
+
+def make_flex(slopes):
+    compiled, score_mod = torch.compile(flex_attention), _alibi_offset(slopes)
     return lambda q, k, v, bias: compiled(q, k, v, score_mod=score_mod)
+
+
+def make_flex_dropout(slopes):
+    """megamlm's two-pass Flex attention dropout (flex_dropout.py) with the ALiBi-offset score_mod."""
+    compiled, score_mod = torch.compile(flex_attention), _alibi_offset(slopes)
+    seed = torch.tensor(1234, device=slopes.device)
+
+    def attend(q, k, v, score_mod):
+        out, aux = compiled(q, k, v, score_mod=score_mod, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+
+    return lambda q, k, v, bias: attend_with_dropout(attend, q, k, v, score_mod, DROPOUT, seed)
 
 
 def make_flash_symmetric(slopes):
@@ -63,7 +85,7 @@ def make_flash_symmetric(slopes):
 
 
 # kernels that take the materialized [1, np, s, s] bias; the others get None and never allocate it
-TAKES_BIAS = {"eager", "sdpa + cached bias"}
+TAKES_BIAS = {"eager", "sdpa + cached bias", "sdpa + cached bias, dropout 0.1"}
 
 
 def bench(fn, q, k, v, bias, repeats: int, device) -> tuple[float, float]:
@@ -96,9 +118,11 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     slopes = torch.tensor(alibi_slopes(args.heads), device=device)
-    kernels = {"eager": eager, "sdpa + cached bias": sdpa, "sdpa, no bias (reference)": sdpa_no_bias}
+    kernels = {"eager": eager, "sdpa + cached bias": sdpa, "sdpa + cached bias, dropout 0.1": sdpa_dropout,
+               "sdpa, no bias (reference)": sdpa_no_bias}
     if device.type == "cuda":
         kernels["flex score_mod"] = make_flex(slopes)
+        kernels["flex score_mod, dropout 0.1"] = make_flex_dropout(slopes)
         try:
             kernels["flash-attn-2 symmetric (reference)"] = make_flash_symmetric(slopes)
         except ImportError:
@@ -128,8 +152,8 @@ def main() -> None:
                 continue
             finally:
                 del q, k, v, bias  # before the next kernel's peak is counted
-            if "reference" in name:
-                error = float("nan")  # no or a different bias by design: a speed reference only
+            if "reference" in name or "dropout" in name:
+                error = float("nan")  # no or a different bias, or random: a speed reference only
             print(f"{length:>7}  {name:<36}{seconds * 1e3:>10.2f}{flops / seconds / 1e12:>10.3f}"
                   f"{memory:>10.2f}{error:>11.2e}")
 

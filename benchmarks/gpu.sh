@@ -2,17 +2,18 @@
 # The GPU benchmark set behind BENCHMARKS.md's GPU tables, in one run on one GPU:
 #   bash benchmarks/gpu.sh [LOG_DIR] [STEP ...]      # default: every step, logs in benchmarks/results/gpu
 # Steps: throughput (roberta.base at 2048: baseline vs Hugging Face, zero-clap = ALiBi-offset + CLAP
-# with SDPA + bias and with FlexAttention), compiled (the same with torch.compile per layer), large
-# (roberta.large at 2048), attention (ALiBi kernels 512..8192), profile (megamlm base's top
-# kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention
-# dropout on SDPA, eager and compiled, and at 8192 on FlexAttention, also with attention kept within
-# each packed document (the BlockMask skips the other documents' blocks), bf16, WikiText-103), packed
-# (the same loop at 2048 with data.packing=packed on SDPA and on compiled FlexAttention, next to the
-# padded SDPA row, and the learned-position baseline padded on SDPA vs packed on varlen FlashAttention;
-# real tokens/s and the fill are in each log's update lines), modernbert (modernbert-base at 8192, 14 of
-# 22 layers through a 128-token window, vs transformers' ModernBertForMaskedLM: SDPA with the window in
-# the bias, Flex whose BlockMask skips the blocks outside it, varlen with the kernel's window). Each step has its own
-# time limit and log file; a failed step is reported and the next one runs.
+# with SDPA + bias and with FlexAttention, without and with attention dropout), compiled (the same with
+# torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192), profile
+# (megamlm base's top kernels), loop (the real training loop, base zero-clap at 2048 with the
+# reference's attention dropout on SDPA, eager and compiled, and on compiled FlexAttention; at 8192 on
+# FlexAttention, also with attention kept within each packed document (the BlockMask skips the other
+# documents' blocks), bf16, WikiText-103), packed (the same loop at 2048 with data.packing=packed on
+# SDPA and on compiled FlexAttention, next to the padded SDPA row, and the learned-position baseline
+# padded on SDPA vs packed on varlen FlashAttention; real tokens/s and the fill are in each log's update
+# lines), modernbert (modernbert-base at 8192, 14 of 22 layers through a 128-token window, vs
+# transformers' ModernBertForMaskedLM: SDPA with the window in the bias, Flex whose BlockMask skips the
+# blocks outside it, varlen with the kernel's window). Each step has its own time limit and log file; a
+# failed step is reported and the next one runs.
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}
@@ -50,7 +51,10 @@ for s in $STEPS; do
     throughput)
         step base-baseline 240 $TP --model base --batch 8
         step base-zero-clap-sdpa 240 $TP --model base --batch 8 --variant zero-clap
-        step base-zero-clap-flex 300 $TP --model base --batch 8 --variant zero-clap --set $FLEX ;;
+        step base-zero-clap-flex 300 $TP --model base --batch 8 --variant zero-clap --set $FLEX
+        # the reference recipe's attention dropout 0.1 on Flex (two passes, flex_dropout.py) vs the sdpa row above
+        step base-zero-clap-flex-dropout 300 $TP --model base --batch 8 --variant zero-clap \
+            --set model.attention_backend=flex ;;
     compiled)
         step base-baseline-compiled 360 $TP --model base --batch 8 --compile
         step base-zero-clap-flex-compiled 360 $TP --model base --batch 8 --variant zero-clap --set $FLEX --compile ;;
@@ -71,6 +75,7 @@ for s in $STEPS; do
     loop)
         train_run loop-2048 2048 8 "" 60
         train_run loop-2048-compiled 2048 8 "train.compile=true" 60
+        train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60
         train_run loop-8192 8192 2 "$FLEX train.compile=true" 40
         train_run loop-8192-documents 8192 2 "$FLEX train.compile=true model.document_mask=true" 40 ;;
     packed)
@@ -81,6 +86,6 @@ for s in $STEPS; do
         BASE="--config configs/variants/baseline.yaml model.attention_dropout=0"
         train_run packed-2048-baseline-padded-sdpa 2048 8 "$BASE" 60
         train_run packed-2048-baseline-varlen 2048 8 "$BASE model.attention_backend=varlen data.packing=packed" 60 ;;
-    *) echo "unknown step $s (throughput compiled large attention profile loop packed)"; exit 2 ;;
+    *) echo "unknown step $s (throughput compiled large attention profile loop packed modernbert)"; exit 2 ;;
     esac
 done

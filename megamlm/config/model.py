@@ -152,9 +152,10 @@ class ModelConfig:
     """sdpa: PyTorch scaled_dot_product_attention with a cached additive bias (CPU and GPU);
     eager: the same math unfused (softmax, dropout, matmul; what sdpa runs on CPU with attention
     dropout), for debugging; flex: FlexAttention with the ALiBi score_mod, no materialized bias,
-    memory linear in length (CUDA only; batches are padded to data.seq_length so the compiled kernel
-    sees one shape); varlen: torch's variable-length FlashAttention over the real tokens only (CUDA;
-    no ALiBi, no attention dropout). model/attention.py's ATTENTION_BACKENDS."""
+    memory linear in length, attention dropout in two passes (CUDA only; batches are padded to
+    data.seq_length so the compiled kernel sees one shape); varlen: torch's variable-length
+    FlashAttention over the real tokens only (CUDA; no ALiBi, no attention dropout).
+    model/attention.py's ATTENTION_BACKENDS."""
     head_loss: Literal["unfused", "fused"] = "unfused"
     """How training computes the MLM loss. unfused: the head's logits [n, V_local] over the masked
     positions, then megatron's vocab-parallel cross-entropy (which copies them to fp32 and keeps the

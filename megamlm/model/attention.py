@@ -26,7 +26,8 @@ score term; padding, document boundaries and patterns are the backend's to expre
          dropout is on (torch's CPU SDPA then does this math with a slower dropout mask).
   flex   FlexAttention: the position's score term is a `score_mod`, key padding / documents / the
          pattern (BigBird's too) a BlockMask; nothing [s, s] is materialized and key blocks a query
-         block cannot see are skipped. CUDA only for training: torch 2.13 has no FlexAttention backward on CPU.
+         block cannot see are skipped; attention dropout in two passes (flex_dropout.py). CUDA only
+         for training: torch 2.13 has no FlexAttention backward on CPU.
   varlen torch's variable-length FlashAttention (torch.nn.attention.varlen) over the real tokens only:
          every sample (or document) is one sequence of `cu_seqlens`, no padding is computed, padded
          or packed rows alike; a window is the kernel's window_size. CUDA only; no score term (not
@@ -42,10 +43,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 from megatron.core.transformer.module import MegatronModule
 
 from megamlm.config import GLOBAL_ATTENTION, ConfigError, LayerAttention, ModelConfig
 from megamlm.model.dropout import dropout
+from megamlm.model.flex_dropout import attend_with_dropout, draw_seed
 from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
 from megamlm.model.positions import PositionEncoding, apply_rotation, sample_positions, sample_starts
 from megamlm.parallel import tensor_parallel_rng
@@ -204,17 +207,23 @@ class FlexAttention(AttentionBackend):
         return flex_block_mask(groups, pattern, starts), self.position.score_params()
 
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
-        if dropout_p > 0:
-            raise ConfigError("model.attention_backend=flex has no attention dropout; "
-                               "set model.attention_dropout=0 or use attention_backend=sdpa")
         block_mask, params = prepared
         term = None if params is None else self.position.score_function()
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + term(params, h, q_idx, kv_idx).to(score.dtype)
 
-        return _flex_attention(q.device.type)(q, k, v, score_mod=None if params is None else score_mod,
-                                              block_mask=block_mask, scale=scale)
+        score_mod = None if params is None else score_mod
+        flex = functools.partial(_flex_attention(q.device.type), block_mask=block_mask, scale=scale)
+        if dropout_p == 0:
+            return flex(q, k, v, score_mod=score_mod)
+
+        def attend_lse(q, k, v, score_mod):
+            out, aux = flex(q, k, v, score_mod=score_mod, return_aux=AuxRequest(lse=True))
+            return out, aux.lse
+
+        # heads are sharded: the seed comes from this TP rank's stream (flex_dropout.py)
+        return attend_with_dropout(attend_lse, q, k, v, score_mod, dropout_p, draw_seed(q.device))
 
 
 @dataclass
@@ -356,8 +365,6 @@ class BidirectionalAttention(MegatronModule):
 def _flex_attention(device_type: str):
     """Compiled FlexAttention on GPU; on CPU the eager reference (forward only), used by tests to
     check the score_mod against the materialized bias."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     # the training loader pads to one width under Flex, but evaluation, fine-tuning and inference
     # pass any width. The default (automatic dynamic shapes after the first recompile) avoids dynamo's
     # recompile limit, past which FlexAttention silently falls back to an eager path that

@@ -1,0 +1,97 @@
+"""Attention dropout for FlexAttention: the exact post-softmax dropout from two passes.
+
+Dropout acts on the attention probabilities, after the softmax; FlexAttention's `score_mod` acts on
+the scores, before it. Dropping key j of query i there (score -> -inf) renormalizes over the kept
+keys. With m the keep mask, p the drop probability and s the scores of one query:
+
+    dropout:    out  = Σ_j e^{s_j} m_j v_j / ((1 - p) · Σ_j e^{s_j})
+    score_mod:  out' = Σ_j e^{s_j} m_j v_j / Σ_j e^{s_j} m_j
+
+so out = out' · exp(lse' - lse) / (1 - p), where lse' is the logsumexp over the kept keys (returned by
+the pass that computes out') and lse the one over every key (a second pass with a 16-wide zero value:
+it computes only the scores and their logsumexp, no probability-value product of head width).
+FlexAttention differentiates through the logsumexp it returns, so the backward is exact too.
+
+The mask is a hash of (seed, row, head, query, key): murmur3's 32-bit finalizer chained over them,
+key j kept when the hash is at or above round(p · 2^32). Nothing [s, s] is stored; the backward pass
+recomputes the mask from the indices. The seed is drawn per call from the tensor-parallel stream
+(`tensor_parallel_rng`, as SDPA's dropout), so each TP rank's heads get their own masks and activation
+recomputation, which replays that stream, redraws the same one. The masks differ from SDPA's (its
+Philox stream) and from eager's: the runs agree in distribution, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megamlm.parallel import tensor_parallel_rng
+
+_LEVELS = 2**32  # the hash's range; the drop probability is round(p · 2^32) / 2^32
+_LOW32 = _LEVELS - 1
+_LSE_WIDTH = 16  # the zero value's head width in the logsumexp pass: the kernels' smallest tile
+
+ScoreMod = Callable[..., torch.Tensor]
+"""FlexAttention's score_mod(score, b, h, q_idx, kv_idx) -> score."""
+Attend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""attend(q, k, v, score_mod) -> (out [b, np, s, hn], logsumexp [b, np, s] fp32): FlexAttention with
+the layer's BlockMask and scale."""
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's finalizer on int64 holding 32-bit values: each input bit flips each output bit
+    with probability about 1/2."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _LOW32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _LOW32
+    return x ^ (x >> 16)
+
+
+def random_bits(seed: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:
+    """32 uniform bits (as int64) per (seed, row, head, query, key); broadcasts like the indices."""
+    row_head = (b.to(torch.int64) << 16) | h.to(torch.int64)  # < 2^16 heads per rank
+    x = _fmix32(seed ^ row_head)
+    x = _fmix32(x ^ q_idx.to(torch.int64))
+    return _fmix32(x ^ kv_idx.to(torch.int64))
+
+
+def dropped_levels(p: float) -> int:
+    """Hash values below this are dropped: round(p · 2^32)."""
+    return round(p * _LEVELS)
+
+
+def keep_mask(seed: torch.Tensor, p: float, b, h, q_idx, kv_idx) -> torch.Tensor:
+    """True where attention dropout keeps key kv_idx of query q_idx (head h, row b)."""
+    return random_bits(seed, b, h, q_idx, kv_idx) >= dropped_levels(p)
+
+
+def keep_scale(p: float) -> float:
+    """1 / the keep probability (exact for the 2^32-level threshold)."""
+    return _LEVELS / (_LEVELS - dropped_levels(p))
+
+
+def draw_seed(device: torch.device) -> torch.Tensor:
+    """A 31-bit seed from this TP rank's stream, on `device` (no host synchronization)."""
+    with tensor_parallel_rng.fork(device):
+        return torch.randint(2**31, (), device=device, dtype=torch.int64)
+
+
+def attend_with_dropout(attend: Attend, q, k, v, score_mod: ScoreMod | None, p: float,
+                        seed: torch.Tensor) -> torch.Tensor:
+    """Attention with dropout p on the probabilities (module docstring); q, k, v [b, np, s, hn]."""
+
+    def kept_score(score, b, h, q_idx, kv_idx):
+        if score_mod is not None:
+            score = score_mod(score, b, h, q_idx, kv_idx)
+        return torch.where(keep_mask(seed, p, b, h, q_idx, kv_idx), score, float("-inf"))
+
+    out_kept, lse_kept = attend(q, k, v, kept_score)
+    # [b, np, s, hn] -> [b, np, s, 16] zeros: this pass yields only the logsumexp over every key
+    _, lse = attend(q, k, v.new_zeros(*v.shape[:-1], _LSE_WIDTH), score_mod)
+    # a query that sees no key at all has lse = lse' = -inf: its factor is 0 (and its gradient too)
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)
+    factor = torch.exp(lse_kept - lse) * keep_scale(p)
+    # [b, np, s] -> [b, np, s, 1]
+    return (out_kept * factor.unsqueeze(-1)).to(q.dtype)

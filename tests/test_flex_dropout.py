@@ -1,0 +1,134 @@
+"""FlexAttention's attention dropout (megamlm/model/flex_dropout.py): two passes give exactly the
+post-softmax dropout of the eager math with the same mask, forward (the real FlexAttention, CPU
+forward) and backward (the composition's gradient); the hashed mask drops p of the entries,
+independently, and its seed comes from the tensor-parallel stream."""
+
+import warnings
+
+import pytest
+import torch
+
+from megamlm.config import GLOBAL_ATTENTION
+from megamlm.model.attention import ATTENTION_BACKENDS
+from megamlm.model.flex_dropout import attend_with_dropout, draw_seed, keep_mask, keep_scale
+from megamlm.model.positions import Alibi, PositionEncoding
+from megamlm.parallel import tensor_parallel_rng
+
+B, NP, S, HN = 2, 4, 16, 8
+
+
+def _grids(b=B, np_=NP, s=S):
+    """Broadcastable (row, head, query, key) indices: [b, 1, 1, 1], [1, np, 1, 1], [1, 1, s, 1], [1, 1, 1, s]."""
+    return (torch.arange(b)[:, None, None, None], torch.arange(np_)[None, :, None, None],
+            torch.arange(s)[None, None, :, None], torch.arange(s)[None, None, None, :])
+
+
+def _position(name):
+    if name == "none":
+        return PositionEncoding()
+    position = Alibi(NP, "learned", tp_rank=0, tp_size=1)  # different slopes before and after the query
+    with torch.no_grad():
+        position.log_slopes.copy_((torch.rand(2, NP, generator=torch.Generator().manual_seed(3)) + 0.1).log())
+    return position
+
+
+def _inputs(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, NP, S, HN, generator=g).requires_grad_(requires_grad) for _ in range(3))
+    padding = torch.zeros(B, S, dtype=torch.bool)
+    padding[1, 11:] = True
+    documents = torch.zeros(B, S, dtype=torch.long).masked_fill(padding, -1)
+    documents[0, 6:] = 1  # row 0 packs two documents
+    return q, k, v, padding, documents
+
+
+def _eager_dropout(q, k, v, bias, keep, p):
+    """softmax(q·kᵀ/√hn + bias) · keep / (1 - p) @ v: what the eager backend computes with this mask."""
+    probs = torch.softmax(q @ k.transpose(-2, -1) * HN**-0.5 + bias, dim=-1)
+    return (probs * keep * keep_scale(p)) @ v
+
+
+@pytest.mark.parametrize("position_name", ["alibi", "none"])
+def test_flex_dropout_is_the_eager_dropout_with_its_mask(position_name):
+    """The real FlexAttention (CPU forward) through the backend, seed from the TP stream."""
+    p = 0.1
+    position = _position(position_name)
+    q, k, v, padding, documents = _inputs()
+    sdpa, flex = (ATTENTION_BACKENDS[name](position) for name in ("sdpa", "flex"))
+    bias = sdpa.prepare(padding, documents, None, torch.float32)  # the same padding / documents / ALiBi
+    tensor_parallel_rng.seed(1234)
+    state = tensor_parallel_rng.state_dict()
+    torch.manual_seed(0)
+    default_next = torch.rand(3)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # flex warns that it runs unfused in eager mode
+        got = flex.attend(q, k, v, flex.prepare(padding, documents, None, torch.float32, GLOBAL_ATTENTION), p, None)
+        assert torch.equal(torch.rand(3), default_next)  # the seed came from the TP stream, not the default one
+        tensor_parallel_rng.load_state_dict(state)  # what activation recomputation does
+        again = flex.attend(q, k, v, flex.prepare(padding, documents, None, torch.float32, GLOBAL_ATTENTION), p, None)
+        tensor_parallel_rng.load_state_dict(state)
+        keep = keep_mask(draw_seed(q.device), p, *_grids())
+        want = _eager_dropout(q, k, v, bias, keep, p)
+        no_dropout = flex.attend(q, k, v, flex.prepare(padding, documents, None, torch.float32), 0.0, None)
+    real = ~padding[:, None, :, None]  # padded queries' outputs are never used
+    torch.testing.assert_close(got * real, want * real, rtol=0, atol=2e-6)
+    assert torch.equal(again, got)
+    assert (~keep).any(dim=-1).float().mean() > 0.7  # most queries lost keys: the correction is exercised
+    assert (got - no_dropout).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_flex_dropout_gradient_is_the_eager_dropout_gradient(p):
+    """The two-pass composition differentiated through an eager FlexAttention stand-in (scores, then
+    score_mod on the index grids; logsumexp as FlexAttention returns it): the gradients of q, k, v
+    and the learned ALiBi slopes equal those of dropout applied after the softmax."""
+    position = _position("alibi")
+    q, k, v, padding, documents = _inputs(requires_grad=True)
+    mask = ATTENTION_BACKENDS["sdpa"](PositionEncoding()).prepare(padding, documents, None, torch.float32)  # -inf / 0
+    params, term = position.score_params(), position.score_function()
+    grids = _grids()
+    seed = torch.tensor(987654321)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + term(params, h, q_idx, kv_idx)
+
+    def flex_stand_in(q, k, v, score_mod):
+        scores = score_mod(q @ k.transpose(-2, -1) * HN**-0.5 + mask, *grids)
+        # as FlexAttention: a query that sees no key gets out 0 and lse -inf, and no gradient
+        unseen = torch.isneginf(scores).all(dim=-1, keepdim=True)
+        scores = scores.masked_fill(unseen, 0.0)
+        out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ v
+        return out, torch.logsumexp(scores, dim=-1).masked_fill(unseen.squeeze(-1), float("-inf"))
+
+    got = attend_with_dropout(flex_stand_in, q, k, v, score_mod, p, seed)
+    want = _eager_dropout(q, k, v, mask + score_mod(torch.zeros(()), *grids), keep_mask(seed, p, *grids), p)
+    real = ~padding[:, None, :, None]
+    torch.testing.assert_close(got * real, want * real, rtol=0, atol=1e-6)
+    if p == 0.5:  # some real queries lost every key they could see: their output is 0, as in dropout
+        unseen = ((mask == 0) & keep_mask(seed, p, *grids)).sum(dim=-1, keepdim=True) == 0
+        assert (unseen & real).any() and (got * unseen == 0).all()
+    upstream = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)) * real
+    leaves = (q, k, v, position.log_slopes)
+    grads_got = torch.autograd.grad(got, leaves, upstream, retain_graph=True)  # the slopes' graph is shared
+    grads_want = torch.autograd.grad(want, leaves, upstream)
+    for name, g, w in zip("q k v slopes".split(), grads_got, grads_want):
+        assert w.abs().max() > 1e-3, name
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-6, msg=name)
+
+
+def test_hashed_mask_drops_p_of_the_entries_independently():
+    p, s = 0.1, 128
+    grids = _grids(2, 4, s)
+    keep = keep_mask(torch.tensor(5), p, *grids)  # [2, 4, 128, 128]: 131,072 entries
+    assert keep.shape == (2, 4, s, s)
+    assert abs(keep.float().mean().item() - (1 - p)) < 3e-3  # 6 standard deviations
+    # neighbours along the key and the query are independent: P(both kept) = (1 - p)^2
+    for pair in (keep[..., 1:] & keep[..., :-1], keep[:, :, 1:] & keep[:, :, :-1]):
+        assert abs(pair.float().mean().item() - (1 - p) ** 2) < 5e-3
+    # every row, head and seed has its own mask
+    assert not torch.equal(keep[0], keep[1])
+    assert not torch.equal(keep[:, 0], keep[:, 1])
+    assert not torch.equal(keep, keep_mask(torch.tensor(6), p, *grids))
+    assert abs(keep_mask(torch.tensor(5), 0.5, *grids).float().mean().item() - 0.5) < 5e-3
+    assert keep_scale(0.1) == pytest.approx(1 / 0.9, rel=1e-9)
