@@ -18,7 +18,10 @@ against a matmul timed in the same run (CPU) or the GPU's datasheet peak. `--var
 overrides) changes megamlm's model; Hugging Face gets the same configuration in the transformers
 class that computes it (convert/hf_export.py's `hf_format`: BERT, ModernBERT, ...) and otherwise (ALiBi,
 CLAP) stays the baseline RoBERTa, a reference rather than a like-for-like pair. `--compile` compiles
-every transformer layer of both models (torch.compile).
+every transformer layer of both models (torch.compile). `--dtype bf16` runs both models as the training
+loop does (train.precision=bf16 under DeepSpeed): bf16 weights, fp32 master weights in the optimizer
+only, no per-forward casts; `--dtype bf16-autocast` keeps fp32 weights and casts them in every forward
+(torch.autocast, what BENCHMARKS.md's first GPU rows ran).
 """
 
 from __future__ import annotations
@@ -52,19 +55,43 @@ def make_batch(batch: int, length: int, vocab: int, mask_id: int, device, seed: 
     return inputs.to(device), tokens.to(device), masked.to(device)
 
 
-def megamlm_step(model, optimizer, inputs, masked_index, targets, dtype):
+class MasterWeightsAdamW:
+    """DeepSpeed's bf16 optimizer in miniature, as the training loop runs (train.precision=bf16): the
+    model holds bf16 parameters (no per-forward casts), AdamW steps fp32 master copies, which are
+    copied back into the model after each step."""
+
+    def __init__(self, model: torch.nn.Module, **adamw):
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float() for p in self.parameters]
+        for p in self.parameters:
+            p.data = p.data.to(torch.bfloat16)
+        self.optimizer = torch.optim.AdamW(self.masters, **adamw)
+
+    def step(self) -> None:
+        for master, p in zip(self.masters, self.parameters):
+            master.grad = p.grad.float()
+        self.optimizer.step()
+        with torch.no_grad():
+            torch._foreach_copy_(self.parameters, self.masters)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters:
+            p.grad = None
+
+
+def megamlm_step(model, optimizer, inputs, masked_index, targets, autocast):
     # as the training loop: flat indices and targets prepared by the loader (no host sync), the summed
     # loss as model.head_loss computes it
-    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = model(inputs, masked_index, targets=targets) / len(targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def hf_step(model, optimizer, inputs, tokens, masked, dtype):
+def hf_step(model, optimizer, inputs, tokens, masked, autocast):
     labels = tokens.masked_fill(~masked, -100)
-    with torch.autocast(inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = model(input_ids=inputs, labels=labels).loss
     loss.backward()
     optimizer.step()
@@ -88,7 +115,9 @@ def main() -> None:
                                                             "modernbert-large"))
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "bf16-autocast"),
+                        help="bf16: bf16 weights, fp32 masters in the optimizer (as the training loop); "
+                             "bf16-autocast: fp32 weights cast to bf16 in every forward")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="updates per round")
     parser.add_argument("--variant", default="baseline", help="configs/variants/<name>.yaml for megamlm")
@@ -98,7 +127,8 @@ def main() -> None:
     args = parser.parse_args()
     import transformers
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    autocast = args.dtype == "bf16-autocast"
     sizes = [f"model.max_positions={max(512, args.seq_length)}"]
     m = load_config([ROOT / f"configs/model/{args.model}.yaml", ROOT / "configs/variants/baseline.yaml"], sizes).model
     ours_cfg = load_config([ROOT / f"configs/model/{args.model}.yaml", ROOT / f"configs/variants/{args.variant}.yaml"],
@@ -117,14 +147,15 @@ def main() -> None:
         compile_layers(ours)  # what train.compile does
         for layer in next(sub for sub in hf.base_model.modules() if isinstance(sub, torch.nn.ModuleList)):
             layer.compile()
-    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6,
-                                          weight_decay=0.01, fused=True)
+    adamw = dict(lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, fused=True)
+    optimizers = {name: MasterWeightsAdamW(model, **adamw) if args.dtype == "bf16"
+                  else torch.optim.AdamW(model.parameters(), **adamw)
                   for name, model in (("megamlm", ours), ("hf", hf))}
     vocab = min(m.vocab_size, ours_cfg.vocab_size)  # zero-clap has 50262 rows, its mask id is 50262
     inputs, tokens, masked = make_batch(args.batch, args.seq_length, vocab, vocab - 1, device)
     masked_index, targets = masked.flatten().nonzero().squeeze(1), tokens[masked]
-    steps = {"megamlm": lambda: megamlm_step(ours, optimizers["megamlm"], inputs, masked_index, targets, dtype),
-             "hf": lambda: hf_step(hf, optimizers["hf"], inputs, tokens, masked, dtype)}
+    steps = {"megamlm": lambda: megamlm_step(ours, optimizers["megamlm"], inputs, masked_index, targets, autocast),
+             "hf": lambda: hf_step(hf, optimizers["hf"], inputs, tokens, masked, autocast)}
     for step in steps.values():  # warm-up: allocator, kernels, optimizer state
         step()
     peak_source = "datasheet"
@@ -136,7 +167,7 @@ def main() -> None:
         for name, step in steps.items():
             rates[name].append(args.batch * args.seq_length * args.steps / timed(step, args.steps, device))
     if device.type == "cuda":
-        peak, peak_source = device_peak(device, args.dtype)
+        peak, peak_source = device_peak(device, "fp32" if dtype == torch.float32 else "bf16")
     else:
         peak, peak_source = statistics.median(matmul), f"CPU {args.dtype} matmul, same run (median of rounds)"
     fraction = masked.float().mean().item()

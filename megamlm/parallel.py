@@ -83,9 +83,14 @@ def init_distributed(cfg: ParallelConfig) -> ParallelContext:
             f"parallel.tensor_parallel={cfg.tensor_parallel} does not divide the world size "
             f"{world}; launch a multiple of {cfg.tensor_parallel} processes"
         )
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel)
+    if not (parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_tensor_model_parallel_world_size() == cfg.tensor_parallel):
+        # the same layout as an earlier call in this process keeps its groups: megatron's
+        # destroy_model_parallel drops its references without destroying the groups, and each new
+        # set of gloo groups starts ~50 threads that stay (they slowed the test suite by minutes)
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel)
     return ParallelContext(
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),

@@ -176,3 +176,30 @@ def test_bigbird_pattern_is_window_global_tokens_and_random_blocks_on_every_back
     alone = sdpa.attend(q[1:, :, :27], k[1:, :, :27], v[1:, :, :27],
                         sdpa.prepare(padding[1:, :27], None, None, torch.float32, pattern), 0.0, None)
     torch.testing.assert_close(out[:, :, 13:], alone, rtol=0, atol=1e-6)
+
+
+def test_sdpa_takes_no_mask_when_every_key_is_visible():
+    """No padded key, no score term, no documents or pattern: sdpa passes no bias (SDPA's flash path)
+    and gives the masked math's output; any of those present brings the bias back."""
+    from megamlm.model.positions import PositionEncoding
+
+    b, np_, s, hn = 2, 4, 24, 8
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(b, np_, s, hn, generator=g) for _ in range(3))
+    sdpa = ATTENTION_BACKENDS["sdpa"](PositionEncoding())
+    full = torch.zeros(b, s, dtype=torch.bool)
+    assert sdpa.prepare(full, None, None, torch.float32) is None
+    want = torch.softmax((q @ k.transpose(-1, -2)) * hn ** -0.5, dim=-1) @ v
+    torch.testing.assert_close(sdpa.attend(q, k, v, None, 0.0, None), want, rtol=0, atol=1e-6)
+    padded = full.clone()
+    padded[1, 20:] = True
+    assert sdpa.prepare(padded, None, None, torch.float32).shape == (b, 1, 1, s)
+    assert sdpa.prepare(full, torch.zeros(b, s, dtype=torch.long), None, torch.float32) is not None
+    assert sdpa.prepare(full, None, None, torch.float32, LayerAttention(window=8)) is not None
+    alibi = ATTENTION_BACKENDS["sdpa"](Alibi(np_, "offset", tp_rank=0, tp_size=1))
+    assert alibi.prepare(full, None, None, torch.float32).shape == (b, np_, s, s)
+    # packed samples of equal length fill their [n, L] slots: no bias either; unequal ones need it
+    equal = torch.tensor([[0] * 12 + [1] * 12, [2] * 12 + [3] * 12])
+    assert sdpa.prepare(equal < 0, None, equal, torch.float32).bias is None
+    unequal = torch.tensor([[0] * 10 + [1] * 14, [2] * 12 + [3] * 12])
+    assert sdpa.prepare(unequal < 0, None, unequal, torch.float32).bias.shape == (4, 1, 1, 14)

@@ -19,7 +19,9 @@ flex; the RoPE rotation) and `attention_bias` is unused. A backend asks the posi
 score term; padding, document boundaries and patterns are the backend's to express.
 
   sdpa   PyTorch scaled_dot_product_attention with one additive bias [b, np|1, s, s] (-inf on padded
-         keys, other documents and outside the pattern, plus the position's score term), CPU and GPU. Packed rows are
+         keys, other documents and outside the pattern, plus the position's score term), CPU and GPU;
+         no bias at all when there is nothing to add (no score term, pattern or documents, no padded
+         key in the batch: SDPA's flash / cuDNN path, CPU's fused kernel). Packed rows are
          first gathered per sample into [n, np, L, hn] (L the longest sample), so nothing of size
          [T, T] is built for a row of T tokens and the bias is [n, np|1, L, L].
   eager  the same math unfused: softmax, then our dropout. sdpa runs it on CPU whenever attention
@@ -64,8 +66,8 @@ class PackedRows:
     """[t] flat positions of the real tokens, and `slots` [t] their slot (i·L + j): the way back,
     precomputed so that compiled layers index with tensors, never with a data-dependent mask."""
     slots: torch.Tensor
-    bias: torch.Tensor
-    """[n, np|1, L, L] additive bias within each sample."""
+    bias: torch.Tensor | None
+    """[n, np|1, L, L] additive bias within each sample (None: `_bias`'s no-mask case)."""
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """[b, np, s, hn] -> [n, np, L, hn], the samples side by side."""
@@ -124,13 +126,16 @@ class AttentionBackend:
         """padding [b, s] bool; documents [b, s] (document index, -1 on padding) or None when
         attention may span a whole sample; segments [b, s] (sample index in a packed row, -1 on
         padding) or None for one sample per row; pattern: the layers' (patterns.py) -> the additive
-        bias [b, np|1, s, s], or PackedRows."""
+        bias [b, np|1, s, s] (None where every query may see every key of its row), or PackedRows."""
         if segments is not None:
             return self._prepare_packed(documents, segments, dtype, pattern)
         return self._bias(padding, documents, dtype, pattern)
 
-    def _bias(self, padding, documents, dtype, pattern: LayerAttention) -> torch.Tensor:
+    def _bias(self, padding, documents, dtype, pattern: LayerAttention) -> torch.Tensor | None:
         b, s = padding.shape
+        score = self.position.score_bias(s, dtype)
+        if score is None and documents is None and pattern.window is None and not bool(padding.any()):
+            return None  # every query sees every key of its row: no mask, so SDPA may take its flash path
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
         bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))
@@ -145,7 +150,6 @@ class AttentionBackend:
             table = random_block_table(pattern, padding.device)
             outside = ~pattern_sees(pattern, index[:, None], index[None, :], table)
             bias = bias.masked_fill(~padding[:, None, :, None] & outside, float("-inf"))
-        score = self.position.score_bias(s, dtype)
         if score is not None:
             # [b, 1, s|1, s] + [1, np, s, s] -> [b, np, s, s], shared by all layers
             bias = bias + score[None]
