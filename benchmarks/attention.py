@@ -6,7 +6,7 @@
 
 Rows per length: eager (matmul + bias + softmax, the fork's way), SDPA with the cached bias
 (megamlm's default), FlexAttention with the ALiBi score_mod (GPU; no bias tensor), both also with
-the reference recipe's attention dropout 0.1 (Flex: megamlm's two passes, flex_dropout.py), and as speed
+the reference recipe's attention dropout 0.1 (Flex: megamlm's two passes, flex.py), and as speed
 references SDPA without any bias and, where the flash_attn package is installed, FlashAttention-2
 with its built-in symmetric ALiBi. Columns: time, achieved TFLOP/s (4·b·np·s²·hn fwd, ×3.5 fwd+bwd
 with the recomputation flash kernels do), peak memory (GPU: inputs, the bias where the kernel takes
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-from megamlm.model.flex_dropout import attend_with_dropout
+from megamlm.model.flex import attend_with_dropout, kernel_options
 from megamlm.model.positions import alibi_bias, alibi_slopes
 
 DROPOUT = 0.1  # the reference recipe's attention dropout
@@ -56,13 +56,29 @@ def sdpa_dropout(q, k, v, bias):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=DROPOUT)
 
 
-def make_flex(slopes):
+def make_flex(slopes, options: str = ""):
     compiled, score_mod = torch.compile(flex_attention), _alibi_offset(slopes)
-    return lambda q, k, v, bias: compiled(q, k, v, score_mod=score_mod)
+    chosen = kernel_options(options) or None
+    return lambda q, k, v, bias: compiled(q, k, v, score_mod=score_mod, kernel_options=chosen)
+
+
+# --flex-sweep: model.flex_kernel_options candidates for head dim 64 (the first is torch's choice);
+# a candidate the GPU cannot run (shared memory, registers) prints as failed
+FLEX_CANDIDATES = (
+    "",
+    "BLOCK_M=128,BLOCK_N=64,num_warps=4,num_stages=3",
+    "BLOCK_M=128,BLOCK_N=128,num_warps=8,num_stages=2",
+    "BLOCK_M=128,BLOCK_N=64,num_warps=8,num_stages=3",
+    "BLOCK_M=64,BLOCK_N=64,num_warps=4,num_stages=3",
+    "BLOCK_M=64,BLOCK_N=128,num_warps=4,num_stages=2",
+    "bwd_BLOCK_M1=64,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=64,bwd_num_warps=8,bwd_num_stages=2",
+    "bwd_BLOCK_M1=32,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=32,bwd_num_warps=4,bwd_num_stages=3",
+    "PRESCALE_QK=true",
+)
 
 
 def make_flex_dropout(slopes):
-    """megamlm's two-pass Flex attention dropout (flex_dropout.py) with the ALiBi-offset score_mod."""
+    """megamlm's two-pass Flex attention dropout (flex.py) with the ALiBi-offset score_mod."""
     compiled, score_mod = torch.compile(flex_attention), _alibi_offset(slopes)
     seed = torch.tensor(1234, device=slopes.device)
 
@@ -114,6 +130,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--flex-sweep", action="store_true",
+                        help="GPU: also time FlexAttention under each FLEX_CANDIDATES kernel_options")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -123,13 +141,17 @@ def main() -> None:
     if device.type == "cuda":
         kernels["flex score_mod"] = make_flex(slopes)
         kernels["flex score_mod, dropout 0.1"] = make_flex_dropout(slopes)
+        if args.flex_sweep:
+            torch._dynamo.config.recompile_limit = 64  # one compilation per candidate and length
+            kernels.update({f"flex {options}": make_flex(slopes, options) for options in FLEX_CANDIDATES[1:]})
         try:
             kernels["flash-attn-2 symmetric (reference)"] = make_flash_symmetric(slopes)
         except ImportError:
             pass
     print(f"ALiBi-offset attention fwd+bwd, batch {args.batch}, {args.heads} heads x {args.head_dim}, {args.dtype}, "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}")
-    print(f"{'length':>7}  {'kernel':<36}{'ms':>10}{'TFLOP/s':>10}{'peak GiB':>10}{'max |err|':>11}")
+    width = max(36, *(len(name) + 2 for name in kernels))
+    print(f"{'length':>7}  {'kernel':<{width}}{'ms':>10}{'TFLOP/s':>10}{'peak GiB':>10}{'max |err|':>11}")
     for length in (int(n) for n in args.lengths.split(",")):
         g = torch.Generator().manual_seed(0)
         shape = (args.batch, args.heads, length, args.head_dim)
@@ -147,14 +169,14 @@ def main() -> None:
                 seconds, memory = bench(fn, q, k, v, bias, args.repeats, device)
                 with torch.no_grad():
                     error = (fn(q, k, v, bias).double().cpu() - reference).abs().max().item()
-            except (RuntimeError, torch.OutOfMemoryError) as err:
-                print(f"{length:>7}  {name:<36}  failed: {str(err).splitlines()[0][:60]}")
+            except Exception as err:  # noqa: BLE001 - a kernel that cannot run here is a row, not the end
+                print(f"{length:>7}  {name:<{width}}  failed: {type(err).__name__}: {str(err).splitlines()[0][:60]}")
                 continue
             finally:
                 del q, k, v, bias  # before the next kernel's peak is counted
             if "reference" in name or "dropout" in name:
                 error = float("nan")  # no or a different bias, or random: a speed reference only
-            print(f"{length:>7}  {name:<36}{seconds * 1e3:>10.2f}{flops / seconds / 1e12:>10.3f}"
+            print(f"{length:>7}  {name:<{width}}{seconds * 1e3:>10.2f}{flops / seconds / 1e12:>10.3f}"
                   f"{memory:>10.2f}{error:>11.2e}")
 
 

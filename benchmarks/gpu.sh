@@ -3,22 +3,23 @@
 #   bash benchmarks/gpu.sh [LOG_DIR] [STEP ...]      # default: every step, logs in benchmarks/results/gpu
 # Steps: throughput (roberta.base at 2048: baseline vs Hugging Face, zero-clap = ALiBi-offset + CLAP
 # with SDPA + bias and with FlexAttention, without and with attention dropout), compiled (the same with
-# torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192), profile
-# (megamlm base's top kernels), loop (the real training loop, base zero-clap at 2048 with the
-# reference's attention dropout on SDPA, eager and compiled, and on compiled FlexAttention; at 8192 on
-# FlexAttention, also with attention kept within each packed document (the BlockMask skips the other
-# documents' blocks), bf16, WikiText-103), packed (the same loop at 2048 with data.packing=packed on
-# SDPA and on compiled FlexAttention, next to the padded SDPA row, and the learned-position baseline
-# padded on SDPA vs packed on varlen FlashAttention; real tokens/s and the fill are in each log's update
-# lines), modernbert (modernbert-base at 8192, 14 of 22 layers through a 128-token window, vs
-# transformers' ModernBertForMaskedLM: SDPA with the window in the bias, Flex whose BlockMask skips the
-# blocks outside it, varlen with the kernel's window). Each step has its own time limit and log file; a
-# failed step is reported and the next one runs.
+# torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192),
+# flex-tune (FlexAttention kernel_options candidates at 2048..8192), profile (megamlm base's top
+# kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention dropout
+# on SDPA, eager and compiled, and on compiled FlexAttention; at 8192 on FlexAttention, also with
+# attention kept within each packed document (the BlockMask skips the other documents' blocks), bf16,
+# WikiText-103), packed (the same loop at 2048 with data.packing=packed on SDPA and on compiled
+# FlexAttention, next to the padded SDPA row, and the learned-position baseline padded on SDPA vs packed
+# on varlen FlashAttention; real tokens/s and the fill are in each log's update lines), modernbert
+# (modernbert-base at 8192, 14 of 22 layers through a 128-token window, vs transformers'
+# ModernBertForMaskedLM: SDPA with the window in the bias, Flex whose BlockMask skips the blocks outside
+# it, varlen with the kernel's window). Each step has its own time limit and log file; a failed step is
+# reported and the next one runs.
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}
 shift || true
-STEPS=${*:-throughput compiled large attention profile loop packed modernbert}
+STEPS=${*:-throughput compiled large attention flex-tune profile loop packed modernbert}
 mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
 TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
@@ -52,7 +53,7 @@ for s in $STEPS; do
         step base-baseline 240 $TP --model base --batch 8
         step base-zero-clap-sdpa 240 $TP --model base --batch 8 --variant zero-clap
         step base-zero-clap-flex 300 $TP --model base --batch 8 --variant zero-clap --set $FLEX
-        # the reference recipe's attention dropout 0.1 on Flex (two passes, flex_dropout.py) vs the sdpa row above
+        # the reference recipe's attention dropout 0.1 on Flex (two passes, flex.py) vs the sdpa row above
         step base-zero-clap-flex-dropout 300 $TP --model base --batch 8 --variant zero-clap \
             --set model.attention_backend=flex ;;
     compiled)
@@ -70,6 +71,9 @@ for s in $STEPS; do
     attention)
         step attention 300 $PY benchmarks/attention.py --lengths 512,1024,2048,4096,8192 --dtype bf16 \
             --heads 12 --batch 2 ;;
+    flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64
+        step flex-tune 540 $PY benchmarks/attention.py --lengths 2048,4096,8192 --dtype bf16 --heads 12 \
+            --batch 2 --repeats 10 --flex-sweep ;;
     profile)
         step profile-base-baseline 240 $TP --model base --batch 8 --rounds 1 --profile ;;
     loop)
@@ -86,6 +90,6 @@ for s in $STEPS; do
         BASE="--config configs/variants/baseline.yaml model.attention_dropout=0"
         train_run packed-2048-baseline-padded-sdpa 2048 8 "$BASE" 60
         train_run packed-2048-baseline-varlen 2048 8 "$BASE model.attention_backend=varlen data.packing=packed" 60 ;;
-    *) echo "unknown step $s (throughput compiled large attention profile loop packed modernbert)"; exit 2 ;;
+    *) echo "unknown step $s (throughput compiled large attention flex-tune profile loop packed modernbert)"; exit 2 ;;
     esac
 done

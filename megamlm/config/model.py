@@ -156,6 +156,10 @@ class ModelConfig:
     data.seq_length so the compiled kernel sees one shape); varlen: torch's variable-length
     FlashAttention over the real tokens only (CUDA; no ALiBi, no attention dropout).
     model/attention.py's ATTENTION_BACKENDS."""
+    flex_kernel_options: str = ""
+    """FlexAttention's Triton kernel options, comma-separated NAME=VALUE (e.g. "BLOCK_M=128,BLOCK_N=64,
+    num_warps=8,num_stages=3"; fwd_/bwd_ prefixes apply to one pass); empty: torch's defaults.
+    `benchmarks/attention.py --flex-sweep` measures candidates (model/flex.py)."""
     head_loss: Literal["unfused", "fused"] = "unfused"
     """How training computes the MLM loss. unfused: the head's logits [n, V_local] over the masked
     positions, then megatron's vocab-parallel cross-entropy (which copies them to fp32 and keeps the

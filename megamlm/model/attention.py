@@ -28,7 +28,7 @@ score term; padding, document boundaries and patterns are the backend's to expre
          dropout is on (torch's CPU SDPA then does this math with a slower dropout mask).
   flex   FlexAttention: the position's score term is a `score_mod`, key padding / documents / the
          pattern (BigBird's too) a BlockMask; nothing [s, s] is materialized and key blocks a query
-         block cannot see are skipped; attention dropout in two passes (flex_dropout.py). CUDA only
+         block cannot see are skipped; attention dropout in two passes (flex.py). CUDA only
          for training: torch 2.13 has no FlexAttention backward on CPU.
   varlen torch's variable-length FlashAttention (torch.nn.attention.varlen) over the real tokens only:
          every sample (or document) is one sequence of `cu_seqlens`, no padding is computed, padded
@@ -45,12 +45,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest
 from megatron.core.transformer.module import MegatronModule
 
 from megamlm.config import GLOBAL_ATTENTION, ConfigError, LayerAttention, ModelConfig
 from megamlm.model.dropout import dropout
-from megamlm.model.flex_dropout import attend_with_dropout, draw_seed
+from megamlm.model.flex import attend_with_dropout, compiled_flex_attention, draw_seed, kernel_options
 from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
 from megamlm.model.positions import PositionEncoding, apply_rotation, sample_positions, sample_starts
 from megamlm.parallel import tensor_parallel_rng
@@ -103,6 +103,11 @@ class AttentionBackend:
 
     def __init__(self, position: PositionEncoding):
         self.position = position
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, position: PositionEncoding) -> AttentionBackend:
+        """The backend of an encoder built from `model` (a backend with settings reads them here)."""
+        return cls(position)
 
     def prepare_layers(self, patterns, padding: torch.Tensor, documents: torch.Tensor | None,
                        segments: torch.Tensor | None, dtype: torch.dtype) -> dict[LayerAttention, LayerInputs]:
@@ -196,8 +201,21 @@ class FlexAttention(AttentionBackend):
 
     name = "flex"
 
+    def __init__(self, position: PositionEncoding, kernel_options: dict | None = None):
+        super().__init__(position)
+        self.kernel_options = kernel_options or None
+        """FlexAttention's kernel_options (model.flex_kernel_options); None: torch's choice."""
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, position: PositionEncoding) -> FlexAttention:
+        return cls(position, kernel_options(model.flex_kernel_options))
+
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
+        try:
+            kernel_options(model.flex_kernel_options)
+        except ConfigError as err:
+            return str(err)
         if not torch.cuda.is_available():
             return ("model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
                     "backward on CPU); use model.attention_backend=sdpa")
@@ -218,7 +236,8 @@ class FlexAttention(AttentionBackend):
             return score + term(params, h, q_idx, kv_idx).to(score.dtype)
 
         score_mod = None if params is None else score_mod
-        flex = functools.partial(_flex_attention(q.device.type), block_mask=block_mask, scale=scale)
+        flex = functools.partial(compiled_flex_attention(q.device.type), block_mask=block_mask, scale=scale,
+                                 kernel_options=self.kernel_options)
         if dropout_p == 0:
             return flex(q, k, v, score_mod=score_mod)
 
@@ -226,7 +245,7 @@ class FlexAttention(AttentionBackend):
             out, aux = flex(q, k, v, score_mod=score_mod, return_aux=AuxRequest(lse=True))
             return out, aux.lse
 
-        # heads are sharded: the seed comes from this TP rank's stream (flex_dropout.py)
+        # heads are sharded: the seed comes from this TP rank's stream (flex.py)
         return attend_with_dropout(attend_lse, q, k, v, score_mod, dropout_p, draw_seed(q.device))
 
 
@@ -363,14 +382,3 @@ class BidirectionalAttention(MegatronModule):
         out = self.backend.attend(q, k, v, inputs.attention, dropout_p, self.softmax_scale)
         # [b, np, s, hn] -> [s, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
-
-
-@functools.cache
-def _flex_attention(device_type: str):
-    """Compiled FlexAttention on GPU; on CPU the eager reference (forward only), used by tests to
-    check the score_mod against the materialized bias."""
-    # the training loader pads to one width under Flex, but evaluation, fine-tuning and inference
-    # pass any width. The default (automatic dynamic shapes after the first recompile) avoids dynamo's
-    # recompile limit, past which FlexAttention silently falls back to an eager path that
-    # materializes the scores (seen on an H100: base at 8192 ran at 1% MFU with dynamic=False).
-    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention

@@ -155,7 +155,7 @@ class Encoder(nn.Module):
         self.embedding_projection = (nn.Linear(input_size, model.hidden_size)
                                      if input_size != model.hidden_size else None)
         self.alibi = position if isinstance(position, Alibi) else None  # wave 1's name: alibi.log_slopes
-        self.attention = ATTENTION_BACKENDS[model.attention_backend](position)
+        self.attention = ATTENTION_BACKENDS[model.attention_backend].from_config(model, position)
         self.encoder = TransformerBlock(tcfg, encoder_block_spec(model, self.attention),
                                         post_layer_norm=model.layernorm == "pre",
                                         pg_collection=ctx.pg_collection)

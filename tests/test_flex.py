@@ -1,4 +1,4 @@
-"""FlexAttention's attention dropout (megamlm/model/flex_dropout.py): two passes give exactly the
+"""FlexAttention's pieces (megamlm/model/flex.py). Attention dropout: two passes give exactly the
 post-softmax dropout of the eager math with the same mask, forward (the real FlexAttention, CPU
 forward) and backward (the composition's gradient); the hashed mask drops p of the entries,
 independently, and its seed comes from the tensor-parallel stream."""
@@ -10,7 +10,7 @@ import torch
 
 from megamlm.config import GLOBAL_ATTENTION
 from megamlm.model.attention import ATTENTION_BACKENDS
-from megamlm.model.flex_dropout import attend_with_dropout, draw_seed, keep_mask, keep_scale
+from megamlm.model.flex import attend_with_dropout, draw_seed, keep_mask, keep_scale
 from megamlm.model.positions import Alibi, PositionEncoding
 from megamlm.parallel import tensor_parallel_rng
 
@@ -132,3 +132,21 @@ def test_hashed_mask_drops_p_of_the_entries_independently():
     assert not torch.equal(keep, keep_mask(torch.tensor(6), p, *grids))
     assert abs(keep_mask(torch.tensor(5), 0.5, *grids).float().mean().item() - 0.5) < 5e-3
     assert keep_scale(0.1) == pytest.approx(1 / 0.9, rel=1e-9)
+
+
+def test_kernel_options_parse_and_bad_ones_are_refused_before_any_work():
+    from megamlm.config import ConfigError
+    from megamlm.model.attention import FlexAttention
+    from megamlm.model.flex import kernel_options
+    from tests.variants import variant_config
+
+    assert kernel_options("") == {}
+    assert kernel_options("BLOCK_M=128, BLOCK_N=64,num_warps=8,bwd_BLOCK_M1=32,PRESCALE_QK=true,BACKEND=TRITON") == {
+        "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "bwd_BLOCK_M1": 32, "PRESCALE_QK": True, "BACKEND": "TRITON"}
+    cfg = variant_config("zero-clap", ["model.attention_backend=flex", "model.flex_kernel_options=num_warps=4"])
+    assert FlexAttention.from_config(cfg.model, _position("alibi")).kernel_options == {"num_warps": 4}
+    for bad in ("BLOCK_Q=64", "num_warps", "num_warps=", "fwd_num_stage=2"):
+        with pytest.raises(ConfigError, match="model.flex_kernel_options: .* is not NAME=VALUE"):
+            kernel_options(bad)
+        bad_cfg = variant_config("zero-clap", ["model.attention_backend=flex", f"model.flex_kernel_options={bad}"])
+        assert "model.flex_kernel_options" in FlexAttention.unsupported_here(bad_cfg.model)

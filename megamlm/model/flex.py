@@ -1,8 +1,10 @@
-"""Attention dropout for FlexAttention: the exact post-softmax dropout from two passes.
+"""FlexAttention's pieces beyond the score_mod and the BlockMask: the compiled kernel with its
+`kernel_options` (model.flex_kernel_options), and attention dropout.
 
-Dropout acts on the attention probabilities, after the softmax; FlexAttention's `score_mod` acts on
-the scores, before it. Dropping key j of query i there (score -> -inf) renormalizes over the kept
-keys. With m the keep mask, p the drop probability and s the scores of one query:
+Attention dropout, the exact post-softmax dropout from two passes. Dropout acts on the attention
+probabilities, after the softmax; FlexAttention's `score_mod` acts on the scores, before it.
+Dropping key j of query i there (score -> -inf) renormalizes over the kept keys. With m the keep
+mask, p the drop probability and s the scores of one query:
 
     dropout:    out  = Σ_j e^{s_j} m_j v_j / ((1 - p) · Σ_j e^{s_j})
     score_mod:  out' = Σ_j e^{s_j} m_j v_j / Σ_j e^{s_j} m_j
@@ -24,8 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
+import functools
 
+import torch
+from torch.nn.attention.flex_attention import FlexKernelOptions, flex_attention
+
+from megamlm.config import ConfigError
 from megamlm.parallel import tensor_parallel_rng
 
 _LEVELS = 2**32  # the hash's range; the drop probability is round(p · 2^32) / 2^32
@@ -95,3 +101,32 @@ def attend_with_dropout(attend: Attend, q, k, v, score_mod: ScoreMod | None, p: 
     factor = torch.exp(lse_kept - lse) * keep_scale(p)
     # [b, np, s] -> [b, np, s, 1]
     return (out_kept * factor.unsqueeze(-1)).to(q.dtype)
+
+
+KERNEL_OPTIONS = frozenset(FlexKernelOptions.__annotations__)
+"""torch's FlexAttention kernel options; each may also be given as fwd_NAME or bwd_NAME."""
+
+
+def kernel_options(text: str) -> dict[str, int | bool | str]:
+    """model.flex_kernel_options ('BLOCK_M=128,BLOCK_N=64,num_warps=8') -> FlexAttention's kernel_options."""
+    options: dict[str, int | bool | str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or not value or name.removeprefix("fwd_").removeprefix("bwd_") not in KERNEL_OPTIONS:
+            raise ConfigError(f"model.flex_kernel_options: {item!r} is not NAME=VALUE with a FlexAttention "
+                              f"kernel option (fwd_/bwd_ prefixes allowed): {', '.join(sorted(KERNEL_OPTIONS))}")
+        lowered = value.lower()
+        options[name] = (int(value) if value.lstrip("-").isdigit()
+                         else lowered == "true" if lowered in ("true", "false") else value)
+    return options
+
+
+@functools.cache
+def compiled_flex_attention(device_type: str):
+    """Compiled FlexAttention on GPU; on CPU the eager reference (forward only), used by tests to
+    check the score_mod against the materialized bias."""
+    # the training loader pads to one width under Flex, but evaluation, fine-tuning and inference
+    # pass any width. The default (automatic dynamic shapes after the first recompile) avoids dynamo's
+    # recompile limit, past which FlexAttention silently falls back to an eager path that
+    # materializes the scores (seen on an H100: base at 8192 ran at 1% MFU with dynamic=False).
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
