@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megamlm.config import ConfigError, load_config
 from megamlm.data.shards import BuildOptions, build_shards
@@ -132,6 +133,20 @@ class InjectOnce:
             self.fired.add(step)
             return loss * 10
         return loss
+
+
+@pytest.mark.slow
+def test_compiled_training_gives_the_eager_losses_and_reports_the_compile_time(shards, tmp_path):
+    """train.compile=true: the loop's losses are the eager loop's (dropout off: Inductor draws its own
+    masks), and the first update's time, compilation included, is logged once."""
+    no_dropout = ("train.steps=3", "model.hidden_dropout=0", "model.attention_dropout=0")
+    eager = run_on_ranks(_train, 1, config(shards, tmp_path / "eager", *no_dropout))[0]
+    compiled = run_on_ranks(_train, 1, config(shards, tmp_path / "compiled", *no_dropout, "train.compile=true"))[0]
+    assert len(compiled["losses"]) == 3
+    torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-4, atol=0)
+    first = logged(tmp_path / "compiled", "compile", "first_update_s")
+    assert list(first) == [1] and first[1] > 0
+    assert logged(tmp_path / "eager", "compile", "first_update_s") == {}
 
 
 def diverge_after_3(step, loss):

@@ -178,7 +178,8 @@ class TrainConfig:
     """torch.compile each encoder layer (fuses its elementwise chain: bias, dropout, residual,
     LayerNorm, GELU); batches are then padded to data.seq_length so that every batch has one
     shape. On an H100 it did not pay for roberta.base at 2048 in the training loop (BENCHMARKS.md);
-    measure before turning it on. The first updates are slower while it compiles."""
+    measure before turning it on. The first update compiles; its time is logged once (event
+    "compile", first_update_s) so that the cost of compiling is visible next to the later updates."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     spike_factor: float = 3.0

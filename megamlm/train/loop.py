@@ -70,13 +70,17 @@ def _stream(cfg: Config, ctx: ParallelContext, data: Data, split: str, seed: int
                          pairing=data.objective.pairing(seed), **options)
 
 
+def compiles(cfg: Config) -> bool:
+    """Whether the run compiles code in its first updates: train.compile, or FlexAttention (always compiled)."""
+    return cfg.train.compile or cfg.model.attention_backend == "flex"
+
+
 def _pad_multiple(cfg: Config) -> int:
     """Batch widths are rounded up to a multiple of this. Compiled code (train.compile, and
     FlexAttention, which is always compiled) gets one width, data.seq_length: with a width per batch
     it recompiles and then runs dynamic-shape kernels (H100, base zero-clap at 8192 on Flex:
     55k tokens/s with per-batch widths, 88k with one width; BENCHMARKS.md)."""
-    static = cfg.train.compile or cfg.model.attention_backend == "flex"
-    return cfg.data.seq_length if static else 8
+    return cfg.data.seq_length if compiles(cfg) else 8
 
 
 def train_stream(cfg: Config, ctx: ParallelContext, data: Data, state: TrainState) -> MaskedBatches:
@@ -231,6 +235,11 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             guard.reset()
             continue
         losses.append(loss)
+        if state.step == start_step + 1 and compiles(cfg):  # once per run: what compilation costs
+            first = time.perf_counter() - run_start
+            log.event("compile", state.step, f"compile: the first update took {_duration(first)} "
+                      f"({first:.1f} s), compilation included; later updates show the compiled speed",
+                      first_update_s=first)
 
         if state.step % cfg.train.log_interval == 0 or state.step == cfg.train.steps:
             elapsed = time.perf_counter() - window_start
