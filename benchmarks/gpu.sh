@@ -58,7 +58,9 @@ for s in $STEPS; do
             --set model.attention_backend=flex ;;
     compiled)
         step base-baseline-compiled 360 $TP --model base --batch 8 --compile
-        step base-zero-clap-flex-compiled 360 $TP --model base --batch 8 --variant zero-clap --set $FLEX --compile ;;
+        step base-zero-clap-flex-compiled 360 $TP --model base --batch 8 --variant zero-clap --set $FLEX --compile
+        # train.compile_mode=reduce-overhead: each layer also a CUDA graph
+        step base-baseline-cudagraphs 420 $TP --model base --batch 8 --compile --compile-mode reduce-overhead ;;
     large)
         step large-baseline 300 $TP --model large --batch 8
         step large-zero-clap-flex 300 $TP --model large --batch 8 --variant zero-clap --set $FLEX ;;

@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--variant", default="baseline", help="configs/variants/<name>.yaml for megamlm")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="megamlm config overrides")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
+    parser.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"),
+                        help="torch.compile's mode with --compile (train.compile_mode); reduce-overhead: CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="also print megamlm's top kernels (torch.profiler)")
     args = parser.parse_args()
     import transformers
@@ -144,9 +146,9 @@ def main() -> None:
         **hf_config_values(m, fmt, m.pad_token_id), attn_implementation="sdpa")
     hf = getattr(transformers, fmt.architecture)(config).to(device).train()
     if args.compile:
-        compile_layers(ours)  # what train.compile does
+        compile_layers(ours, args.compile_mode)  # what train.compile does
         for layer in next(sub for sub in hf.base_model.modules() if isinstance(sub, torch.nn.ModuleList)):
-            layer.compile()
+            layer.compile(mode=None if args.compile_mode == "default" else args.compile_mode)
     adamw = dict(lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, fused=True)
     optimizers = {name: MasterWeightsAdamW(model, **adamw) if args.dtype == "bf16"
                   else torch.optim.AdamW(model.parameters(), **adamw)
@@ -182,7 +184,8 @@ def main() -> None:
     ratios = [a / b for a, b in zip(rates["megamlm"], rates["hf"])]
     print(f"{args.model} (L={m.num_layers}, h={m.hidden_size}, V={m.vocab_size}), megamlm {args.variant} "
           f"vs {fmt.architecture} "
-          f"{' '.join(args.set)}{', compiled' if args.compile else ''}, length {args.seq_length}, "
+          f"{' '.join(args.set)}{f', compiled ({args.compile_mode})' if args.compile else ''}, "
+          f"length {args.seq_length}, "
           f"batch {args.batch}, {args.dtype}, {args.rounds} interleaved rounds x {args.steps} updates, "
           f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"{torch.get_num_threads()} threads")

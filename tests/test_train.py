@@ -137,11 +137,14 @@ class InjectOnce:
 
 @pytest.mark.slow
 def test_compiled_training_gives_the_eager_losses_and_reports_the_compile_time(shards, tmp_path):
-    """train.compile=true: the loop's losses are the eager loop's (dropout off: Inductor draws its own
-    masks), and the first update's time, compilation included, is logged once."""
+    """train.compile=true (and train.compile_mode): the loop's losses are the eager loop's (dropout
+    off: Inductor draws its own masks), and the first update's time, compilation included, is logged
+    once."""
     no_dropout = ("train.steps=3", "model.hidden_dropout=0", "model.attention_dropout=0")
     eager = run_on_ranks(_train, 1, config(shards, tmp_path / "eager", *no_dropout))[0]
-    compiled = run_on_ranks(_train, 1, config(shards, tmp_path / "compiled", *no_dropout, "train.compile=true"))[0]
+    # reduce-overhead (CUDA graphs on a GPU) compiles as the default mode on CPU
+    compiled = run_on_ranks(_train, 1, config(shards, tmp_path / "compiled", *no_dropout, "train.compile=true",
+                                              "train.compile_mode=reduce-overhead"))[0]
     assert len(compiled["losses"]) == 3
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-4, atol=0)
     first = logged(tmp_path / "compiled", "compile", "first_update_s")

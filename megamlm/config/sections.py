@@ -180,6 +180,12 @@ class TrainConfig:
     shape. On an H100 it did not pay for roberta.base at 2048 in the training loop (BENCHMARKS.md);
     measure before turning it on. The first update compiles; its time is logged once (event
     "compile", first_update_s) so that the cost of compiling is visible next to the later updates."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    """torch.compile's mode under train.compile. reduce-overhead: Inductor also records each layer as a
+    CUDA graph (no per-kernel launch cost; train.compile's one batch shape makes that possible);
+    max-autotune: also searches matmul / Triton configurations (minutes of compilation). GPU options,
+    to be measured (benchmarks/train_throughput.py --compile --compile-mode); on CPU they compile as
+    default."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     spike_factor: float = 3.0

@@ -50,9 +50,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
                                           use_reentrant=False, context_fn=_replay_tensor_parallel_rng)
 
 
-def compile_layers(model: nn.Module) -> None:
+def compile_layers(model: nn.Module, mode: str = "default") -> None:
     """torch.compile every encoder layer (`encoder_layers`) in place (parameter names and the state
-    dict are unchanged). The embedding and head stay eager: the number of masked positions the head
-    projects changes with every batch."""
+    dict are unchanged) in torch.compile's `mode` (train.compile_mode). The embedding and head stay
+    eager: the number of masked positions the head projects changes with every batch."""
     for layer in encoder_layers(model):
-        layer.compile()
+        layer.compile(mode=None if mode == "default" else mode)

@@ -153,7 +153,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
-        compile_layers(model)
+        compile_layers(model, cfg.train.compile_mode)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
     tag = None if resume is None else _resume_tag(checkpoints, resume, log)
