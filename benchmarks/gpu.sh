@@ -6,7 +6,7 @@
 # torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192),
 # flex-tune (FlexAttention kernel_options candidates at 2048..8192), profile (megamlm base's top
 # kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention dropout
-# on SDPA, eager and compiled, and on compiled FlexAttention; at 8192 on FlexAttention, also with
+# on SDPA, eager and compiled, and on compiled FlexAttention, large zero-clap on SDPA; at 8192 on FlexAttention, also with
 # attention kept within each packed document (the BlockMask skips the other documents' blocks), bf16,
 # WikiText-103), packed (the same loop at 2048 with data.packing=packed on SDPA and on compiled
 # FlexAttention, next to the padded SDPA row, and the learned-position baseline padded on SDPA vs packed
@@ -82,6 +82,7 @@ for s in $STEPS; do
         train_run loop-2048 2048 8 "" 60
         train_run loop-2048-compiled 2048 8 "train.compile=true" 60
         train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60
+        train_run loop-2048-large 2048 8 "--config configs/pile/large-zero-clap.yaml" 40
         train_run loop-8192 8192 2 "$FLEX train.compile=true" 40
         train_run loop-8192-documents 8192 2 "$FLEX train.compile=true model.document_mask=true" 40 ;;
     packed)
