@@ -15,6 +15,9 @@
 # ModernBertForMaskedLM: SDPA with the window in the bias, Flex whose BlockMask skips the blocks outside
 # it, varlen with the kernel's window). Each step has its own time limit and log file; a failed step is
 # reported and the next one runs.
+#   GPU_SH_SMOKE=1 bash benchmarks/gpu.sh LOG_DIR [STEP ...]
+# runs every command at toy size (tiny model, 256 tokens, a few updates) on whatever device there is:
+# the check, on a CPU, that a lease will not be spent on a broken command (tests/test_gpu_script.py).
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}
@@ -23,8 +26,17 @@ STEPS=${*:-throughput compiled large attention flex-tune profile loop packed mod
 mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
 TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
+if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options and overrides win
+    SMOKE_BENCH="--model tiny --seq-length 256 --batch 2 --rounds 1 --steps 1"
+    SMOKE_ATTENTION="--lengths 128,256 --batch 1 --heads 2 --repeats 1"
+    SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
+    SMOKE_LENGTH=256 RUNS=$LOG_DIR/runs
+else
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs
+fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 
+FAILED=""
 step() {  # step NAME LIMIT_SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
@@ -33,56 +45,68 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     timeout "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
     local rc=$?
     grep -v "^\[\|Warning\|warn(" "$LOG_DIR/$name.log" | tail -n 8
+    if [ $rc -ne 0 ] && [ -n "$SMOKE_LENGTH" ] && grep -q "needs a CUDA GPU" "$LOG_DIR/$name.log"; then
+        echo "=== $name: needs a GPU (checked up to building the model) after $((SECONDS - start)) s"
+        return
+    fi
+    [ $rc -eq 0 ] || FAILED="$FAILED $name"
     echo "=== $name: exit $rc after $((SECONDS - start)) s"
 }
 
-train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES: base zero-clap, 2 micro-batches per update
-    local name=$1 length=$2 micro=$3 extra=$4 updates=$5
-    step "$name" 420 $PY -m megamlm train --config configs/pile/base-zero-clap.yaml $extra \
+bench() {  # bench NAME LIMIT_SECONDS ARGUMENTS...: benchmarks/train_throughput.py at bf16
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" $TP "$@" $SMOKE_BENCH
+}
+
+train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES [CONFIG]: 2 micro-batches per update
+    local name=$1 length=${SMOKE_LENGTH:-$2} micro=$3 extra=$4 updates=$5
+    local config=${6:-configs/pile/base-zero-clap.yaml}
+    [ -z "$SMOKE_LENGTH" ] || { micro=2 updates=3; }
+    step "$name" 420 $PY -m megamlm train --overwrite --config "$config" $extra \
         "data.build_from=[data/wikitext-103/valid.txt,data/wikitext-103/test.txt]" \
         data.shards=cache/wikitext-103-s$length data.seq_length=$length model.max_positions=$length \
         data.long_docs=split data.valid_fraction=0.02 train.precision=bf16 \
         train.micro_batch_size=$micro train.global_batch_size=$((2 * micro)) train.steps=$updates \
         optim.warmup_steps=10 optim.period_steps=$updates train.log_interval=10 train.eval_interval=$updates \
-        train.eval_batches=4 train.save_interval=100000 train.run_dir=runs/$name
+        train.eval_batches=4 train.save_interval=100000 train.run_dir=$RUNS/$name $SMOKE_TRAIN
 }
 
 for s in $STEPS; do
     case $s in
     throughput)
-        step base-baseline 240 $TP --model base --batch 8
-        step base-zero-clap-sdpa 240 $TP --model base --batch 8 --variant zero-clap
-        step base-zero-clap-flex 300 $TP --model base --batch 8 --variant zero-clap --set $FLEX
+        bench base-baseline 240 --model base --batch 8
+        bench base-zero-clap-sdpa 240 --model base --batch 8 --variant zero-clap
+        bench base-zero-clap-flex 300 --model base --batch 8 --variant zero-clap --set $FLEX
         # the reference recipe's attention dropout 0.1 on Flex (two passes, flex.py) vs the sdpa row above
-        step base-zero-clap-flex-dropout 300 $TP --model base --batch 8 --variant zero-clap \
+        bench base-zero-clap-flex-dropout 300 --model base --batch 8 --variant zero-clap \
             --set model.attention_backend=flex ;;
     compiled)
-        step base-baseline-compiled 360 $TP --model base --batch 8 --compile
-        step base-zero-clap-flex-compiled 360 $TP --model base --batch 8 --variant zero-clap --set $FLEX --compile
+        bench base-baseline-compiled 360 --model base --batch 8 --compile
+        bench base-zero-clap-flex-compiled 360 --model base --batch 8 --variant zero-clap --set $FLEX --compile
         # train.compile_mode=reduce-overhead: each layer also a CUDA graph
-        step base-baseline-cudagraphs 420 $TP --model base --batch 8 --compile --compile-mode reduce-overhead ;;
+        bench base-baseline-cudagraphs 420 --model base --batch 8 --compile --compile-mode reduce-overhead ;;
     large)
-        step large-baseline 300 $TP --model large --batch 8
-        step large-zero-clap-flex 300 $TP --model large --batch 8 --variant zero-clap --set $FLEX ;;
+        bench large-baseline 300 --model large --batch 8
+        bench large-zero-clap-flex 300 --model large --batch 8 --variant zero-clap --set $FLEX ;;
     modernbert)
-        MB="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 8192 --model modernbert-base"
-        MB="$MB --variant modernbert --batch 2"
-        step modernbert-sdpa 300 $MB
-        step modernbert-flex 360 $MB --set model.attention_backend=flex
-        step modernbert-varlen 300 $MB --set model.attention_backend=varlen ;;
+        MB="--seq-length 8192 --model modernbert-base --variant modernbert --batch 2"
+        bench modernbert-sdpa 300 $MB
+        bench modernbert-flex 360 $MB --set model.attention_backend=flex
+        bench modernbert-varlen 300 $MB --set model.attention_backend=varlen ;;
     attention)
         step attention 300 $PY benchmarks/attention.py --lengths 512,1024,2048,4096,8192 --dtype bf16 \
-            --heads 12 --batch 2 ;;
+            --heads 12 --batch 2 $SMOKE_ATTENTION ;;
     flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64
         step flex-tune 540 $PY benchmarks/attention.py --lengths 2048,4096,8192 --dtype bf16 --heads 12 \
-            --batch 2 --repeats 10 --flex-sweep ;;
+            --batch 2 --repeats 10 --flex-sweep $SMOKE_ATTENTION ;;
     profile)
-        step profile-base-baseline 240 $TP --model base --batch 8 --rounds 1 --profile ;;
+        bench profile-base-baseline 240 --model base --batch 8 --rounds 1 --profile ;;
     loop)
         train_run loop-2048 2048 8 "" 60
         train_run loop-2048-compiled 2048 8 "train.compile=true" 60
         train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60
-        train_run loop-2048-large 2048 8 "--config configs/pile/large-zero-clap.yaml" 40
+        train_run loop-2048-large 2048 8 "" 40 configs/pile/large-zero-clap.yaml
         train_run loop-8192 8192 2 "$FLEX train.compile=true" 40
         train_run loop-8192-documents 8192 2 "$FLEX train.compile=true model.document_mask=true" 40 ;;
     packed)
@@ -90,9 +114,14 @@ for s in $STEPS; do
         train_run packed-2048-sdpa 2048 8 "data.packing=packed" 60
         train_run packed-2048-flex 2048 8 "$FLEX train.compile=true data.packing=packed" 60
         # varlen FlashAttention has no ALiBi score term: the learned-position baseline, padded and packed
-        BASE="--config configs/variants/baseline.yaml model.attention_dropout=0"
-        train_run packed-2048-baseline-padded-sdpa 2048 8 "$BASE" 60
-        train_run packed-2048-baseline-varlen 2048 8 "$BASE model.attention_backend=varlen data.packing=packed" 60 ;;
+        BASE=configs/pile/base-baseline.yaml
+        train_run packed-2048-baseline-padded-sdpa 2048 8 "model.attention_dropout=0" 60 $BASE
+        train_run packed-2048-baseline-varlen 2048 8 "model.attention_dropout=0 model.attention_backend=varlen \
+            data.packing=packed" 60 $BASE ;;
     *) echo "unknown step $s (throughput compiled large attention flex-tune profile loop packed modernbert)"; exit 2 ;;
     esac
 done
+if [ -n "$FAILED" ]; then
+    echo "failed:$FAILED (logs in $LOG_DIR)"
+    exit 1
+fi

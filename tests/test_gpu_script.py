@@ -1,0 +1,57 @@
+"""benchmarks/gpu.sh before a GPU lease is spent on it: every step's commands run at toy size on the CPU
+(GPU_SH_SMOKE=1), and without that switch the commands are the full-size ones.
+
+A lease is 30 minutes of device time; a step that dies on a stale flag, a config that does not merge or
+a run directory left by an earlier try costs its share of it (the smoke run found all three)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/gpu.sh"
+STEPS = re.search(r"STEPS=\$\{\*:-([^}]*)\}", SCRIPT.read_text()).group(1).split()
+# what each kind of command prints when it worked: its table's last row, the training summary
+DONE = {"train_throughput.py": "megamlm / ", "attention.py": "sdpa, no bias (reference)", "megamlm train": "done: "}
+
+
+def _run(log_dir: Path, step: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), str(log_dir), step], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "PYTHON": sys.executable, **env})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", STEPS)
+def test_every_command_of_the_step_runs_at_toy_size(step, tmp_path):
+    result = _run(tmp_path, step, GPU_SH_SMOKE="1")
+    ends = re.findall(r"^=== (\S+): (exit \d+|needs a GPU)", result.stdout, re.M)
+    assert ends, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout
+    for name, end in ends:
+        log = (tmp_path / f"{name}.log").read_text()
+        # FlexAttention and varlen refuse a CPU in one line, after the config was read and checked
+        assert end == "exit 0" or "needs a CUDA GPU" in log, log[-3000:]
+        if end == "exit 0":
+            command = re.search(rf"^=== {name}: (.*)$", result.stdout, re.M).group(1)
+            done = next(text for kind, text in DONE.items() if kind in command)
+            assert done in log, log[-3000:]
+    assert any(end == "exit 0" for _, end in ends), "no command of the step ran on the CPU"
+
+
+def test_without_the_smoke_switch_the_commands_are_full_size(tmp_path):
+    """PYTHON=echo: the script prints its commands instead of running them."""
+    env = {k: v for k, v in os.environ.items() if k != "GPU_SH_SMOKE"}
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "throughput", "loop"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60, env={**env, "PYTHON": "echo"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    commands = dict(re.findall(r"^=== (\S+): (echo .*)$", result.stdout, re.M))
+    assert "--model base --batch 8" in commands["base-baseline"]
+    assert "tiny" not in " ".join(commands.values()) and "--rounds 1" not in " ".join(commands.values())
+    loop = commands["loop-2048"]
+    assert "data.seq_length=2048" in loop and "train.micro_batch_size=8" in loop and "train.steps=60" in loop
+    assert "train.run_dir=runs/loop-2048" in loop and "model.num_layers" not in loop
+    assert "--config configs/pile/large-zero-clap.yaml" in commands["loop-2048-large"]
