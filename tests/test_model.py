@@ -225,6 +225,28 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients(world, variant):
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["baseline", "zero-clap", "modernbert"])
+def test_each_compiled_layer_is_traced_without_a_graph_break(world, variant):
+    """torch.compile fuses only within a graph: a call it cannot trace splits the layer there and runs
+    it eagerly. megatron-core 0.16's RowParallelLinear split every layer twice (warnings.warn on each
+    forward; model/layer.py passes the group). Dropout is off here: the CPU dropout mask (random_) and
+    the tensor-parallel stream's generator swap around attention dropout are breaks of their own."""
+    from torch._dynamo.utils import counters
+
+    from megamlm.train.layers import compile_layers
+
+    cfg = variant_config(variant)
+    tokens, masked = batch(cfg.model.vocab_size)
+    model = MaskedLM(cfg.model, world, seed=3)
+    compile_layers(model)
+    torch._dynamo.reset()
+    counters.clear()
+    model.loss(model(tokens, masked), tokens[masked]).backward()
+    assert counters["stats"]["calls_captured"] > 0  # the layers were compiled
+    assert not counters["graph_break"], "\n".join(reason.splitlines()[0] for reason in counters["graph_break"])
+
+
 def test_registries_name_exactly_what_the_config_allows():
     import typing
 

@@ -60,6 +60,20 @@ class PostLNTransformerLayer(TransformerLayer):
         return self.post_mlp_layernorm(super()._forward_post_mlp(mlp_output_with_bias, residual))
 
 
+class RowParallelLinearWithGroup(RowParallelLinear):
+    """megatron-core's RowParallelLinear computing the same, with its own process group passed to the
+    matmul. 0.16's forward hands that function tp_group=None, which makes it look the group up and call
+    warnings.warn (a deprecation notice) on every forward of rank 0; torch.compile cannot trace
+    warnings.warn, so each of them split a compiled layer in two (attention output and fc2: three graphs
+    per layer). The group only matters with sequence parallelism or a dgrad all-reduce, neither of which
+    a row-parallel linear uses here."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs.get("tp_group") is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 def bias_dropout_add(training: bool, fused: bool):
     """The layer's bias-dropout-add slot (megatron's get_bias_dropout_add signature) with our
     dropout, which is 3-8x cheaper on CPU: residual + dropout(x + bias)."""
@@ -93,13 +107,13 @@ def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend, pattern: L
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
             core_attention=core_attention,
-            linear_proj=RowParallelLinear,
+            linear_proj=RowParallelLinearWithGroup,
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
         ),
     )
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                          linear_fc2=RowParallelLinear))
+                                                          linear_fc2=RowParallelLinearWithGroup))
     if model.layernorm == "post":
         return ModuleSpec(
             module=PostLNTransformerLayer,
