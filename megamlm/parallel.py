@@ -126,8 +126,11 @@ class TensorParallelRNG:
 
     def __init__(self):
         self._states: dict[str, torch.Tensor] = {}
+        self.tp_size = 1
+        """Tensor-parallel ranks the stream serves (seed_everything)."""
 
-    def seed(self, seed: int) -> None:
+    def seed(self, seed: int, tp_size: int = 1) -> None:
+        self.tp_size = tp_size
         with torch.random.fork_rng(devices=[torch.cuda.current_device()]
                                    if torch.cuda.is_available() else []):
             torch.manual_seed(seed)
@@ -146,6 +149,12 @@ class TensorParallelRNG:
         """Run the block with this stream as the default generator of `device`."""
         if not self._states:
             raise RuntimeError("TensorParallelRNG used before seed_everything()")
+        if self.tp_size == 1 and torch.compiler.is_compiling():
+            # One TP rank: no peer whose masks must differ. Swapping generator states cannot be traced
+            # (a graph break around every attention with dropout), and compiled code draws its own
+            # random numbers (Inductor's Philox), not eager's sequence, either way.
+            yield
+            return
         cuda = device.type == "cuda"
         key = "cuda" if cuda else "cpu"
         get_state = torch.cuda.get_rng_state if cuda else torch.get_rng_state
@@ -166,4 +175,4 @@ def seed_everything(seed: int, ctx: ParallelContext) -> None:
     """Same default stream on TP peers (any TP degree gives the same replicated randomness);
     a distinct tensor-parallel stream per TP rank, as megatron's model_parallel_cuda_manual_seed."""
     torch.manual_seed(seed)
-    tensor_parallel_rng.seed(seed + 2718 + ctx.tp_rank)
+    tensor_parallel_rng.seed(seed + 2718 + ctx.tp_rank, ctx.tp_size)

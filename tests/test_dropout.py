@@ -80,3 +80,25 @@ def test_cpu_attention_dropout_path_matches_sdpa_in_expectation():
     draws = torch.stack([attention(q, k, v, bias) for _ in range(2000)])
     assert not torch.allclose(draws[0], want, atol=1e-3)
     torch.testing.assert_close(draws.mean(0), want, rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_compiled_code_forks_the_tensor_parallel_stream_only_when_there_are_peers(tp_size):
+    """Under torch.compile at TP=1 the fork is a no-op, so the code is traced whole (the generator swap
+    cannot be traced: a graph break); with TP peers their masks must differ, so the stream is swapped in."""
+    from torch._dynamo.utils import counters
+
+    def attention_dropout(x):
+        with tensor_parallel_rng.fork(x.device):
+            return torch.nn.functional.dropout(x, 0.5, training=True)
+
+    tensor_parallel_rng.seed(0, tp_size=tp_size)
+    before = tensor_parallel_rng.state_dict()["cpu"].clone()
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(attention_dropout)(torch.ones(4096))
+    assert 0.4 < (out == 0).float().mean() < 0.6  # dropout happened
+    advanced = not torch.equal(tensor_parallel_rng.state_dict()["cpu"], before)
+    assert advanced == (tp_size > 1)  # the masks came from this rank's stream exactly when it has peers
+    if tp_size == 1:
+        assert counters["stats"]["calls_captured"] > 0 and not counters["graph_break"]  # traced whole

@@ -18,7 +18,8 @@ The mask is a hash of (seed, row, head, query, key): murmur3's 32-bit finalizer 
 key j kept when the hash is at or above round(p · 2^32). Nothing [s, s] is stored; the backward pass
 recomputes the mask from the indices. The seed is drawn per call from the tensor-parallel stream
 (`tensor_parallel_rng`, as SDPA's dropout), so each TP rank's heads get their own masks and activation
-recomputation, which replays that stream, redraws the same one. The masks differ from SDPA's (its
+recomputation, which replays that stream, redraws the same one (compiled at TP=1: the default
+generator, which torch.compile can trace and checkpointing replays; parallel.py). The masks differ from SDPA's (its
 Philox stream) and from eager's: the runs agree in distribution, not bit for bit.
 """
 
