@@ -204,15 +204,18 @@ def test_stream_marks_documents_from_the_unmasked_text(tmp_path):
             assert docs[end + 1] == docs[end] + 1
 
 
-@pytest.mark.parametrize("variant", ["alibi", "modernbert"])  # modernbert: RoPE, a global and a windowed layer
-def test_compiled_layers_give_the_eager_outputs_and_gradients(world, variant):
-    from megamlm.train.layers import compile_layers
+@pytest.mark.parametrize("variant,checkpointing", [("alibi", False), ("modernbert", False), ("alibi", True)])
+def test_compiled_layers_give_the_eager_outputs_and_gradients(world, variant, checkpointing):
+    # modernbert: RoPE, a global and a windowed layer; checkpointing: both recomputed in the backward
+    from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 
     cfg = variant_config(variant, ["model.num_layers=1"] if variant == "alibi" else [])
     tokens, masked = batch(cfg.model.vocab_size)
     results = []
     for compiled in (False, True):
         model = MaskedLM(cfg.model, world, seed=3)
+        if checkpointing:
+            apply_activation_checkpointing(model)
         if compiled:
             compile_layers(model)
         loss = model.loss(model(tokens, masked), tokens[masked])
@@ -226,19 +229,22 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients(world, variant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["baseline", "zero-clap", "modernbert"])
-def test_each_compiled_layer_is_traced_without_a_graph_break(world, variant):
+@pytest.mark.parametrize("variant,checkpointing", [("baseline", False), ("zero-clap", False), ("modernbert", False),
+                                                   ("baseline", True)])
+def test_each_compiled_layer_is_traced_without_a_graph_break(world, variant, checkpointing):
     """torch.compile fuses only within a graph: a call it cannot trace splits the layer there and runs
     it eagerly. megatron-core 0.16's RowParallelLinear split every layer twice (warnings.warn on each
-    forward; model/layer.py passes the group). Dropout is off here: the CPU dropout mask (random_) and
-    the tensor-parallel stream's generator swap around attention dropout are breaks of their own."""
+    forward; model/layer.py passes the group); with activation checkpointing the layers ran uncompiled
+    (train/layers.py). Dropout is off here: the CPU dropout mask (random_) is a break of its own."""
     from torch._dynamo.utils import counters
 
-    from megamlm.train.layers import compile_layers
+    from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 
     cfg = variant_config(variant)
     tokens, masked = batch(cfg.model.vocab_size)
     model = MaskedLM(cfg.model, world, seed=3)
+    if checkpointing:
+        apply_activation_checkpointing(model)
     compile_layers(model)
     torch._dynamo.reset()
     counters.clear()

@@ -46,8 +46,17 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every encoder layer (`encoder_layers`) in the backward pass (parameter names and
     the state dict are unchanged: only each layer's forward is wrapped)."""
     for layer in encoder_layers(model):
-        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward,
-                                          use_reentrant=False, context_fn=_replay_tensor_parallel_rng)
+        layer.forward = functools.partial(_checkpointed, layer.forward)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    """forward(*args, **kwargs), its activations recomputed in the backward pass. Compiled at TP=1 the
+    tensor-parallel stream is not used (parallel.py) and there is nothing to replay; torch.compile
+    also takes no context_fn but TorchDispatchModes (with one, it ran the layers uncompiled)."""
+    if torch.compiler.is_compiling() and tensor_parallel_rng.tp_size == 1:
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
+                                             context_fn=_replay_tensor_parallel_rng, **kwargs)
 
 
 def compile_layers(model: nn.Module, mode: str = "default") -> None:
