@@ -204,11 +204,16 @@ def test_stream_marks_documents_from_the_unmasked_text(tmp_path):
             assert docs[end + 1] == docs[end] + 1
 
 
-@pytest.mark.parametrize("variant,checkpointing", [("alibi", False), ("modernbert", False), ("alibi", True)])
-def test_compiled_layers_give_the_eager_outputs_and_gradients(world, variant, checkpointing):
-    # modernbert: RoPE, a global and a windowed layer; checkpointing: both recomputed in the backward
+@pytest.mark.parametrize("variant,checkpointing,tp_peers", [("alibi", False, False), ("modernbert", False, False),
+                                                            ("alibi", True, False), ("alibi", True, True)])
+def test_compiled_layers_give_the_eager_outputs_and_gradients(world, variant, checkpointing, tp_peers, monkeypatch):
+    # modernbert: RoPE, a global and a windowed layer; checkpointing: both recomputed in the backward;
+    # tp_peers: the tensor-parallel stream serves 2 ranks, so checkpointing replays it (uncompiled)
+    from megamlm.parallel import tensor_parallel_rng
     from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 
+    if tp_peers:
+        monkeypatch.setattr(tensor_parallel_rng, "tp_size", 2)
     cfg = variant_config(variant, ["model.num_layers=1"] if variant == "alibi" else [])
     tokens, masked = batch(cfg.model.vocab_size)
     results = []

@@ -51,10 +51,16 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def _checkpointed(forward, *args, **kwargs):
     """forward(*args, **kwargs), its activations recomputed in the backward pass. Compiled at TP=1 the
-    tensor-parallel stream is not used (parallel.py) and there is nothing to replay; torch.compile
-    also takes no context_fn but TorchDispatchModes (with one, it ran the layers uncompiled)."""
+    tensor-parallel stream is not used (parallel.py) and there is nothing to replay."""
     if torch.compiler.is_compiling() and tensor_parallel_rng.tp_size == 1:
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return _checkpointed_replaying_the_stream(forward, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _checkpointed_replaying_the_stream(forward, *args, **kwargs):
+    """torch.compile takes no context_fn but TorchDispatchModes: with TP peers (their own dropout
+    streams to replay) a compiled, checkpointed layer runs eagerly (the loop warns)."""
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
                                              context_fn=_replay_tensor_parallel_rng, **kwargs)
 

@@ -153,6 +153,9 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
+        if cfg.train.activation_checkpointing and ctx.tp_size > 1:
+            warnings.warn("train.compile with train.activation_checkpointing at TP > 1: the layers run uncompiled "
+                          "(torch.compile cannot replay each TP rank's dropout stream; megamlm/train/layers.py)")
         compile_layers(model, cfg.train.compile_mode)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
