@@ -83,7 +83,7 @@ def test_cpu_attention_dropout_path_matches_sdpa_in_expectation():
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_compiled_code_forks_the_tensor_parallel_stream_only_when_there_are_peers(tp_size):
+def test_compiled_code_forks_the_tensor_parallel_stream_only_when_there_are_peers(tp_size, monkeypatch):
     """Under torch.compile at TP=1 the fork is a no-op, so the code is traced whole (the generator swap
     cannot be traced: a graph break); with TP peers their masks must differ, so the stream is swapped in."""
     from torch._dynamo.utils import counters
@@ -92,6 +92,7 @@ def test_compiled_code_forks_the_tensor_parallel_stream_only_when_there_are_peer
         with tensor_parallel_rng.fork(x.device):
             return torch.nn.functional.dropout(x, 0.5, training=True)
 
+    monkeypatch.setattr(tensor_parallel_rng, "tp_size", tp_size)  # the later tests get the stream's TP size back
     tensor_parallel_rng.seed(0, tp_size=tp_size)
     before = tensor_parallel_rng.state_dict()["cpu"].clone()
     torch._dynamo.reset()
