@@ -148,7 +148,7 @@ def main() -> None:
     if args.compile:
         compile_layers(ours, args.compile_mode)  # what train.compile does
         for layer in next(sub for sub in hf.base_model.modules() if isinstance(sub, torch.nn.ModuleList)):
-            layer.compile(mode=None if args.compile_mode == "default" else args.compile_mode)
+            layer.compile(mode=args.compile_mode)
     adamw = dict(lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, fused=True)
     optimizers = {name: MasterWeightsAdamW(model, **adamw) if args.dtype == "bf16"
                   else torch.optim.AdamW(model.parameters(), **adamw)

@@ -144,15 +144,19 @@ class TensorParallelRNG:
     def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
         self._states = dict(states)
 
+    def bypassed(self) -> bool:
+        """Whether `fork` leaves the default generator in place: in code torch.compile traces at TP=1.
+        One TP rank has no peer whose masks must differ; swapping generator states cannot be traced (a
+        graph break around every attention with dropout), and compiled code draws its own random numbers
+        (Inductor's Philox), not eager's sequence, either way."""
+        return self.tp_size == 1 and torch.compiler.is_compiling()
+
     @contextlib.contextmanager
     def fork(self, device: torch.device):
         """Run the block with this stream as the default generator of `device`."""
         if not self._states:
             raise RuntimeError("TensorParallelRNG used before seed_everything()")
-        if self.tp_size == 1 and torch.compiler.is_compiling():
-            # One TP rank: no peer whose masks must differ. Swapping generator states cannot be traced
-            # (a graph break around every attention with dropout), and compiled code draws its own
-            # random numbers (Inductor's Philox), not eager's sequence, either way.
+        if self.bypassed():
             yield
             return
         cuda = device.type == "cuda"

@@ -52,7 +52,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 def _checkpointed(forward, *args, **kwargs):
     """forward(*args, **kwargs), its activations recomputed in the backward pass. Compiled at TP=1 the
     tensor-parallel stream is not used (parallel.py) and there is nothing to replay."""
-    if torch.compiler.is_compiling() and tensor_parallel_rng.tp_size == 1:
+    if tensor_parallel_rng.bypassed():
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return _checkpointed_replaying_the_stream(forward, *args, **kwargs)
 
@@ -70,4 +70,4 @@ def compile_layers(model: nn.Module, mode: str = "default") -> None:
     dict are unchanged) in torch.compile's `mode` (train.compile_mode). The embedding and head stay
     eager: the number of masked positions the head projects changes with every batch."""
     for layer in encoder_layers(model):
-        layer.compile(mode=None if mode == "default" else mode)
+        layer.compile(mode=mode)
