@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -39,7 +40,8 @@ class Batch:
     """[b, s] document index of each position within its row (the </s> before it counted, numbered
     on across the samples of a packed row), -1 on padding."""
     sample_ids: torch.Tensor
-    """[b] index of each sample in its epoch's order (what seeds its corruption)."""
+    """[b] index of each sample in its epoch's order (what seeds its corruption); host metadata,
+    stays on the CPU in `to`."""
     epoch: int = 0
     """Epoch of the samples."""
     batch: int = 0
@@ -52,6 +54,12 @@ class Batch:
     pair_labels: torch.Tensor | None = None
     """Sentence-pair objectives (data/pairs.py): [number of samples] the label of each sample's pair,
     in sample order (its `<s>` is the first position of its row or packed segment); None otherwise."""
+    real: int | None = None
+    """Non-padding positions, counted on the host when the batch moves to a device (`to`), so that
+    `real_tokens` never waits for the device; None: counted from `documents` when asked."""
+
+    HOST_FIELDS: ClassVar[tuple[str, ...]] = ("sample_ids",)
+    """Tensors the host reads and the model does not (seeds): `to` leaves them on the CPU."""
 
     @property
     def sample_starts(self) -> torch.Tensor:
@@ -70,17 +78,29 @@ class Batch:
 
     def real_tokens(self) -> int:
         """Non-padding positions (what throughput counts)."""
-        return int((self.documents >= 0).sum())
+        return self.real if self.real is not None else int((self.documents >= 0).sum())
 
     def to(self, device: torch.device) -> Batch:
-        """The tensors on `device` (the scalars stay)."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
-                                            for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+        """The tensors on `device`, copied without waiting (`host_to_device`); the scalars and the
+        host metadata (HOST_FIELDS, `real`) stay: an objective reading them (seeds, counts) does not
+        make the host wait for the device in the middle of a step."""
+        moved = {f.name: host_to_device(getattr(self, f.name), device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in self.HOST_FIELDS}
+        return dataclasses.replace(self, real=self.real_tokens(), **moved)
 
     def fill(self) -> float:
         """Real tokens / token slots."""
         return self.real_tokens() / self.inputs.numel()
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory with non_blocking: a copy from
+    pageable memory makes the host wait until every kernel queued before it has run (a full
+    synchronization per tensor), so the next micro-batch's kernels could not be queued ahead."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def collate(samples: list[tuple[np.ndarray, int]], corruption: Corruption, epoch: int, width: int,

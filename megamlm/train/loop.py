@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megamlm.config import Config, ConfigError, ModelConfig
+from megamlm.data.batch import host_to_device
 from megamlm.data.shards import ShardError, ensure_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
 from megamlm.data.tokenizer import Tokenizer
@@ -209,8 +210,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         # units of each loss term (MLM: masked tokens) and corrupt samples (replaced by the loader)
         # of the update, all DP ranks
         units = [sum(column) for column in zip(*(objective.count(b) for b in micro_batches))]
-        totals = torch.tensor([*units, sum(b.corrupt for b in micro_batches)], dtype=torch.float64,
-                              device=ctx.device)
+        totals = host_to_device(torch.tensor([*units, sum(b.corrupt for b in micro_batches)],
+                                             dtype=torch.float64), ctx.device)
         dist.all_reduce(totals, group=ctx.dp_group)
         counts = totals[:-1].clamp(min=1.0)
         corrupt += totals[-1]

@@ -1,0 +1,155 @@
+"""A training step queues its work without waiting for the device.
+
+On a GPU, a host read of device data (`.item()`, `bool(t)`, `nonzero`, a boolean index, a blocking
+copy) waits until every kernel queued before it has run; in the middle of a step it leaves the GPU
+idle while the host queues what follows. Two measurements on CPU:
+
+- the meta device: tensors without data, on which every such read fails. A step whose model and
+  batch live there has no host read at all (the score-term variants: their attention inputs need
+  nothing from the data).
+- a count of the aten ops that read device data on the host, taken everywhere except in the
+  attention backend's `prepare_layers`, which runs once per forward before the first layer and may
+  read the batch's layout (whether any key is padded, packed rows' sample lengths): the layers, the
+  head, the loss and the backward read nothing.
+"""
+
+import collections
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megamlm.data.batch import Batch, collate
+from megamlm.data.tokenizer import Tokenizer
+from megamlm.model.attention import AttentionBackend
+from megamlm.objectives import get_objective
+from megamlm.parallel import seed_everything
+from tests.test_train import config
+from tests.variants import VARIANTS, variant_config
+
+DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+HOST_READS = {"_local_scalar_dense", "nonzero", "unique_consecutive", "_unique2", "unique_dim", "bincount",
+              "masked_select", "repeat_interleave"}
+"""aten ops whose result the host needs from the device's data (item / bool / int, data-dependent sizes)."""
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the aten ops that read device data on the host (HOST_READS, indexing with a bool mask)."""
+
+    def __init__(self, host_tensors=()):
+        super().__init__()
+        self.counts = collections.Counter()
+        self.paused = False
+        self.host = {t.untyped_storage().data_ptr() for t in host_tensors}
+        """Storages that stay on the host on a GPU too (Batch.HOST_FIELDS): reading them is free."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        on_host = isinstance(args[0], torch.Tensor) and args[0].untyped_storage().data_ptr() in self.host
+        if not self.paused and not on_host:
+            if name in HOST_READS:
+                self.counts[name] += 1
+            elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                         for i in args[1] if i is not None):
+                self.counts["index with a bool mask"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _samples(vocab: int, lengths=(16, 11, 7, 13)):
+    """<s> ... </s> samples, the first holding two documents."""
+    rng = np.random.default_rng(0)
+    samples = [np.concatenate([[0], rng.integers(4, vocab, n - 2), [2]]) for n in lengths]
+    samples[0][7] = 2
+    return [(s, i) for i, s in enumerate(samples)]
+
+
+def _tokenizer(cfg):
+    return Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
+
+
+def _batch(cfg, layout: str):
+    """A padded (4 rows of 16) or packed (one row of 56) batch corrupted as the objective trains;
+    sentence-pair objectives get a label per sample."""
+    objective = get_objective(cfg)
+    corruption = objective.corruption(_tokenizer(cfg), 1)
+    labels = [0, 1, 1, 0] if objective.pairing(1) is not None else None
+    return collate(_samples(min(cfg.model.vocab_size, 1000)), corruption, 0, 16 if layout == "padded" else 56,
+                   pad_id=cfg.model.pad_token_id, packed=layout == "packed", pair_labels=labels)
+
+
+def _step(cfg, ctx, batch, device: str = "cpu", measure=None):
+    """One training forward + backward of cfg's objective (within `measure`), the model and batch on
+    `device` (the batch moved as the training loop moves it)."""
+    objective = get_objective(cfg)
+    model = objective.build_model(ctx).train().to(device)
+    batch = batch.to(torch.device(device))
+    with measure or contextlib.nullcontext():
+        objective.loss(model, batch).loss_sum.sum().backward()
+    return model
+
+
+OBJECTIVES = {"mlm": [], "electra": ["objective.name=electra", "objective.generator_size=0.5"],
+              "sop": ["objective.name=sop"]}
+
+
+@pytest.mark.parametrize("objective", ["mlm", "sop"])  # ELECTRA's sampling needs a generator, which meta lacks
+@pytest.mark.parametrize("variant", ["zero-clap", "alibi", "alibi-learned"])
+def test_a_step_with_a_score_term_runs_on_the_meta_device(world, tmp_path, variant, objective):
+    seed_everything(1, world)
+    position = {"zero-clap": ["model.position=alibi", "model.alibi_mode=offset", "model.head=clap",
+                              "model.zero_mask=true"],
+                "alibi": ["model.position=alibi", "model.alibi_mode=symmetric"],
+                "alibi-learned": ["model.position=alibi", "model.alibi_mode=learned"]}[variant]
+    cfg = config(tmp_path, tmp_path / "run", *OBJECTIVES[objective], *position, *DROPOUT)
+    model = _step(cfg, world, _batch(cfg, "padded"), "meta")
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and g.device.type == "meta" for g in grads)
+
+
+def test_the_meta_device_refuses_a_host_read():
+    # what the test above relies on: a read of device data fails there instead of passing unseen
+    with pytest.raises(RuntimeError, match="meta"):
+        bool(torch.zeros(3, device="meta").any())
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("variant, objective", [(v, "mlm") for v in VARIANTS]
+                         + [(v, o) for v in ("baseline", "zero-clap", "modernbert") for o in ("electra", "sop")])
+def test_only_the_attention_inputs_read_the_batch(world, variant, objective, layout, monkeypatch):
+    seed_everything(1, world)
+    cfg = variant_config(variant, DROPOUT + OBJECTIVES[objective])
+    vocab = len(_tokenizer(cfg).dictionary)  # the objective's corruption draws from the tokenizer's ids
+    cfg = variant_config(variant, DROPOUT + OBJECTIVES[objective] + [f"model.vocab_size={vocab}"])
+    batch = _batch(cfg, layout)
+    census = HostReads(host_tensors=[getattr(batch, name) for name in Batch.HOST_FIELDS])
+
+    def uncounted(function):
+        def run(*args, **kwargs):
+            census.paused = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                census.paused = False
+        return run
+
+    # the batch's layout, read before the first layer: the attention inputs, and where the samples
+    # of packed rows start (sentence-pair objectives classify there)
+    monkeypatch.setattr(AttentionBackend, "prepare_layers", uncounted(AttentionBackend.prepare_layers))
+    monkeypatch.setattr(Batch, "sample_starts", property(uncounted(Batch.sample_starts.fget)))
+    _step(cfg, world, batch, measure=census)
+    assert dict(census.counts) == {}
+
+
+def test_the_census_sees_the_mask_free_check(world):
+    # not vacuous: preparing a padded batch for the learned-position baseline asks whether any key is
+    # padded (one read per forward, to pick SDPA's mask-free kernel), and the census counts it
+    cfg = variant_config("baseline")
+    backend = get_objective(cfg).build_model(world).attention
+    padding = torch.zeros(2, 8, dtype=torch.bool)
+    census = HostReads()
+    with census:
+        prepared = backend.prepare_layers(cfg.model.layer_attention(), padding, None, None, torch.float32)
+    assert [inputs.attention for inputs in prepared.values()] == [None]  # nothing padded: no mask
+    assert census.counts == {"_local_scalar_dense": 1}
