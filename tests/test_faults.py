@@ -1,96 +1,41 @@
-"""Bad input and faults, as a careless or hostile user produces them: nothing a user wrote is ever
-deleted or changed, damaged checkpoints and shards are detected, and every mistake is one line with
-a non-zero exit code and no traceback. Run alone: `pytest -m faults` (or `make test-faults`)."""
+"""Faults, as a careless or hostile user produces them: nothing a user wrote is ever deleted or
+changed, damaged checkpoints and shards are detected and never used, signals end a run with a
+checkpoint. Every mistake as one line: tests/test_bad_input.py. Run both alone: `pytest -m faults`
+(or `make test-faults`)."""
 
 import hashlib
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
 import time
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from megamlm.cli import main as cli
 from megamlm.data.masking import Masker
 from megamlm.data.shards import ensure_shards
 from megamlm.data.stream import CorruptShardError, MaskedBatches, ShardSet, make_loader
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.train.flops import mfu
-from tests.fairseq_fixtures import fairseq_checkpoint
+from tests.faults_common import (ROOT, WIKITEXT, fault_shards, finished_run, flip_byte, megamlm, one_line,
+                                 run_cli, snapshot, tiny, users_folder)
 from tests.multiproc import run_on_ranks
-from tests.test_train import _train, config, logged, tiny_shards
+from tests.test_train import _train, config, logged
 
 pytestmark = pytest.mark.faults
-ROOT = Path(__file__).resolve().parents[1]
-WIKITEXT = ROOT / "data/wikitext-103"
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file's bytes and every folder under `folder` (to assert nothing changed)."""
-    return {str(p.relative_to(folder)) + ("/" if p.is_dir() else ""): (b"" if p.is_dir() else p.read_bytes())
-            for p in sorted(Path(folder).rglob("*"))}
-
-
-def users_folder(folder: Path) -> dict[str, bytes]:
-    (folder / "sub").mkdir(parents=True)
-    (folder / "results.txt").write_text("my results\n")
-    (folder / "sub/notes.md").write_text("notes\n")
-    return snapshot(folder)
-
-
-def one_line(stderr: str) -> str:
-    """The single line a refused command prints (no traceback, nothing else but a progress bar,
-    which redraws itself with carriage returns)."""
-    lines = [line for line in stderr.strip().split("\n") if line.strip() and "\r" not in line]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
-    return lines[0]
-
-
-def run_cli(capsys, *args) -> tuple[int, str]:
-    """`megamlm ARGS` in this process: (exit code, its one stderr line)."""
-    import torch.distributed as dist
-
-    from megamlm.config import ParallelConfig
-    from megamlm.parallel import init_distributed
-
-    capsys.readouterr()
-    code = cli([str(a) for a in args])
-    if not dist.is_initialized():  # a verb owns its process and ends the group; later tests share it
-        init_distributed(ParallelConfig())
-    return code, one_line(capsys.readouterr().err)
-
-
-def megamlm(*args, timeout=300, **popen):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megamlm", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout, **popen)
-
-
-def tiny(shards, run_dir, *overrides):
-    return [f"--config={ROOT / 'configs/variants/baseline.yaml'}", "model.num_layers=2", "model.hidden_size=64",
-            "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.max_positions=64",
-            f"data.shards={shards}", "data.seq_length=64", "train.micro_batch_size=4", f"train.run_dir={run_dir}",
-            "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2", *overrides]
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return tiny_shards(tmp_path_factory, "faults")
+    return fault_shards(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def run(shards, tmp_path_factory):
-    """A finished 4-update run: checkpoints at 2 and 4, final/."""
-    run_dir = tmp_path_factory.mktemp("faults") / "run"
-    run_on_ranks(_train, 1, config(shards, run_dir, "train.steps=4", "train.save_interval=2"))
-    return run_dir
+    return finished_run(shards, tmp_path_factory)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,14 +149,6 @@ def test_model_folders_are_created_with_the_users_umask(run, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Integrity: damaged checkpoints and shards are detected, never used
 # ------------------------------------------------------------------------------------------------
-
-
-def flip_byte(path: Path, offset: int | None = None) -> None:
-    """One byte inverted in the middle (the file keeps its size)."""
-    data = bytearray(path.read_bytes())
-    offset = len(data) // 2 if offset is None else offset
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def _straight_then_resume(cfg_straight, cfg_killed):
@@ -382,201 +319,3 @@ def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):
 
     monkeypatch.setitem(megamlm.cli.VERBS, "train", (interrupted, "", None))
     assert run_cli(capsys, "train") == (130, "megamlm: train: interrupted")
-
-
-# ------------------------------------------------------------------------------------------------
-# Every bad input: one line naming the culprit, exit 2, no traceback
-# ------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
-    blocker = tmp_path / "blocker"
-    blocker.write_text("a file where a folder should be")
-    users = tmp_path / "users"
-    users.mkdir()
-    (users / "config.yaml").write_text("mine: true\n")
-    cases = {
-        "run dir under a file": (tiny(shards, blocker / "run"),
-                                 f"cannot create train.run_dir {blocker}/run: {blocker} is a file, not a folder"),
-        "user's config.yaml in the run dir": (tiny(shards, users), f"train.run_dir={users} holds config.yaml but "
-                                              f"no megamlm run (no log.jsonl): megamlm would write there; choose "
-                                              f"another train.run_dir"),
-        "missing checkpoint": (tiny(shards, run, "train.steps=4") + ["--resume", "step00000099"],
-                               f"no complete checkpoint step00000099 in {run}/checkpoints (complete ones: "
-                               f"step00000002, step00000004; or --resume auto)"),
-        "missing init_from": (tiny(shards, tmp_path / "r1", f"train.init_from={tmp_path}/nothing"),
-                              f"train.init_from={tmp_path}/nothing: not a model folder (no config.yaml)"),
-        "flex on CPU": (tiny(shards, tmp_path / "r2", "model.attention_backend=flex", "model.attention_dropout=0"),
-                        "model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
-                        "backward on CPU); use model.attention_backend=sdpa"),
-        "resume behind the run": (tiny(shards, run, "train.steps=3") + ["--resume", "auto"],
-                                  "train.steps=3 but step00000004 is at update 4: raise train.steps to continue "
-                                  "the run"),
-        # elastic resume takes another layout, not another global batch, model or an impossible TP
-        "resume with another global batch": (
-            tiny(shards, run, "train.steps=6", "train.global_batch_size=8") + ["--resume", "auto"],
-            f"{run}/checkpoints/step00000004 was written with a global batch of 4 sequences (TP=1 DP=1 ZeRO-0, "
-            f"micro 4 x accumulation 1), this run's is 8: set train.global_batch_size=4 to continue the run, "
-            f"or pass --allow-batch-change to convert the data position in samples"),
-        "resume another model": (
-            tiny(shards, run, "train.steps=6", "model.ffn_hidden_size=256") + ["--resume", "auto"],
-            f"{run}/checkpoints/step00000004 holds another model (model.ffn_hidden_size: checkpoint 128 vs run "
-            f"256); resume with the run's config (--config {run}/config.yaml) or start a new run with "
-            f"train.init_from"),
-        "resume at a TP degree that does not divide the heads": (
-            tiny(shards, run, "train.steps=6", "parallel.tensor_parallel=3") + ["--resume", "auto"],
-            "command line: parallel.tensor_parallel=3 does not divide model.num_attention_heads=4; allowed: "
-            "1, 2, 4"),
-    }
-    before = snapshot(run)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = {name: subprocess.Popen([sys.executable, "-m", "megamlm", "train", *args], cwd=ROOT, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, (args, _) in cases.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 2, (name, err[-2000:])
-        prefix = "megamlm: train: " if name in ("run dir under a file", "user's config.yaml in the run dir",
-                                                "missing checkpoint", "resume another model") \
-            else "megamlm: config error: "
-        assert one_line(err) == prefix + cases[name][1], name
-    ours = ("log.jsonl", "tensorboard/")  # each attempt appends its own (megamlm's) log files
-    assert {k: v for k, v in snapshot(run).items() if not k.startswith(ours)} == \
-        {k: v for k, v in before.items() if not k.startswith(ours)}
-    assert (users / "config.yaml").read_text() == "mine: true\n"
-
-
-def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
-    binary = tmp_path / "binary.bin"
-    binary.write_bytes(bytes(range(256)) * 4)
-    text = tmp_path / "notes.txt"
-    text.write_text("hello, this is not a checkpoint\n")
-    final = run / "final"
-    dup = tmp_path / "dup.yaml"
-    dup.write_text("model:\n  num_layers: 2\n  hidden_size: 64\n  num_layers: 4\n")
-
-    class Code:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    plain_pickle = tmp_path / "plain.pkl"
-    plain_pickle.write_bytes(pickle.dumps({"model": Code()}, protocol=2))
-    a_list = tmp_path / "list.pt"
-    torch.save([1, 2, 3], a_list)
-    missing_keys = tmp_path / "missing"
-    (missing_keys).mkdir()
-    (missing_keys / "config.yaml").write_bytes((final / "config.yaml").read_bytes())
-    weights = torch.load(final / "model.pt", weights_only=True)
-    del weights["lm_head.bias"], weights["encoder.layers.0.mlp.linear_fc1.bias"]
-    torch.save(weights, missing_keys / "model.pt")
-    fairseq = tmp_path / "fairseq.pt"
-    torch.save(fairseq_checkpoint("baseline"), fairseq)
-    blocker = tmp_path / "blocker"
-    blocker.write_text("x")
-    glue = ROOT / "tests/data/glue"
-    out = tmp_path / "o"
-    cases = [
-        (["config", "--config", binary], f"config error: config file {binary} is not UTF-8 text (byte 0x80 at "
-                                         f"offset 128): a binary file?"),
-        (["config", "--config", tmp_path], f"config error: config file {tmp_path} is a directory, not a file"),
-        (["config", "--config", dup], f"config error: {dup}:4: not valid YAML (duplicate key 'num_layers' "
-                                      f"(first on line 2))"),
-        (["convert", "--from", "fairseq", "--to", "megamlm", binary, out],
-         f"convert: {binary}: not a torch checkpoint (neither a zip archive nor a pickle; it starts with "
-         f"{bytes(range(16))!r})"),
-        (["convert", "--from", "fairseq", "--to", "megamlm", text, out],
-         f"convert: {text}: not a torch checkpoint (neither a zip archive nor a pickle; it starts with "
-         f"b'hello, this is n')"),
-        (["convert", "--from", "fairseq", "--to", "megamlm", tmp_path, out],
-         f"convert: {tmp_path} is a directory; expected a checkpoint file (.pt)"),
-        (["convert", "--from", "fairseq", "--to", "megamlm", a_list, out],
-         f"convert: {a_list}: expected a checkpoint dict, got list"),
-        (["convert", "--from", "megamlm", "--to", "megamlm", missing_keys, out],
-         "convert: the weights do not match the model: missing encoder.layers.0.mlp.linear_fc1.bias, "
-         "lm_head.bias; unexpected none"),
-        (["convert", "--from", "fairseq", "--to", "megamlm", "--dict", binary, fairseq, out],
-         f"convert: dictionary {binary} is not UTF-8 text (byte 0x80 at offset 128): a binary file?"),
-        (["fill-mask", final, "Paris is the <mask> of France.", "--topk", "60000"],
-         "fill-mask: --topk 60000: must be between 1 and the vocabulary size 50265"),
-        (["eval", "ppl", "--checkpoint", final, "--data", binary],
-         f"eval: evaluation text {binary} is not UTF-8 text (byte 0x80 at offset 128): a binary file?"),
-        (["eval", "extrapolation", "--checkpoint", final, "--data", shards, "--out", blocker / "x"],
-         f"eval: cannot create --out {blocker}/x: {blocker} is a file, not a folder"),
-        (["glue", "--checkpoint", final, "--data-dir", glue, "--tasks", "RTE", "--out", blocker / "g"],
-         f"glue: cannot create --out {blocker}/g: {blocker} is a file, not a folder"),
-        (["shards", "build", tmp_path, "--out", out], f"shards: input {tmp_path} is a directory; pass the files in it"),
-        (["shards", "build", text, "--out", blocker], f"shards: output {blocker} is a file, not a folder"),
-    ]
-    for args, message in cases:
-        assert run_cli(capsys, *args) == (2, f"megamlm: {message}"), args
-    assert not out.exists()
-    code, line = run_cli(capsys, "convert", "--from", "fairseq", "--to", "megamlm", plain_pickle, out)
-    assert code == 2 and line.startswith(f"megamlm: convert: {plain_pickle}: refused to load: the pickle "
-                                         f"references posix.system, which is not on the allow-list")
-    bpe = tmp_path / "bpe"
-    bpe.mkdir()
-    (bpe / "dict.txt").write_text("a user's dictionary\n")
-    code, line = run_cli(capsys, "shards", "train-bpe", WIKITEXT / "valid.txt", "--out", bpe, "--vocab-size", 300)
-    assert (code, line) == (2, f"megamlm: shards: {bpe} already holds dict.txt; choose another --out (megamlm "
-                               f"never overwrites files it did not write)")
-    assert sorted(p.name for p in bpe.iterdir()) == ["dict.txt"]
-    assert (bpe / "dict.txt").read_text() == "a user's dictionary\n"
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n\n")
-    code, line = run_cli(capsys, "shards", "build", empty, "--out", out)
-    assert (code, line) == (2, f"megamlm: shards: no documents in {empty} (skipped lines: none); nothing to write")
-    assert not out.exists()
-
-
-def test_internal_errors_are_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
-    import megamlm.cli
-
-    def broken(cfg, args):
-        raise ZeroDivisionError("a bug")
-
-    monkeypatch.setitem(megamlm.cli.VERBS, "config", (broken, "", None))
-    assert run_cli(capsys, "config") == (1, "megamlm: config: internal error: ZeroDivisionError: a bug "
-                                            "(rerun with --debug for the traceback)")
-    with pytest.raises(ZeroDivisionError):
-        cli(["config", "--debug"])
-
-
-def test_mfu_is_never_above_one():
-    assert mfu(6e9, 1e3, 1e13, 1) == pytest.approx(0.6)
-    assert mfu(6e9, 1e3, 1e12, 1) is None  # the peak was measured below what was achieved
-    assert mfu(6e9, 1e3, float("nan"), 1) is None  # a GPU without a datasheet entry
-
-
-def test_folders_and_checkpoints_from_before_records_still_load_and_damage_is_named(run, tmp_path, world, capsys):
-    from megamlm.errors import CorruptFileError
-    from megamlm.model.folder import read_model_folder
-    from megamlm.train.checkpoint import Checkpoints
-
-    legacy = tmp_path / "legacy"  # a model folder as sessions 1-4 wrote it: no megamlm-files.json
-    legacy.mkdir()
-    for name in ("config.yaml", "model.pt"):
-        (legacy / name).write_bytes((run / "final" / name).read_bytes())
-    want = read_model_folder(run / "final").full
-    got = read_model_folder(legacy).full
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    assert cli(["convert", "--from", "megamlm", "--to", "megamlm", str(run / "final"), str(legacy),
-                "--overwrite"]) == 0  # its layout is megamlm's: replaceable
-    assert (legacy / "megamlm-files.json").exists()
-    flip_byte(legacy / "model.pt")
-    with pytest.raises(CorruptFileError, match=f"{legacy}/model.pt is corrupt: its sha256 differs"):
-        read_model_folder(legacy)
-    old = tmp_path / "old/checkpoints/step00000002"  # a checkpoint without hashes: resumable, unverified
-    old.parent.mkdir(parents=True)
-    (old).mkdir()
-    meta = json.loads((run / "checkpoints/step00000002/megamlm.json").read_text())
-    del meta["files"]
-    (old / "megamlm.json").write_text(json.dumps(meta))
-    (old / "complete").write_text("")
-    assert Checkpoints(tmp_path / "old", keep_last=3).verify("step00000002") is None
-    (old / "megamlm.json").write_text(json.dumps(meta) + " ")  # a hash in `complete` is checked
-    (old / "complete").write_text(hashlib.sha256(json.dumps(meta).encode()).hexdigest())
-    assert "differs from the hash in complete" in Checkpoints(tmp_path / "old", keep_last=3).verify("step00000002")
-    code, line = run_cli(capsys, "fill-mask", legacy, "Paris is the <mask> of France.")
-    assert (code, line) == (2, f"megamlm: fill-mask: {legacy}/model.pt is corrupt: its sha256 differs from "
-                               f"the one recorded when it was written")

@@ -24,7 +24,7 @@ from megamlm.model.folder import read_model_folder, write_model_folder
 from megamlm.model.reshard import full_state_dict
 from megamlm.objectives import MaskedLM
 from tests.multiproc import run_on_ranks
-from tests.test_faults import one_line
+from tests.faults_common import one_line
 from tests.test_hf_import import _first_batch_and_train, assert_refused_in_one_line
 from tests.test_train import ROOT, logged
 from tests.variants import variant_config

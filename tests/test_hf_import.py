@@ -13,7 +13,7 @@ from megamlm.cli import main as cli
 from megamlm.convert.pipeline import convert
 from megamlm.data.tokenizer import Tokenizer
 from tests.multiproc import run_on_ranks
-from tests.test_faults import one_line
+from tests.faults_common import one_line
 from tests.test_train import config, tiny_shards
 
 QUIET = {"log": lambda *a: None, "tolerance": 1e-5}

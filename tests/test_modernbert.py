@@ -179,7 +179,7 @@ def test_other_mixes_of_the_modernbert_parts_are_refused_on_export_in_one_line(w
     from megamlm.model.folder import write_model_folder
     from megamlm.model.reshard import full_state_dict
     from megamlm.objectives import MaskedLM
-    from tests.test_faults import one_line
+    from tests.faults_common import one_line
     from tests.variants import variant_config
 
     cfg = variant_config("rope-swiglu-rmsnorm", ["model.vocab_size=50265", "data.tokenizer=gpt2"])

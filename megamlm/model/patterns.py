@@ -26,18 +26,18 @@ from megamlm.config import GLOBAL_ATTENTION, LayerAttention
 
 def random_block_table(pattern: LayerAttention, device=None) -> torch.Tensor | None:
     """[N, N] bool: key block j is one of query block i's random blocks (None without random blocks)."""
-    table = _drawn_table(pattern) if pattern.random_blocks else None
-    return None if table is None else table.to(device)
+    return _drawn_table(pattern, torch.device(device or "cpu")) if pattern.random_blocks else None
 
 
 @functools.cache
-def _drawn_table(pattern: LayerAttention) -> torch.Tensor:
-    """The draw behind random_block_table, once per pattern (on the host; every forward reuses it)."""
+def _drawn_table(pattern: LayerAttention, device: torch.device) -> torch.Tensor:
+    """The draw behind random_block_table (on the host), once per pattern and device: every forward
+    reuses it, and none copies it to the GPU again (a copy that would wait for the queued kernels)."""
     n = pattern.table_blocks
     generator = torch.Generator().manual_seed(1_000_003 + pattern.seed)
     # [N, N] uniform -> per row the indices of its random_blocks smallest draws
     chosen = torch.rand(n, n, generator=generator).argsort(dim=1)[:, : min(pattern.random_blocks, n)]
-    return torch.zeros(n, n, dtype=torch.bool).scatter_(1, chosen, True)
+    return torch.zeros(n, n, dtype=torch.bool).scatter_(1, chosen, True).to(device)
 
 
 def pattern_sees(pattern: LayerAttention, query_position, key_position, table: torch.Tensor | None):

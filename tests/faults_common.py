@@ -1,0 +1,82 @@
+"""What the fault tests share (tests/test_faults.py, tests/test_bad_input.py): a tiny run and its
+shards, the CLI in this process and in a subprocess, and the checks that a refusal is one line and
+that a folder is unchanged."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megamlm.cli import main as cli
+from tests.multiproc import run_on_ranks
+from tests.test_train import _train, config, tiny_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+WIKITEXT = ROOT / "data/wikitext-103"
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes and every folder under `folder` (to assert nothing changed)."""
+    return {str(p.relative_to(folder)) + ("/" if p.is_dir() else ""): (b"" if p.is_dir() else p.read_bytes())
+            for p in sorted(Path(folder).rglob("*"))}
+
+
+def users_folder(folder: Path) -> dict[str, bytes]:
+    (folder / "sub").mkdir(parents=True)
+    (folder / "results.txt").write_text("my results\n")
+    (folder / "sub/notes.md").write_text("notes\n")
+    return snapshot(folder)
+
+
+def one_line(stderr: str) -> str:
+    """The single line a refused command prints (no traceback, nothing else but a progress bar,
+    which redraws itself with carriage returns)."""
+    lines = [line for line in stderr.strip().split("\n") if line.strip() and "\r" not in line]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    """`megamlm ARGS` in this process: (exit code, its one stderr line)."""
+    import torch.distributed as dist
+
+    from megamlm.config import ParallelConfig
+    from megamlm.parallel import init_distributed
+
+    capsys.readouterr()
+    code = cli([str(a) for a in args])
+    if not dist.is_initialized():  # a verb owns its process and ends the group; later tests share it
+        init_distributed(ParallelConfig())
+    return code, one_line(capsys.readouterr().err)
+
+
+def megamlm(*args, timeout=300, **popen):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megamlm", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def tiny(shards, run_dir, *overrides):
+    return [f"--config={ROOT / 'configs/variants/baseline.yaml'}", "model.num_layers=2", "model.hidden_size=64",
+            "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.max_positions=64",
+            f"data.shards={shards}", "data.seq_length=64", "train.micro_batch_size=4", f"train.run_dir={run_dir}",
+            "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2", *overrides]
+
+
+def fault_shards(tmp_path_factory) -> Path:
+    return tiny_shards(tmp_path_factory, "faults")
+
+
+def finished_run(shards: Path, tmp_path_factory) -> Path:
+    """A finished 4-update run: checkpoints at 2 and 4, final/."""
+    run_dir = tmp_path_factory.mktemp("faults") / "run"
+    run_on_ranks(_train, 1, config(shards, run_dir, "train.steps=4", "train.save_interval=2"))
+    return run_dir
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """One byte inverted in the middle (the file keeps its size)."""
+    data = bytearray(path.read_bytes())
+    offset = len(data) // 2 if offset is None else offset
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
