@@ -7,10 +7,10 @@ idle while the host queues what follows. Two measurements on CPU:
 - the meta device: tensors without data, on which every such read fails. A step whose model and
   batch live there has no host read at all (the score-term variants: their attention inputs need
   nothing from the data).
-- a count of the aten ops that read device data on the host, taken everywhere except in the
-  attention backend's `prepare_layers`, which runs once per forward before the first layer and may
-  read the batch's layout (whether any key is padded, packed rows' sample lengths): the layers, the
-  head, the loss and the backward read nothing.
+- a count of the aten ops that read device data on the host, taken everywhere except where the
+  batch's layout is read once per forward before the first layer: the attention backend's
+  `prepare_layers` (whether any key is padded, packed rows' sample lengths) and `Batch.sample_starts`
+  (where packed rows' samples start). The layers, the heads, the loss and the backward read nothing.
 """
 
 import collections
