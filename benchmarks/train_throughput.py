@@ -127,8 +127,6 @@ def main() -> None:
                         help="torch.compile's mode with --compile (train.compile_mode); reduce-overhead: CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="also print megamlm's top kernels (torch.profiler)")
     args = parser.parse_args()
-    import transformers
-
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     autocast = args.dtype == "bf16-autocast"
     sizes = [f"model.max_positions={max(512, args.seq_length)}"]
@@ -142,9 +140,7 @@ def main() -> None:
     if hf_format(ours_cfg) is not None:  # the variant is a transformers class: compare like for like
         m = ours_cfg
     fmt = hf_format(m)
-    config = getattr(transformers, fmt.architecture.replace("ForMaskedLM", "Config"))(
-        **hf_config_values(m, fmt, m.pad_token_id), attn_implementation="sdpa")
-    hf = getattr(transformers, fmt.architecture)(config).to(device).train()
+    hf = fmt.build(hf_config_values(m, fmt, m.pad_token_id), attn_implementation="sdpa").to(device).train()
     if args.compile:
         compile_layers(ours, args.compile_mode)  # what train.compile does
         for layer in next(sub for sub in hf.base_model.modules() if isinstance(sub, torch.nn.ModuleList)):

@@ -281,3 +281,42 @@ def test_the_encoder_is_the_objective_model_without_heads(world, variant):
     tokens, _ = batch(cfg.model.vocab_size)
     with torch.no_grad():
         assert torch.equal(encoder(tokens), mlm.hidden_states(tokens))
+
+
+@pytest.mark.parametrize("variant", ["baseline", "rope-swiglu-rmsnorm"])
+def test_one_rank_linears_compute_megatrons_products_bit_for_bit(world, variant, monkeypatch):
+    # the plain matmul path (model/layer.py) replaces megatron's autograd.Function at TP=1: same loss,
+    # same gradients to the last bit, dropout streams untouched
+    from megamlm.model.layer import ColumnLinear, _TensorParallelMatmul
+    from megamlm.parallel import seed_everything
+
+    cfg = variant_config(variant, ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"])
+    tokens = torch.randint(4, cfg.model.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    tokens[:, 0], tokens[2, 18:] = 0, cfg.model.pad_token_id
+    index = torch.tensor([1, 5, 30, 44, 60])
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(_TensorParallelMatmul, "one_rank_fast_path", fast)
+        seed_everything(1, world)
+        model = MaskedLM(cfg.model, world, seed=3).train()
+        assert any(isinstance(m, ColumnLinear) for m in model.modules())
+        loss = model(tokens, index, targets=tokens.flatten()[index])
+        # which path ran: megatron's Function leaves its backward nodes in the graph
+        assert ("LinearWithGradAccumulationAndAsyncCommunicationBackward" in _backward_nodes(loss)) != fast
+        loss.sum().backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (fast_loss, fast_grads), (megatron_loss, megatron_grads) = results
+    assert torch.equal(fast_loss, megatron_loss)
+    assert fast_grads.keys() == megatron_grads.keys()
+    assert all(torch.equal(fast_grads[n], megatron_grads[n]) for n in fast_grads)
+
+
+def _backward_nodes(tensor: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes behind `tensor`."""
+    seen, stack = set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}

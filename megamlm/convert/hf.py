@@ -96,6 +96,14 @@ class HFFormat:
     def decoder(self) -> str:
         return f"{self.head}.decoder.{{kind}}" if self.head else "decoder.{kind}"
 
+    def build(self, values: dict, **config_options):
+        """The transformers model of this class for config.json `values` (hf_config_values), freshly
+        initialized; `config_options` go to its config class (e.g. attn_implementation)."""
+        import transformers
+
+        config_class = getattr(transformers, self.architecture.replace("ForMaskedLM", "Config"))
+        return getattr(transformers, self.architecture)(config_class(**values, **config_options))
+
 
 ALBERT_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.{i}"
 """ALBERT's one layer group holding one layer ({i} = 0, megamlm's shared layer 0)."""

@@ -118,9 +118,8 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
     order = None if order is None else torch.from_numpy(order)
     with staged_output(out, "hf", overwrite) as tmp:
         if fmt is not None:
-            config_class = getattr(transformers, fmt.architecture.replace("ForMaskedLM", "Config"))
             pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])
-            hf = getattr(transformers, fmt.architecture)(config_class(**hf_config_values(cfg, fmt, pad)))
+            hf = fmt.build(hf_config_values(cfg, fmt, pad))
             full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
             missing, unexpected = hf.load_state_dict(megamlm_to_hf(full, cfg, fmt), strict=False)
             if unexpected or [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]:

@@ -242,9 +242,6 @@ def _read_megamlm_export(folder: Path, values: dict) -> HFSource:
 
 def _expected_shapes(values: dict, fmt: HFFormat) -> dict[str, torch.Size]:
     """The state dict's shapes transformers gives this config.json (a model on the meta device)."""
-    import transformers
-
-    config_class = getattr(transformers, fmt.architecture.replace("ForMaskedLM", "Config"))
     with torch.device("meta"):
-        model = getattr(transformers, fmt.architecture)(config_class(**values))
+        model = fmt.build(values)
     return {key: tensor.shape for key, tensor in model.state_dict().items()}

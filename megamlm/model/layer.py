@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -60,18 +61,60 @@ class PostLNTransformerLayer(TransformerLayer):
         return self.post_mlp_layernorm(super()._forward_post_mlp(mlp_output_with_bias, residual))
 
 
-class RowParallelLinearWithGroup(RowParallelLinear):
-    """megatron-core's RowParallelLinear computing the same, with its own process group passed to the
-    matmul. 0.16's forward hands that function tp_group=None, which makes it look the group up and call
-    warnings.warn (a deprecation notice) on every forward of rank 0; torch.compile cannot trace
-    warnings.warn, so each of them split a compiled layer in two (attention output and fc2: three graphs
-    per layer). The group only matters with sequence parallelism or a dgrad all-reduce, neither of which
-    a row-parallel linear uses here."""
+class _TensorParallelMatmul:
+    """What our two megatron-core tensor-parallel linears below change.
+
+    With one TP rank their forward is `x · wᵀ (+ b unless skip_bias_add)` in plain autograd ops: the
+    same products forward and backward (g · w and gᵀ · x, as torch's mm backward computes them;
+    bit-identical on CPU, tested) without megatron's three autograd.Functions per linear (the matmul,
+    and the region copy / reduce that are identities at one rank), whose Python made an eager step's
+    host time 1.5x transformers' (benchmarks/host_overhead.py). With peers, or with a megatron feature
+    that needs its Functions (frozen weight, gradient-accumulation fusion, sequence parallelism, CPU
+    offloading, deferred embedding wgrad), megatron's own forward runs. There, megatron-core 0.16's
+    RowParallelLinear hands its matmul tp_group=None, which makes it look the group up and call
+    warnings.warn (a deprecation notice) on every forward; torch.compile cannot trace warnings.warn,
+    so the layer's own group is passed (it only matters with sequence parallelism or a dgrad
+    all-reduce)."""
+
+    one_rank_fast_path = True
+    """Class switch for benchmarks/host_overhead.py and the tests, which compare with megatron's path."""
+
+    def _one_rank(self) -> bool:
+        """Whether megatron's forward would reduce to the plain matmul."""
+        return (self.one_rank_fast_path and self.tp_group.size() == 1 and self.weight.requires_grad
+                and not (self.sequence_parallel or self.gradient_accumulation_fusion or self.explicit_expert_comm
+                         or self.config.defer_embedding_wgrad_compute)
+                and self.config._cpu_offloading_context is None)
+
+    def _plain_forward(self, input_):
+        """megatron's (output, output_bias) at one rank: [s, b, h_in] x [h_in, h_out] -> [s, b, h_out]."""
+        output = torch.matmul(input_, self.weight.t())
+        if self.skip_bias_add or self.bias is None:
+            return output, self.bias if self.skip_bias_add else None
+        return output + self.bias, None
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if kwargs.get("tp_group") is None:
             kwargs["tp_group"] = self.tp_group
         return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class ColumnLinear(_TensorParallelMatmul, ColumnParallelLinear):
+    """megatron-core's ColumnParallelLinear, plain at one rank (`_TensorParallelMatmul`)."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if weight is None and self._one_rank():
+            return self._plain_forward(input_)
+        return super().forward(input_, weight, runtime_gather_output)
+
+
+class RowLinear(_TensorParallelMatmul, RowParallelLinear):
+    """megatron-core's RowParallelLinear, plain at one rank (`_TensorParallelMatmul`)."""
+
+    def forward(self, input_):
+        if self.input_is_parallel and self._one_rank():
+            return self._plain_forward(input_)
+        return super().forward(input_)
 
 
 def bias_dropout_add(training: bool, fused: bool):
@@ -105,15 +148,14 @@ def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend, pattern: L
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.no_mask},
         submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
+            linear_qkv=ColumnLinear,
             core_attention=core_attention,
-            linear_proj=RowParallelLinearWithGroup,
+            linear_proj=RowLinear,
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
         ),
     )
-    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                          linear_fc2=RowParallelLinearWithGroup))
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnLinear, linear_fc2=RowLinear))
     if model.layernorm == "post":
         return ModuleSpec(
             module=PostLNTransformerLayer,
