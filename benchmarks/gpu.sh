@@ -5,7 +5,7 @@
 # with SDPA + bias and with FlexAttention, without and with attention dropout), compiled (the same with
 # torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192),
 # flex-tune (FlexAttention kernel_options candidates at 2048..8192), profile (megamlm base's top
-# kernels), loop (the real training loop, base zero-clap at 2048 with the reference's attention dropout
+# kernels; the host time of a launch-bound step vs transformers), loop (the real training loop, base zero-clap at 2048 with the reference's attention dropout
 # on SDPA, eager and compiled, and on compiled FlexAttention, large zero-clap on SDPA; at 8192 on FlexAttention, also with
 # attention kept within each packed document (the BlockMask skips the other documents' blocks), bf16,
 # WikiText-103), packed (the same loop at 2048 with data.packing=packed on SDPA and on compiled
@@ -29,10 +29,11 @@ TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
 if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options and overrides win
     SMOKE_BENCH="--model tiny --seq-length 256 --batch 2 --rounds 1 --steps 1"
     SMOKE_ATTENTION="--lengths 128,256 --batch 1 --heads 2 --repeats 1"
+    SMOKE_HOST="--device cpu --rounds 1 --steps 2"
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
     SMOKE_LENGTH=256 RUNS=$LOG_DIR/runs
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 
@@ -101,7 +102,9 @@ for s in $STEPS; do
         step flex-tune 540 $PY benchmarks/attention.py --lengths 2048,4096,8192 --dtype bf16 --heads 12 \
             --batch 2 --repeats 10 --flex-sweep $SMOKE_ATTENTION ;;
     profile)
-        bench profile-base-baseline 240 --model base --batch 8 --rounds 1 --profile ;;
+        bench profile-base-baseline 240 --model base --batch 8 --rounds 1 --profile
+        # launch-bound steps: megamlm (one-rank plain linears, megatron's) vs transformers, host time per step
+        step host-overhead 120 $PY benchmarks/host_overhead.py --device cuda $SMOKE_HOST ;;
     loop)
         train_run loop-2048 2048 8 "" 60
         train_run loop-2048-compiled 2048 8 "train.compile=true" 60

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks/gpu.sh"
 STEPS = re.search(r"STEPS=\$\{\*:-([^}]*)\}", SCRIPT.read_text()).group(1).split()
 # what each kind of command prints when it worked: its table's last row, the training summary
-DONE = {"train_throughput.py": "megamlm / ", "attention.py": "sdpa, no bias (reference)", "megamlm train": "done: "}
+DONE = {"train_throughput.py": "megamlm / ", "attention.py": "sdpa, no bias (reference)", "megamlm train": "done: ",
+        "host_overhead.py": "megamlm, megatron linears"}
 
 
 def _run(log_dir: Path, step: str, **env) -> subprocess.CompletedProcess:
