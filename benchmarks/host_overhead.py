@@ -9,7 +9,7 @@ fine-tuning, small micro-batches, short sequences) the host's time per forward a
 module calls, autograd nodes, kernel launches — is the step time. With a tiny width (h = 64) and
 16 tokens the compute is negligible, so what this times is that host cost. Rows: megamlm with its
 one-rank linears (plain matmuls, model/layer.py), megamlm with megatron-core's autograd.Function
-linears (`_TensorParallelMatmul.one_rank_fast_path = False`), and transformers' RobertaForMaskedLM;
+linears (`TensorParallelLinear.one_rank_fast_path = False`), and transformers' RobertaForMaskedLM;
 all post-LN RoBERTa with learned positions and the same dropout, interleaved rounds, medians.
 """
 
@@ -25,7 +25,7 @@ import torch
 from megamlm.config import ParallelConfig, load_config
 from megamlm.convert.hf import hf_config_values
 from megamlm.convert.hf_export import hf_format
-from megamlm.model.layer import _TensorParallelMatmul
+from megamlm.model.layer import TensorParallelLinear
 from megamlm.objectives import MaskedLM
 from megamlm.parallel import init_distributed, seed_everything
 
@@ -64,7 +64,7 @@ def main() -> None:
 
     def megamlm_step(fast: bool):
         def step():
-            _TensorParallelMatmul.one_rank_fast_path = fast
+            TensorParallelLinear.one_rank_fast_path = fast
             ours(tokens, index, targets=targets).sum().backward()
         return step
 
@@ -86,7 +86,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[name].append((time.perf_counter() - start) / args.steps)
-    _TensorParallelMatmul.one_rank_fast_path = True
+    TensorParallelLinear.one_rank_fast_path = True
     print(f"host time of one forward + backward: {args.layers} layers, h=64, {args.tokens} tokens, dropout "
           f"{args.dropout}, {args.rounds} interleaved rounds x {args.steps} steps, device {device}, "
           f"{torch.get_num_threads()} threads")

@@ -287,7 +287,7 @@ def test_the_encoder_is_the_objective_model_without_heads(world, variant):
 def test_one_rank_linears_compute_megatrons_products_bit_for_bit(world, variant, monkeypatch):
     # the plain matmul path (model/layer.py) replaces megatron's autograd.Function at TP=1: same loss,
     # same gradients to the last bit, dropout streams untouched
-    from megamlm.model.layer import ColumnLinear, _TensorParallelMatmul
+    from megamlm.model.layer import ColumnLinear, TensorParallelLinear
     from megamlm.parallel import seed_everything
 
     cfg = variant_config(variant, ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"])
@@ -296,7 +296,7 @@ def test_one_rank_linears_compute_megatrons_products_bit_for_bit(world, variant,
     index = torch.tensor([1, 5, 30, 44, 60])
     results = []
     for fast in (True, False):
-        monkeypatch.setattr(_TensorParallelMatmul, "one_rank_fast_path", fast)
+        monkeypatch.setattr(TensorParallelLinear, "one_rank_fast_path", fast)
         seed_everything(1, world)
         model = MaskedLM(cfg.model, world, seed=3).train()
         assert any(isinstance(m, ColumnLinear) for m in model.modules())

@@ -61,7 +61,7 @@ class PostLNTransformerLayer(TransformerLayer):
         return self.post_mlp_layernorm(super()._forward_post_mlp(mlp_output_with_bias, residual))
 
 
-class _TensorParallelMatmul:
+class TensorParallelLinear:
     """What our two megatron-core tensor-parallel linears below change.
 
     With one TP rank their forward is `x · wᵀ (+ b unless skip_bias_add)` in plain autograd ops: the
@@ -99,8 +99,8 @@ class _TensorParallelMatmul:
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
-class ColumnLinear(_TensorParallelMatmul, ColumnParallelLinear):
-    """megatron-core's ColumnParallelLinear, plain at one rank (`_TensorParallelMatmul`)."""
+class ColumnLinear(TensorParallelLinear, ColumnParallelLinear):
+    """megatron-core's ColumnParallelLinear, plain at one rank (`TensorParallelLinear`)."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is None and self._one_rank():
@@ -108,8 +108,8 @@ class ColumnLinear(_TensorParallelMatmul, ColumnParallelLinear):
         return super().forward(input_, weight, runtime_gather_output)
 
 
-class RowLinear(_TensorParallelMatmul, RowParallelLinear):
-    """megatron-core's RowParallelLinear, plain at one rank (`_TensorParallelMatmul`)."""
+class RowLinear(TensorParallelLinear, RowParallelLinear):
+    """megatron-core's RowParallelLinear, plain at one rank (`TensorParallelLinear`)."""
 
     def forward(self, input_):
         if self.input_is_parallel and self._one_rank():
