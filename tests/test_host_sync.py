@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megamlm.data.batch import Batch, collate
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.model.attention import AttentionBackend
+from megamlm.model.encoder import Encoder
 from megamlm.objectives import get_objective
 from megamlm.parallel import seed_everything
 from tests.test_train import config
@@ -153,3 +154,22 @@ def test_the_census_sees_the_mask_free_check(world):
         prepared = backend.prepare_layers(cfg.model.layer_attention(), padding, None, None, torch.float32)
     assert [inputs.attention for inputs in prepared.values()] == [None]  # nothing padded: no mask
     assert census.counts == {"_local_scalar_dense": 1}
+
+
+def test_fine_tuning_reads_its_loss_once_per_epoch(world, monkeypatch):
+    # GLUE steps are small and launch-bound on a GPU: a read per update (the epoch's loss sum, before)
+    # kept the host from queuing the next step while the GPU ran this one
+    from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
+    from megamlm.glue.tasks import TASKS, Example
+
+    seed_everything(1, world)
+    cfg = variant_config("zero-clap", ["model.vocab_size=50262"])  # a score term: no mask-free check
+    model = SentenceClassifier(Encoder(cfg.model, world, seed=1), 2, seed=1)
+    rng = np.random.default_rng(0)
+    words = "the a of to and in is it that was good bad".split()
+    examples = [Example((" ".join(rng.choice(words, 6)),), int(rng.integers(2))) for _ in range(24)]
+    census = HostReads()
+    with census:
+        finetune(model, TASKS["SST-2"], examples, examples[:8], _tokenizer(cfg),
+                 FinetuneOptions(epochs=2, batch_size=8, packing="padded"), seed=1, ctx=world, log=lambda *a: None)
+    assert census.counts == {"_local_scalar_dense": 2}  # 3 updates per epoch, 2 epochs: one read per epoch

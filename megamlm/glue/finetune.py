@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamlm.config import OptimConfig
+from megamlm.data.batch import host_to_device
 from megamlm.data.packing import best_fit_decreasing
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError
@@ -139,8 +140,8 @@ def classify(model: SentenceClassifier, sequences: list[list[int]], pad: int, pa
              device: torch.device) -> torch.Tensor:
     """Logits [n, classes] of the sequences, in their order, in the layout `packing` names."""
     if packing == "packed":
-        return model(*(t.to(device) for t in pack(sequences, pad)))
-    return model(collate(sequences, pad).to(device))
+        return model(*(host_to_device(t, device) for t in pack(sequences, pad)))
+    return model(host_to_device(collate(sequences, pad), device))
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:
@@ -186,7 +187,9 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     better = HIGHER_IS_BETTER[task.metrics[0]]
     model.train()
     for epoch in range(1, options.epochs + 1):
-        start, total_loss = time.perf_counter(), 0.0
+        # summed on the device in float64 (what adding Python floats did), read once per epoch: a read
+        # per update would make the host wait for every step's kernels before queuing the next
+        start, loss_sum = time.perf_counter(), torch.zeros((), dtype=torch.float64, device=ctx.device)
         order = torch.randperm(len(train), generator=generator).tolist()  # same on every rank
         for first in range(0, len(order), batch_size):
             batch = order[first:first + batch_size][ctx.dp_rank::ctx.dp_size]
@@ -194,7 +197,7 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
                 group["lr"] = lr_at(update, schedule, total)
             logits = classify(model, [train_ids[i] for i in batch], pad, options.packing, ctx.device)
             global_batch = len(order[first:first + batch_size])
-            loss = _loss(logits, train_labels[batch].to(ctx.device), task.labels is None) / global_batch
+            loss = _loss(logits, host_to_device(train_labels[batch], ctx.device), task.labels is None) / global_batch
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
             value = loss.detach()
@@ -202,13 +205,14 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
                 for tensor in [value] + [p.grad for p in model.parameters() if p.grad is not None]:
                     dist.all_reduce(tensor, group=ctx.dp_group)
             optimizer.step()
-            total_loss += value.item()
+            loss_sum += value.double()
             update += 1
         predictions = predict(model, dev_ids, task, batch_size * 2, pad, ctx, options.packing)
+        train_loss = loss_sum.item() / per_epoch
         metrics = compute_metrics(task.metrics, predictions, dev_labels)
-        history.append({"epoch": epoch, "train_loss": total_loss / per_epoch, "seconds": time.perf_counter() - start,
+        history.append({"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - start,
                         **metrics})
-        log(f"{task.name} seed {seed} epoch {epoch}/{options.epochs}: train loss {total_loss / per_epoch:.4f} | "
+        log(f"{task.name} seed {seed} epoch {epoch}/{options.epochs}: train loss {train_loss:.4f} | "
             + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" | {history[-1]['seconds']:.0f}s")
     key = task.metrics[0]
     best = (max if better else min)(history, key=lambda e: e[key])
