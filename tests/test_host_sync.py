@@ -173,3 +173,23 @@ def test_fine_tuning_reads_its_loss_once_per_epoch(world, monkeypatch):
         finetune(model, TASKS["SST-2"], examples, examples[:8], _tokenizer(cfg),
                  FinetuneOptions(epochs=2, batch_size=8, packing="padded"), seed=1, ctx=world, log=lambda *a: None)
     assert census.counts == {"_local_scalar_dense": 2}  # 3 updates per epoch, 2 epochs: one read per epoch
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+def test_the_layout_is_read_once_per_forward_whatever_the_number_of_patterns(backend):
+    # ModernBERT's global and local layers share one reading of a packed batch's sample lengths
+    from megamlm.model.attention import ATTENTION_BACKENDS
+    from megamlm.model.positions import build_position
+
+    cfg = variant_config("modernbert")
+    patterns = cfg.model.layer_attention()
+    attention = ATTENTION_BACKENDS[backend](build_position(cfg.model, 0, 1))
+    batch = collate(_samples(1000), lambda sample, epoch, index: (sample, sample % 3 == 0), 0, 56, pad_id=1,
+                    packed=True)
+    reads = []
+    for used in ([patterns[0]], patterns):
+        census = HostReads()
+        with census:
+            attention.prepare_layers(used, batch.segments < 0, None, batch.segments, torch.float32)
+        reads.append(sum(census.counts.values()))
+    assert len(set(patterns)) == 2 and reads[0] == reads[1] > 0, reads

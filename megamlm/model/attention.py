@@ -53,6 +53,7 @@ from megamlm.model.dropout import dropout
 from megamlm.model.flex import attend_with_dropout, compiled_flex_attention, draw_seed, kernel_options
 from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
 from megamlm.model.positions import PositionEncoding, apply_rotation, sample_positions, sample_starts
+from megamlm.model.sequences import attention_groups, shared_sequences, varlen_attention
 from megamlm.parallel import tensor_parallel_rng
 
 
@@ -117,7 +118,8 @@ class AttentionBackend:
             positions = sample_positions(segments, padding.size(1), padding.device)
             rotations = {local: self.position.rotation(positions, local)
                          for local in {pattern.window is not None for pattern in patterns}}
-        return {pattern: LayerInputs(self.prepare(padding, documents, segments, dtype, pattern),
+        shared: dict = {}  # what the patterns' preparations have in common (sequences.shared_sequences)
+        return {pattern: LayerInputs(self.prepare(padding, documents, segments, dtype, pattern, shared),
                                      rotations.get(pattern.window is not None))
                 for pattern in set(patterns)}
 
@@ -127,13 +129,14 @@ class AttentionBackend:
         return None
 
     def prepare(self, padding: torch.Tensor, documents: torch.Tensor | None, segments: torch.Tensor | None,
-                dtype: torch.dtype, pattern: LayerAttention = GLOBAL_ATTENTION):
+                dtype: torch.dtype, pattern: LayerAttention = GLOBAL_ATTENTION, shared: dict | None = None):
         """padding [b, s] bool; documents [b, s] (document index, -1 on padding) or None when
         attention may span a whole sample; segments [b, s] (sample index in a packed row, -1 on
-        padding) or None for one sample per row; pattern: the layers' (patterns.py) -> the additive
-        bias [b, np|1, s, s] (None where every query may see every key of its row), or PackedRows."""
+        padding) or None for one sample per row; pattern: the layers' (patterns.py); shared: a dict
+        the preparations of one forward share (prepare_layers) -> the additive bias [b, np|1, s, s]
+        (None where every query may see every key of its row), or PackedRows."""
         if segments is not None:
-            return self._prepare_packed(documents, segments, dtype, pattern)
+            return self._prepare_packed(documents, segments, dtype, pattern, shared)
         return self._bias(padding, documents, dtype, pattern)
 
     def _bias(self, padding, documents, dtype, pattern: LayerAttention) -> torch.Tensor | None:
@@ -160,11 +163,11 @@ class AttentionBackend:
             bias = bias + score[None]
         return bias
 
-    def _prepare_packed(self, documents, segments, dtype, pattern) -> PackedRows:
-        positions, sample, lengths = _sequences(segments)
+    def _prepare_packed(self, documents, segments, dtype, pattern, shared) -> PackedRows:
+        positions, sample, lengths, longest = shared_sequences(shared, None, None, segments)
         starts = torch.cumsum(lengths, 0) - lengths
         slot = torch.arange(len(sample), device=segments.device) - starts[sample]
-        n, longest = len(lengths), int(lengths.max())
+        n = len(lengths)
         index = torch.zeros(n, longest, dtype=torch.long, device=segments.device)
         filled = torch.zeros(n, longest, dtype=torch.bool, device=segments.device)
         index[sample, slot], filled[sample, slot] = positions, True
@@ -221,10 +224,10 @@ class FlexAttention(AttentionBackend):
                     "backward on CPU); use model.attention_backend=sdpa")
         return None
 
-    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION):
+    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, shared=None):
         """(BlockMask over the rows as they are, packed or not; the position's score parameters or
         None). Distances in a packed row are distances within its samples (they never mix)."""
-        groups = next(g for g in (documents, segments, padding.long().neg()) if g is not None)  # -1 on padding
+        groups = attention_groups(padding, documents, segments)
         starts = None if segments is None else sample_starts(segments)
         return flex_block_mask(groups, pattern, starts), self.position.score_params()
 
@@ -280,11 +283,10 @@ class VarlenAttention(AttentionBackend):
             return "model.attention_backend=varlen needs a CUDA GPU (torch's varlen FlashAttention); use sdpa"
         return None
 
-    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION) -> Sequences:
-        groups = next(g for g in (documents, segments, padding.long().neg()) if g is not None)  # -1 on padding
-        positions, _, lengths = _sequences(groups)
+    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, shared=None) -> Sequences:
+        positions, _, lengths, longest = shared_sequences(shared, padding, documents, segments)
         cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
-        return Sequences(positions, cu_seqlens, int(lengths.max()), pattern.window)
+        return Sequences(positions, cu_seqlens, longest, pattern.window)
 
     def attend(self, q, k, v, prepared: Sequences, dropout_p: float, scale: float | None) -> torch.Tensor:
         if dropout_p > 0:
@@ -296,7 +298,7 @@ class VarlenAttention(AttentionBackend):
 
         cu, longest = prepared.cu_seqlens, prepared.longest
         half = -1 if prepared.window is None else prepared.window // 2  # keys each side; -1: unlimited
-        out = _varlen_attention(q.device.type)(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest,
+        out = varlen_attention(q.device.type)(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest,
                                                scale=scale, window_size=(half, half))
         # [t, np, hn] -> [b*s, np, hn] (zeros on padding) -> [b, np, s, hn]
         full = out.new_zeros(b * s, np_local, hn).index_copy(0, prepared.positions, out)
@@ -316,40 +318,6 @@ def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor
             probs = dropout(probs, dropout_p, training=True)
     # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
     return torch.matmul(probs, v)
-
-
-def _sequences(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[b, s] group ids (sample or document, -1 on padding; a new group where the id changes) ->
-    (flat positions of the real tokens [t], their sequence 0..n-1 [t], sequence lengths [n])."""
-    b, s = groups.shape
-    real = groups.flatten() >= 0
-    # [b, s] -> [t]: one id per sequence of the batch (rows hold < s sequences each)
-    ids = (groups + s * torch.arange(b, device=groups.device)[:, None]).flatten()[real]
-    sequence = torch.unique_consecutive(ids, return_inverse=True)[1]
-    return real.nonzero().squeeze(1), sequence, torch.bincount(sequence)
-
-
-def _sequence_by_sequence(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
-    """What varlen_attn computes, one SDPA per sequence ([t, np, hn] in and out): the CPU stand-in."""
-    bounds = cu_q.tolist()
-
-    def near(length):  # [s, s]: within window_size keys before / after the query (-1: unlimited)
-        distance = torch.arange(length)[None, :] - torch.arange(length)[:, None]
-        before, after = (length if w < 0 else w for w in window_size)
-        return (distance >= -before) & (distance <= after)
-
-    parts = [F.scaled_dot_product_attention(*(t[start:end].transpose(0, 1) for t in (q, k, v)),
-                                            attn_mask=near(end - start), scale=scale)
-             for start, end in zip(bounds[:-1], bounds[1:])]
-    return torch.cat([p.transpose(0, 1) for p in parts])
-
-
-def _varlen_attention(device_type: str):
-    if device_type != "cuda":
-        return _sequence_by_sequence
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
