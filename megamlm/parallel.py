@@ -180,3 +180,13 @@ def seed_everything(seed: int, ctx: ParallelContext) -> None:
     a distinct tensor-parallel stream per TP rank, as megatron's model_parallel_cuda_manual_seed."""
     torch.manual_seed(seed)
     tensor_parallel_rng.seed(seed + 2718 + ctx.tp_rank, ctx.tp_size)
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory with non_blocking: a copy from
+    pageable memory makes the host wait until every kernel queued before it has run (a full
+    synchronization per tensor), so the next micro-batch's kernels could not be queued ahead."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -5,16 +5,19 @@ copy) waits until every kernel queued before it has run; in the middle of a step
 idle while the host queues what follows. Two measurements on CPU:
 
 - the meta device: tensors without data, on which every such read fails. A step whose model and
-  batch live there has no host read at all (the score-term variants: their attention inputs need
-  nothing from the data).
+  batch live there has no host read at all, for every variant and layout: what the batch's layout
+  decides (whether any key is padded, packed rows' sample lengths and starts) is read from the copy
+  it brought along on the host (`Batch.host_layout`).
 - a count of the aten ops that read device data on the host, taken everywhere except where the
   batch's layout is read once per forward before the first layer: the attention backend's
-  `prepare_layers` (whether any key is padded, packed rows' sample lengths) and `Batch.sample_starts`
-  (where packed rows' samples start). The layers, the heads, the loss and the backward read nothing.
+  `prepare_layers` and `Batch.sample_starts` (which on the CPU read host tensors the count cannot
+  tell from device ones). The layers, the heads, the loss and the backward read nothing, also for
+  ELECTRA (which the meta device cannot run: its sampling needs a generator).
 """
 
 import collections
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -27,7 +30,6 @@ from megamlm.model.attention import AttentionBackend
 from megamlm.model.encoder import Encoder
 from megamlm.objectives import get_objective
 from megamlm.parallel import seed_everything
-from tests.test_train import config
 from tests.variants import VARIANTS, variant_config
 
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
@@ -95,18 +97,30 @@ OBJECTIVES = {"mlm": [], "electra": ["objective.name=electra", "objective.genera
               "sop": ["objective.name=sop"]}
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("objective", ["mlm", "sop"])  # ELECTRA's sampling needs a generator, which meta lacks
-@pytest.mark.parametrize("variant", ["zero-clap", "alibi", "alibi-learned"])
-def test_a_step_with_a_score_term_runs_on_the_meta_device(world, tmp_path, variant, objective):
+@pytest.mark.parametrize("variant", [*VARIANTS, "document-mask"])
+def test_a_step_runs_on_the_meta_device(world, variant, objective, layout):
+    # the batch brings its layout along on the host (Batch.host_layout): whether any key is padded, the
+    # packed samples' lengths and starts are read there, so nothing of the step waits for the device
     seed_everything(1, world)
-    position = {"zero-clap": ["model.position=alibi", "model.alibi_mode=offset", "model.head=clap",
-                              "model.zero_mask=true"],
-                "alibi": ["model.position=alibi", "model.alibi_mode=symmetric"],
-                "alibi-learned": ["model.position=alibi", "model.alibi_mode=learned"]}[variant]
-    cfg = config(tmp_path, tmp_path / "run", *OBJECTIVES[objective], *position, *DROPOUT)
-    model = _step(cfg, world, _batch(cfg, "padded"), "meta")
+    extra = [*DROPOUT, *OBJECTIVES[objective]]
+    if variant == "document-mask":
+        variant, extra = "baseline", extra + ["model.document_mask=true"]
+    vocab = len(_tokenizer(variant_config(variant, extra)).dictionary)
+    cfg = variant_config(variant, extra + [f"model.vocab_size={vocab}"])
+    model = _step(cfg, world, _batch(cfg, layout), "meta")
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert grads and all(g is not None and g.device.type == "meta" for g in grads)
+
+
+def test_without_its_host_layout_a_batch_is_read_from_the_device(world):
+    # not vacuous: the same step with the layout only on the device reads it there, which meta refuses
+    seed_everything(1, world)
+    cfg = variant_config("baseline", [f"model.vocab_size={len(_tokenizer(variant_config('baseline')).dictionary)}"])
+    batch = dataclasses.replace(_batch(cfg, "packed"), host_layout=None)
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+        _step(cfg, world, batch, "meta")
 
 
 def test_the_meta_device_refuses_a_host_read():

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megamlm.data.tokenizer import EOS
+from megamlm.parallel import host_to_device
 
 Corruption = Callable[[np.ndarray, int, int], tuple[np.ndarray, np.ndarray]]
 """(sample ids [n], epoch, sample index) -> (corrupted ids [n], targeted [n] bool), seeded by its
@@ -54,6 +55,10 @@ class Batch:
     pair_labels: torch.Tensor | None = None
     """Sentence-pair objectives (data/pairs.py): [number of samples] the label of each sample's pair,
     in sample order (its `<s>` is the first position of its row or packed segment); None otherwise."""
+    host_layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    """(inputs, documents, segments) as collated, on the CPU whatever the device the batch moves to: the
+    model reads the layout's sizes (padding at all, sequence lengths, sample starts) from them, so a step
+    never waits for the device to read its own batch (None: read from the device)."""
     real: int | None = None
     """Non-padding positions, counted on the host when the batch moves to a device (`to`), so that
     `real_tokens` never waits for the device; None: counted from `documents` when asked."""
@@ -67,8 +72,10 @@ class Batch:
         width = self.inputs.size(1)
         if self.segments is None:
             return torch.arange(self.inputs.size(0), device=self.inputs.device) * width
-        previous = torch.nn.functional.pad(self.segments, (1, 0), value=-1)[:, :-1]
-        return ((self.segments >= 0) & self.segments.ne(previous)).flatten().nonzero().squeeze(1)
+        segments = self.segments if self.host_layout is None else self.host_layout[2]
+        previous = torch.nn.functional.pad(segments, (1, 0), value=-1)[:, :-1]
+        starts = ((segments >= 0) & segments.ne(previous)).flatten().nonzero().squeeze(1)
+        return host_to_device(starts, self.inputs.device)
 
     @property
     def target_mask(self) -> torch.Tensor:
@@ -93,16 +100,6 @@ class Batch:
         return self.real_tokens() / self.inputs.numel()
 
 
-def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To a GPU through pinned memory with non_blocking: a copy from
-    pageable memory makes the host wait until every kernel queued before it has run (a full
-    synchronization per tensor), so the next micro-batch's kernels could not be queued ahead."""
-    device = torch.device(device)
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def collate(samples: list[tuple[np.ndarray, int]], corruption: Corruption, epoch: int, width: int,
             pad_id: int, packed: bool = False, pair_labels: list[int] | None = None, **fields) -> Batch:
     """[(sample ids, sample index)] -> a Batch of `width` columns: one row per sample, or with
@@ -124,9 +121,10 @@ def collate(samples: list[tuple[np.ndarray, int]], corruption: Corruption, epoch
             docs = np.concatenate([[0], np.cumsum(sample[:-1] == EOS)]) + first_document
             documents[row, span], segments[row, span] = docs, segment
             start, first_document = span.stop, int(docs[-1]) + 1
-    return Batch(inputs=torch.from_numpy(inputs), original=torch.from_numpy(original),
+    layout = torch.from_numpy(inputs), torch.from_numpy(documents), torch.from_numpy(segments) if packed else None
+    return Batch(inputs=layout[0], original=torch.from_numpy(original),
                  target_index=torch.from_numpy(np.flatnonzero(targeted)),
-                 targets=torch.from_numpy(original[targeted]), documents=torch.from_numpy(documents),
-                 sample_ids=torch.tensor([index for _, index in samples]), epoch=epoch,
-                 segments=torch.from_numpy(segments) if packed else None,
+                 targets=torch.from_numpy(original[targeted]), documents=layout[1],
+                 sample_ids=torch.tensor([index for _, index in samples]), epoch=epoch, segments=layout[2],
+                 host_layout=layout,
                  pair_labels=None if pair_labels is None else torch.tensor(pair_labels), **fields)

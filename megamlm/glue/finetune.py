@@ -26,13 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamlm.config import OptimConfig
-from megamlm.data.batch import host_to_device
 from megamlm.data.packing import best_fit_decreasing
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError
 from megamlm.glue.metrics import HIGHER_IS_BETTER, compute_metrics
 from megamlm.glue.tasks import Example, Task
-from megamlm.parallel import ParallelContext
+from megamlm.parallel import ParallelContext, host_to_device
 from megamlm.train.schedule import lr_at
 
 
@@ -83,10 +82,11 @@ class SentenceClassifier(nn.Module):
         self.head.to(body.ctx.device)
 
     def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
-                starts: torch.Tensor | None = None) -> torch.Tensor:
+                starts: torch.Tensor | None = None, host_layout: tuple | None = None) -> torch.Tensor:
         """tokens [b, s] one sequence per row -> [b, classes]; packed rows (`pack`): segments [r, w]
-        and the flat index of each sequence's <s>, starts [n] -> [n, classes] in the starts' order."""
-        hidden = self.body(tokens, segments=segments)  # [s, b, h]
+        and the flat index of each sequence's <s>, starts [n] -> [n, classes] in the starts' order.
+        host_layout: (tokens, None, segments) on the CPU (Encoder.hidden_states')."""
+        hidden = self.body(tokens, segments=segments, host_layout=host_layout)  # [s, b, h]
         if starts is None:
             return self.head(hidden[0])  # <s> features [b, h] -> [b, classes]
         width = tokens.size(1)
@@ -140,8 +140,11 @@ def classify(model: SentenceClassifier, sequences: list[list[int]], pad: int, pa
              device: torch.device) -> torch.Tensor:
     """Logits [n, classes] of the sequences, in their order, in the layout `packing` names."""
     if packing == "packed":
-        return model(*(host_to_device(t, device) for t in pack(sequences, pad)))
-    return model(host_to_device(collate(sequences, pad), device))
+        tokens, segments, starts = pack(sequences, pad)
+        return model(*(host_to_device(t, device) for t in (tokens, segments, starts)),
+                     host_layout=(tokens, None, segments))
+    tokens = collate(sequences, pad)
+    return model(host_to_device(tokens, device), host_layout=(tokens, None, None))
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:

@@ -6,7 +6,7 @@ heads only, query/key/value [s, b, np, hn], and returns [s, b, np * hn]; the wor
 `AttentionBackend` chosen by name (`ATTENTION_BACKENDS`, model.attention_backend):
 
     backend = ATTENTION_BACKENDS[name](position)    # one per encoder, shared by its layers
-    layers = backend.prepare_layers(patterns, padding, documents, segments, dtype)   # once per forward
+    layers = backend.prepare_layers(patterns, padding, documents, segments, dtype, host)   # once per forward
     out = backend.attend(q, k, v, layers[pattern].attention, dropout_p, scale)   # in every layer
 
 Attention never crosses a sample (`segments`, packed rows) nor, when `documents` is given
@@ -53,7 +53,7 @@ from megamlm.model.dropout import dropout
 from megamlm.model.flex import attend_with_dropout, compiled_flex_attention, draw_seed, kernel_options
 from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
 from megamlm.model.positions import PositionEncoding, apply_rotation, sample_positions, sample_starts
-from megamlm.model.sequences import attention_groups, shared_sequences, varlen_attention
+from megamlm.model.sequences import LayoutReads, attention_groups, varlen_attention
 from megamlm.parallel import tensor_parallel_rng
 
 
@@ -111,15 +111,17 @@ class AttentionBackend:
         return cls(position)
 
     def prepare_layers(self, patterns, padding: torch.Tensor, documents: torch.Tensor | None,
-                       segments: torch.Tensor | None, dtype: torch.dtype) -> dict[LayerAttention, LayerInputs]:
-        """Each pattern in use (ModelConfig.layer_attention) -> its LayerInputs (`prepare`, the rotation)."""
+                       segments: torch.Tensor | None, dtype: torch.dtype,
+                       host: tuple | None = None) -> dict[LayerAttention, LayerInputs]:
+        """Each pattern in use (ModelConfig.layer_attention) -> its LayerInputs (`prepare`, the rotation).
+        host: (padding, documents, segments) on the CPU, what the layout's sizes are read from (LayoutReads)."""
         rotations = {}  # (cos, sin) for the global / local layers in use, computed once each
         if self.position.rotates:
             positions = sample_positions(segments, padding.size(1), padding.device)
             rotations = {local: self.position.rotation(positions, local)
                          for local in {pattern.window is not None for pattern in patterns}}
-        shared: dict = {}  # what the patterns' preparations have in common (sequences.shared_sequences)
-        return {pattern: LayerInputs(self.prepare(padding, documents, segments, dtype, pattern, shared),
+        reads = LayoutReads(padding, documents, segments, host)  # read once for all the patterns
+        return {pattern: LayerInputs(self.prepare(padding, documents, segments, dtype, pattern, reads),
                                      rotations.get(pattern.window is not None))
                 for pattern in set(patterns)}
 
@@ -129,20 +131,23 @@ class AttentionBackend:
         return None
 
     def prepare(self, padding: torch.Tensor, documents: torch.Tensor | None, segments: torch.Tensor | None,
-                dtype: torch.dtype, pattern: LayerAttention = GLOBAL_ATTENTION, shared: dict | None = None):
+                dtype: torch.dtype, pattern: LayerAttention = GLOBAL_ATTENTION, reads: LayoutReads | None = None):
         """padding [b, s] bool; documents [b, s] (document index, -1 on padding) or None when
         attention may span a whole sample; segments [b, s] (sample index in a packed row, -1 on
-        padding) or None for one sample per row; pattern: the layers' (patterns.py); shared: a dict
-        the preparations of one forward share (prepare_layers) -> the additive bias [b, np|1, s, s]
-        (None where every query may see every key of its row), or PackedRows."""
+        padding) or None for one sample per row; pattern: the layers' (patterns.py); reads: the
+        LayoutReads of the three that the preparations of one forward share (prepare_layers; None: read
+        here) -> the additive bias [b, np|1, s, s] (None where every query may see every key of its
+        row), or PackedRows."""
+        reads = reads or LayoutReads(padding, documents, segments)
         if segments is not None:
-            return self._prepare_packed(documents, segments, dtype, pattern, shared)
-        return self._bias(padding, documents, dtype, pattern)
+            return self._prepare_packed(documents, segments, dtype, pattern, reads)
+        return self._bias(padding, documents, dtype, pattern, reads.any_padding)
 
-    def _bias(self, padding, documents, dtype, pattern: LayerAttention) -> torch.Tensor | None:
+    def _bias(self, padding, documents, dtype, pattern: LayerAttention, any_padding) -> torch.Tensor | None:
+        """any_padding() -> whether a key of `padding` is padded (asked only where it decides)."""
         b, s = padding.shape
         score = self.position.score_bias(s, dtype)
-        if score is None and documents is None and pattern.window is None and not bool(padding.any()):
+        if score is None and documents is None and pattern.window is None and not any_padding():
             return None  # every query sees every key of its row: no mask, so SDPA may take its flash path
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
@@ -163,8 +168,8 @@ class AttentionBackend:
             bias = bias + score[None]
         return bias
 
-    def _prepare_packed(self, documents, segments, dtype, pattern, shared) -> PackedRows:
-        positions, sample, lengths, longest = shared_sequences(shared, None, None, segments)
+    def _prepare_packed(self, documents, segments, dtype, pattern, reads: LayoutReads) -> PackedRows:
+        positions, sample, lengths, longest = reads.sequences(within_documents=False)
         starts = torch.cumsum(lengths, 0) - lengths
         slot = torch.arange(len(sample), device=segments.device) - starts[sample]
         n = len(lengths)
@@ -173,7 +178,9 @@ class AttentionBackend:
         index[sample, slot], filled[sample, slot] = positions, True
         # within each sample, the layout of one padded row per sample: [n, L] -> [n, np|1, L, L]
         docs = None if documents is None else documents.flatten()[index].masked_fill(~filled, -1)
-        return PackedRows(index, positions, sample * longest + slot, self._bias(~filled, docs, dtype, pattern))
+        unequal = len(sample) < n * longest  # a sample shorter than the longest: [n, L] holds padding
+        return PackedRows(index, positions, sample * longest + slot,
+                          self._bias(~filled, docs, dtype, pattern, lambda: unequal))
 
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
         """q, k, v [b, np, s, hn] -> [b, np, s, hn]."""
@@ -224,7 +231,7 @@ class FlexAttention(AttentionBackend):
                     "backward on CPU); use model.attention_backend=sdpa")
         return None
 
-    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, shared=None):
+    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, reads=None):
         """(BlockMask over the rows as they are, packed or not; the position's score parameters or
         None). Distances in a packed row are distances within its samples (they never mix)."""
         groups = attention_groups(padding, documents, segments)
@@ -283,8 +290,9 @@ class VarlenAttention(AttentionBackend):
             return "model.attention_backend=varlen needs a CUDA GPU (torch's varlen FlashAttention); use sdpa"
         return None
 
-    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, shared=None) -> Sequences:
-        positions, _, lengths, longest = shared_sequences(shared, padding, documents, segments)
+    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, reads=None) -> Sequences:
+        reads = reads or LayoutReads(padding, documents, segments)
+        positions, _, lengths, longest = reads.sequences()
         cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
         return Sequences(positions, cu_seqlens, longest, pattern.window)
 

@@ -182,18 +182,27 @@ class Encoder(nn.Module):
         return parameter_count(self, self.ctx.tp_size, self.config.vocab_size)
 
     def hidden_states(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
-                      segments: torch.Tensor | None = None, embedded: torch.Tensor | None = None) -> torch.Tensor:
+                      segments: torch.Tensor | None = None, embedded: torch.Tensor | None = None,
+                      host_layout: tuple | None = None) -> torch.Tensor:
         """tokens [b, s] -> last-layer features [s, b, h]. `documents` [b, s] (document index, -1 on
         padding) keeps attention within each document, used only with model.document_mask;
         `segments` [b, s] marks the samples of packed rows (Batch.segments; None: one per row);
-        `embedded` [s, b, input_size]: the tokens' embeddings, for an encoder built with input_size."""
+        `embedded` [s, b, input_size]: the tokens' embeddings, for an encoder built with input_size;
+        `host_layout`: (tokens, documents, segments) on the CPU with the same padding (Batch.host_layout),
+        where the attention inputs read the layout's sizes without waiting for the device (None: from
+        the device's)."""
         padding = tokens.eq(self.config.pad_token_id)
         x = self.embedding(tokens, padding, segments) if embedded is None else embedded
         if self.embedding_projection is not None:
             x = self.embedding_projection(x)  # [s, b, e] -> [s, b, h]
         documents = documents if self.config.document_mask else None
+        host = None
+        if host_layout is not None:
+            host_tokens, host_documents, host_segments = host_layout
+            host = (host_tokens.eq(self.config.pad_token_id), host_documents if documents is not None else None,
+                    host_segments)
         prepared = self.attention.prepare_layers(self.config.layer_attention(), padding, documents, segments,
-                                                 x.dtype)
+                                                 x.dtype, host)
         # megatron's attention_mask slot carries the backend's prepared inputs per pattern (attention.py);
         # a shared layer (ALBERT) is a one-layer block applied num_layers times
         for _ in range(self.config.num_layers if self.config.share_layers else 1):

@@ -1,13 +1,15 @@
 """The sequences of a batch as attention kernels without padding see them: the groups attention stays
 within (documents, packed samples, rows), their real tokens end to end with their lengths, and the
-varlen kernel (or its CPU stand-in). Reading the lengths needs the data on the host; `shared_sequences`
-makes that happen once per forward whatever the number of attention patterns.
+varlen kernel (or its CPU stand-in). Reading the lengths needs the data on the host: `LayoutReads` reads
+them once per forward, from the batch's host copy when it has one (no wait for the device).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from megamlm.parallel import host_to_device
 
 
 def sequences(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,17 +30,35 @@ def attention_groups(padding: torch.Tensor | None, documents: torch.Tensor | Non
     return segments if segments is not None else padding.long().neg()
 
 
-def shared_sequences(shared: dict | None, padding, documents, segments):
-    """`sequences` of the `attention_groups` and the longest sequence, computed (read from the device) once per
-    forward when the preparations of its attention patterns pass the same `shared` dict."""
-    key = ("sequences", id(padding), id(documents), id(segments))  # alive while the forward prepares
-    if shared is None or key not in shared:
-        positions, sequence, lengths = sequences(attention_groups(padding, documents, segments))
-        value = positions, sequence, lengths, int(lengths.max())
-        if shared is None:
-            return value
-        shared[key] = value
-    return shared[key]
+class LayoutReads:
+    """What the attention preparations of one forward read of the batch's layout on the host — whether
+    any key is padded, the sequences and their lengths — read once whatever the number of attention
+    patterns, and without waiting for the device when the batch brought its layout along on the host.
+
+    padding [b, s] bool, documents / segments [b, s] or None (AttentionBackend.prepare); `host`: the same
+    three on the CPU (copies made before the batch moved to the device) or None: read from the device.
+    """
+
+    def __init__(self, padding: torch.Tensor, documents: torch.Tensor | None, segments: torch.Tensor | None,
+                 host: tuple | None = None):
+        self.device = padding.device
+        self.layout = (padding, documents, segments) if host is None else host
+        self.cache: dict = {}
+
+    def any_padding(self) -> bool:
+        """Whether any key of the batch is padding."""
+        if "any_padding" not in self.cache:
+            self.cache["any_padding"] = bool(self.layout[0].any())
+        return self.cache["any_padding"]
+
+    def sequences(self, within_documents: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """`sequences` of the `attention_groups` (documents left out unless `within_documents`) on the
+        device, and the longest sequence's length."""
+        if within_documents not in self.cache:
+            padding, documents, segments = self.layout
+            found = sequences(attention_groups(padding, documents if within_documents else None, segments))
+            self.cache[within_documents] = (*(host_to_device(t, self.device) for t in found), int(found[2].max()))
+        return self.cache[within_documents]
 
 
 def sequence_by_sequence(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):

@@ -142,22 +142,25 @@ class ElectraModel(Encoder):
 
     def forward(self, inputs: torch.Tensor, original: torch.Tensor, target_index: torch.Tensor,
                 sampling_seed: int, documents: torch.Tensor | None = None,
-                segments: torch.Tensor | None = None) -> ElectraOutput:
-        """inputs (masked) and original [b, s], target_index [n] flat masked positions -> ElectraOutput."""
+                segments: torch.Tensor | None = None, host_layout: tuple | None = None) -> ElectraOutput:
+        """inputs (masked) and original [b, s], target_index [n] flat masked positions -> ElectraOutput.
+        host_layout: of `inputs` (Encoder.hidden_states'); the corrupted text has the same padding (the
+        generator never samples it)."""
         if self.generator is None:
             raise ConfigError("this ELECTRA model has no generator (an exported discriminator): training and "
                               "MLM scoring need one (export with objective.export_generator=true)")
         s = inputs.size(1)
         padding = inputs.eq(self.config.pad_token_id)
         embedded = self.embedding(inputs, padding, segments)  # [s, b, h], shared with the discriminator
-        hidden = self.generator.hidden_states(inputs, documents, segments, embedded=embedded)  # [s, b, h_g]
+        hidden = self.generator.hidden_states(inputs, documents, segments, embedded=embedded,
+                                              host_layout=host_layout)  # [s, b, h_g]
         features = hidden[target_index % s, target_index // s]  # [n, h_g]
         logits = self.generator.lm_head(features, self.embedding.word_embeddings.weight, self.column_bias)
         samples = sample_vocab_parallel(logits.detach(), self.embedding.word_embeddings.vocab_start_index,
                                         self.config.vocab_size, sampling_seed, self.ctx.tp_group)
         corrupted = original.flatten().index_copy(0, target_index, samples).view_as(original)
-        return ElectraOutput(logits, self.discriminator_head(self.hidden_states(corrupted, documents, segments)),
-                             corrupted)
+        hidden = self.hidden_states(corrupted, documents, segments, host_layout=host_layout)  # [s, b, h]
+        return ElectraOutput(logits, self.discriminator_head(hidden), corrupted)
 
 
 def roc_auc(histogram: torch.Tensor) -> float:
@@ -205,7 +208,7 @@ class Electra(MaskedLanguageModeling):
 
     def loss(self, model, batch: Batch) -> LossOutput:
         out = model(batch.inputs, batch.original, batch.target_index, self.sampling_seed(batch),
-                    batch.documents, batch.segments)
+                    batch.documents, batch.segments, batch.host_layout)
         generator_sum = vocab_parallel_loss(out.generator_logits, batch.targets, reduction="sum")
         real = batch.documents >= 0
         replaced = (out.corrupted != batch.original) & real

@@ -73,17 +73,17 @@ class MaskedLM(Encoder):
 
     def forward(self, tokens: torch.Tensor, masked_positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None, segments: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, host_layout: tuple | None = None) -> torch.Tensor:
         """Training: masked_positions selects positions in row-major (b, s) order, either as a
         [b, s] bool mask or as the [n] flat indices b_i * s + s_i (Batch.target_index: selecting by
         a mask makes the device count it, a host sync in the middle of the forward); the result is
         this rank's vocabulary shard [n, V_local] (padded columns -inf), ready for `loss`, or with
         targets [n] (the real ids at those positions) the summed cross-entropy [1] in nats, computed
-        as model.head_loss says.
+        as model.head_loss says. host_layout: Encoder.hidden_states'.
         Inference: without masked_positions, logits at every position over the whole vocabulary,
         [b, s, vocab_size] (gathered over tensor-parallel ranks; differentiable only at TP=1).
         """
-        hidden = self.hidden_states(tokens, documents, segments)  # [s, b, h]
+        hidden = self.hidden_states(tokens, documents, segments, host_layout=host_layout)  # [s, b, h]
         if masked_positions is None:
             features = hidden.transpose(0, 1).reshape(-1, hidden.size(-1))  # [s, b, h] -> [b*s, h]
         else:
@@ -164,7 +164,8 @@ class MaskedLanguageModeling(Objective):
                       span_p=d.span_p, span_max_words=d.span_max_words)
 
     def loss(self, model, batch: Batch) -> LossOutput:
-        loss_sum = model(batch.inputs, batch.target_index, batch.documents, batch.segments, targets=batch.targets)
+        loss_sum = model(batch.inputs, batch.target_index, batch.documents, batch.segments, targets=batch.targets,
+                         host_layout=batch.host_layout)
         return LossOutput(loss_sum, self.count(batch), {})
 
     def parameter_count(self) -> int:

@@ -47,12 +47,12 @@ class PairedMaskedLM(MaskedLM):
         self.initialize(seed, params_dtype)
 
     def forward(self, tokens, masked_positions=None, documents=None, segments=None, targets=None,
-                pair_index: torch.Tensor | None = None):
+                host_layout=None, pair_index: torch.Tensor | None = None):
         """MaskedLM's forward; with `pair_index` [p] (flat (b, s) positions of each sample's `<s>`) and
         `targets`: (Σ MLM cross-entropy [1], pair logits [p, 2]) from one pass of the encoder."""
         if pair_index is None:
-            return super().forward(tokens, masked_positions, documents, segments, targets)
-        hidden = self.hidden_states(tokens, documents, segments)  # [s, b, h]
+            return super().forward(tokens, masked_positions, documents, segments, targets, host_layout)
+        hidden = self.hidden_states(tokens, documents, segments, host_layout=host_layout)  # [s, b, h]
         return self.loss_sum(select(hidden, masked_positions), targets), self.pair_head(select(hidden, pair_index))
 
 
@@ -83,7 +83,7 @@ class SentencePairObjective(MaskedLanguageModeling):
             return LossOutput(torch.cat([mlm.loss_sum.reshape(1), zero]), self.count(batch),
                               {f"{self.kind}_correct": zero.reshape(())})
         mlm_sum, logits = model(batch.inputs, batch.target_index, batch.documents, batch.segments,
-                                targets=batch.targets, pair_index=batch.sample_starts)
+                                targets=batch.targets, host_layout=batch.host_layout, pair_index=batch.sample_starts)
         logits = logits.float()
         pair_sum = F.cross_entropy(logits, batch.pair_labels, reduction="sum")
         correct = (logits.argmax(-1) == batch.pair_labels).sum().detach()

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from megamlm.config import Config, ConfigError, ModelConfig
-from megamlm.data.batch import host_to_device
 from megamlm.data.shards import ShardError, ensure_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
 from megamlm.data.tokenizer import Tokenizer
@@ -29,7 +28,7 @@ from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives import LossTotals, Objective, get_objective
 
-from megamlm.parallel import ParallelContext, init_distributed, seed_everything
+from megamlm.parallel import ParallelContext, host_to_device, init_distributed, seed_everything
 from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, mfu
