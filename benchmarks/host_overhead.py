@@ -57,6 +57,7 @@ def main() -> None:
     tokens = torch.randint(4, 1000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     tokens[:, 0] = 0
     index = torch.arange(1, args.tokens, 6)  # every sixth position a target
+    host_layout = (tokens, None, None)  # the batch's layout on the host, as the loop passes it (Batch.host_layout)
     tokens, index = tokens.to(device), index.to(device)
     targets = tokens.flatten()[index]
     labels = torch.full_like(tokens, -100)
@@ -65,7 +66,7 @@ def main() -> None:
     def megamlm_step(fast: bool):
         def step():
             TensorParallelLinear.one_rank_fast_path = fast
-            ours(tokens, index, targets=targets).sum().backward()
+            ours(tokens, index, targets=targets, host_layout=host_layout).sum().backward()
         return step
 
     def hf_step():

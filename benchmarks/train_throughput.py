@@ -79,11 +79,11 @@ class MasterWeightsAdamW:
             p.grad = None
 
 
-def megamlm_step(model, optimizer, inputs, masked_index, targets, autocast):
-    # as the training loop: flat indices and targets prepared by the loader (no host sync), the summed
-    # loss as model.head_loss computes it
+def megamlm_step(model, optimizer, inputs, masked_index, targets, autocast, host_layout):
+    # as the training loop: flat indices and targets prepared by the loader, the layout read from the
+    # batch's host copy (no host sync), the summed loss as model.head_loss computes it
     with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=autocast):
-        loss = model(inputs, masked_index, targets=targets) / len(targets)
+        loss = model(inputs, masked_index, targets=targets, host_layout=host_layout) / len(targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -152,7 +152,9 @@ def main() -> None:
     vocab = min(m.vocab_size, ours_cfg.vocab_size)  # zero-clap has 50262 rows, its mask id is 50262
     inputs, tokens, masked = make_batch(args.batch, args.seq_length, vocab, vocab - 1, device)
     masked_index, targets = masked.flatten().nonzero().squeeze(1), tokens[masked]
-    steps = {"megamlm": lambda: megamlm_step(ours, optimizers["megamlm"], inputs, masked_index, targets, autocast),
+    host_layout = (inputs.cpu(), None, None)  # what collate keeps (Batch.host_layout)
+    steps = {"megamlm": lambda: megamlm_step(ours, optimizers["megamlm"], inputs, masked_index, targets, autocast,
+                                             host_layout),
              "hf": lambda: hf_step(hf, optimizers["hf"], inputs, tokens, masked, autocast)}
     for step in steps.values():  # warm-up: allocator, kernels, optimizer state
         step()
