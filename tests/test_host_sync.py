@@ -189,6 +189,20 @@ def test_fine_tuning_reads_its_loss_once_per_epoch(world, monkeypatch):
     assert census.counts == {"_local_scalar_dense": 2}  # 3 updates per epoch, 2 epochs: one read per epoch
 
 
+@pytest.mark.parametrize("packing", ["padded", "packed"])
+def test_fine_tuning_batches_bring_their_layout_along(world, packing):
+    # GLUE's forward on the meta device: the learned-position baseline's mask-free check and packed
+    # rows' sample lengths come from the batch's host copy (classify passes it), so no read fails
+    from megamlm.glue.finetune import SentenceClassifier, classify
+
+    seed_everything(1, world)
+    cfg = variant_config("baseline")
+    model = SentenceClassifier(Encoder(cfg.model, world, seed=1), 3, seed=1).to("meta")
+    sequences = [[0, 5, 6, 7, 2], [0, 8, 2], [0, 9, 10, 2, 2, 11, 2]]
+    logits = classify(model, sequences, cfg.model.pad_token_id, packing, torch.device("meta"))
+    assert logits.shape == (3, 3) and logits.device.type == "meta"
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "varlen"])
 def test_the_layout_is_read_once_per_forward_whatever_the_number_of_patterns(backend):
     # ModernBERT's global and local layers share one reading of a packed batch's sample lengths
