@@ -36,6 +36,7 @@ else
     SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
+PROFILE="train.profile_updates=3"
 
 FAILED=""
 step() {  # step NAME LIMIT_SECONDS COMMAND...
@@ -106,10 +107,12 @@ for s in $STEPS; do
         # launch-bound steps: megamlm (one-rank plain linears, megatron's) vs transformers, host time per step
         step host-overhead 120 $PY benchmarks/host_overhead.py --device cuda $SMOKE_HOST ;;
     loop)
-        train_run loop-2048 2048 8 "" 60
-        train_run loop-2048-compiled 2048 8 "train.compile=true" 60
+        # train.profile_updates: the loop's own top kernels and the GPU's busy share (train/profiling.py),
+        # recorded on updates 3-5, inside the first 10 that BENCHMARKS.md's ranges leave out
+        train_run loop-2048 2048 8 "$PROFILE" 60
+        train_run loop-2048-compiled 2048 8 "train.compile=true $PROFILE" 60
         train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60
-        train_run loop-2048-large 2048 8 "" 40 configs/pile/large-zero-clap.yaml
+        train_run loop-2048-large 2048 8 "$PROFILE" 40 configs/pile/large-zero-clap.yaml
         train_run loop-8192 8192 2 "$FLEX train.compile=true" 40
         train_run loop-8192-documents 8192 2 "$FLEX train.compile=true model.document_mask=true" 40 ;;
     packed)

@@ -101,6 +101,7 @@ BAD = [
     (["model.first_layer_norm=false"], "model.first_layer_norm=false needs model.layernorm=pre"),
     (["model.rope_theta=ten", "model.position=rope"], "model.rope_theta='ten' is invalid; allowed: float or null"),
     (["model.local_attention=bigbird"], "model.local_attention=bigbird needs model.local_window"),
+    (["train.profile_updates=-1"], "train.profile_updates=-1 must be >= 0 (0: no profile)"),
 ]
 
 

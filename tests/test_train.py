@@ -152,6 +152,21 @@ def test_compiled_training_gives_the_eager_losses_and_reports_the_compile_time(s
     assert logged(tmp_path / "eager", "compile", "first_update_s") == {}
 
 
+def test_profiled_updates_keep_the_losses_and_leave_an_operator_table(shards, tmp_path):
+    """train.profile_updates: after two warm-up updates the next ones are recorded (here all the run
+    has left: 3 of 5), the table is written and the event logged; the losses are the unprofiled run's."""
+    plain = run_on_ranks(_train, 1, config(shards, tmp_path / "plain", "train.steps=5"))[0]
+    profiled = run_on_ranks(_train, 1, config(shards, tmp_path / "profiled", "train.steps=5",
+                                              "train.profile_updates=10"))[0]
+    assert profiled["losses"] == plain["losses"]
+    assert logged(tmp_path / "profiled", "profile", "updates") == {5: 3}
+    assert logged(tmp_path / "profiled", "profile", "update_s")[5] > 0
+    assert logged(tmp_path / "profiled", "profile", "device_busy") == {5: None}  # CPU: no device time
+    table = (tmp_path / "profiled" / "profile.txt").read_text()
+    assert "aten::addmm" in table or "aten::mm" in table
+    assert not (tmp_path / "plain" / "profile.txt").exists()
+
+
 def diverge_after_3(step, loss):
     return float("inf") if step > 3 else loss
 

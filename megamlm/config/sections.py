@@ -186,6 +186,10 @@ class TrainConfig:
     max-autotune: also searches matmul / Triton configurations (minutes of compilation). GPU options,
     to be measured (benchmarks/train_throughput.py --compile --compile-mode); on CPU they compile as
     default."""
+    profile_updates: int = 0
+    """Updates to record with torch.profiler after two warm-up updates (rank 0; 0: none): prints the
+    operator table (by device time on a GPU), writes it to run_dir/profile.txt and logs a `profile`
+    event with the time per update and the share of it the GPU was busy (train/profiling.py)."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     spike_factor: float = 3.0
@@ -203,6 +207,8 @@ class TrainConfig:
                     "keep_last", "spike_patience", "spike_window"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
+        if self.profile_updates < 0:
+            raise ConfigError(f"train.profile_updates={self.profile_updates} must be >= 0 (0: no profile)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage={self.zero_stage} is invalid; allowed: 0 | 1 | 2 | 3")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:

@@ -35,6 +35,7 @@ from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 from megamlm.train.log import Log
+from megamlm.train.profiling import UpdateProfiler
 from megamlm.train.signals import Preemption
 
 
@@ -176,6 +177,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     valid = valid_stream(cfg, ctx, data)
     guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_patience, cfg.train.spike_window)
     preemption = Preemption()
+    profiler = UpdateProfiler(cfg.train.profile_updates, state.step, cfg.train.steps, ctx.device,
+                              run_dir / "profile.txt", enabled=rank0)
     peak, peak_source = device_peak(ctx.device, cfg.train.precision)
     update = (f"{stream.units_per_micro} micro x {accumulation} accumulation x {ctx.dp_size} DP = "
               + (f"{stream.global_batch} packed rows of {stream.budget} tokens" if stream.packed
@@ -243,6 +246,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             log.event("compile", state.step, f"compile: the first update took {_duration(first)} "
                       f"({first:.1f} s), compilation included; later updates show the compiled speed",
                       first_update_s=first)
+        profiler.update_done(state.step, log)  # train.profile_updates: records a few updates after warm-up
 
         if state.step % cfg.train.log_interval == 0 or state.step == cfg.train.steps:
             elapsed = time.perf_counter() - window_start

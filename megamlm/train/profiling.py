@@ -1,0 +1,78 @@
+"""train.profile_updates: where the training loop's own updates spend their time (torch.profiler).
+
+The benchmarks profile a bare step; the loop adds the engine (DeepSpeed's optimizer and gradient
+accumulation), the data loader and the per-update read of the loss. After `WARM_UP` updates
+(compilation happens in the first) the next `train.profile_updates` are recorded on rank 0, which
+prints the operator table (by device time on a GPU, by CPU time otherwise), writes it to
+run_dir/profile.txt and logs a `profile` event: the wall time per update and, on a GPU, the share of
+it the device was busy — the rest is time the GPU waited for the host (launches, reads, data,
+optimizer bookkeeping). The profiled updates run slower than the others; log lines of their window
+show it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+WARM_UP = 2
+"""Updates run before recording starts (the first compiles under train.compile / Flex)."""
+
+
+class UpdateProfiler:
+    """Records updates first_step + WARM_UP + 1 .. (at most last_step) when `updates` > 0 and `enabled`."""
+
+    def __init__(self, updates: int, first_step: int, last_step: int, device: torch.device, path: Path,
+                 enabled: bool = True):
+        self.start = first_step + WARM_UP  # recording starts once this update is done
+        self.stop = min(self.start + updates, last_step)
+        self.active = enabled and updates > 0 and self.start < self.stop
+        self.device, self.path = device, path
+        self.profiler: profile | None = None
+        self.recorded, self.began = 0, 0.0
+
+    def update_done(self, step: int, log) -> None:
+        """Call after each update (`step`: updates done): starts, counts or finishes the recording."""
+        if not self.active:
+            return
+        if self.profiler is None:
+            if step >= self.start:
+                self._synchronize()
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+                self.profiler = profile(activities=activities)
+                self.profiler.start()
+                self.began = time.perf_counter()
+            return
+        self.recorded += 1
+        if step >= self.stop:
+            self._synchronize()
+            wall = time.perf_counter() - self.began
+            self.profiler.stop()
+            self._report(step, wall, log)
+            self.active = False
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _report(self, step: int, wall: float, log) -> None:
+        averages = self.profiler.key_averages()
+        on_device = self.device.type == "cuda"
+        # kernel time, as torch's table footer sums it ("Self CUDA time total"), in microseconds
+        busy = sum(e.self_device_time_total for e in averages
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)) / 1e6 \
+            if on_device else None
+        table = averages.table(sort_by="self_cuda_time_total" if on_device else "self_cpu_time_total",
+                               row_limit=30, max_name_column_width=70)
+        self.path.write_text(table)
+        print(table, flush=True)
+        per_update = wall / self.recorded
+        text = f"profile: {self.recorded} update{'s' if self.recorded > 1 else ''}, {per_update * 1e3:.1f} ms each"
+        if busy is not None:
+            text += f"; the device busy {100 * busy / wall:.1f}% of it (the rest it waited for the host)"
+        log.event("profile", step, f"{text}; operators in {self.path}", updates=self.recorded,
+                  update_s=per_update, device_busy=None if busy is None else busy / wall)
