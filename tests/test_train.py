@@ -152,6 +152,7 @@ def test_compiled_training_gives_the_eager_losses_and_reports_the_compile_time(s
     assert logged(tmp_path / "eager", "compile", "first_update_s") == {}
 
 
+@pytest.mark.slow
 def test_profiled_updates_keep_the_losses_and_leave_an_operator_table(shards, tmp_path):
     """train.profile_updates: after two warm-up updates the next ones are recorded (here all the run
     has left: 3 of 5), the table is written and the event logged; the losses are the unprofiled run's."""
