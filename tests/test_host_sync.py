@@ -98,8 +98,9 @@ OBJECTIVES = {"mlm": [], "electra": ["objective.name=electra", "objective.genera
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("objective", ["mlm", "sop"])  # ELECTRA's sampling needs a generator, which meta lacks
-@pytest.mark.parametrize("variant", [*VARIANTS, "document-mask"])
+# ELECTRA's sampling needs a generator, which meta lacks; SOP adds the pair head's sample starts
+@pytest.mark.parametrize("variant, objective", [(v, "mlm") for v in [*VARIANTS, "document-mask"]]
+                         + [(v, "sop") for v in ("baseline", "zero-clap", "modernbert")])
 def test_a_step_runs_on_the_meta_device(world, variant, objective, layout):
     # the batch brings its layout along on the host (Batch.host_layout): whether any key is padded, the
     # packed samples' lengths and starts are read there, so nothing of the step waits for the device
