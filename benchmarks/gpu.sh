@@ -32,15 +32,16 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_HOST="--device cpu --rounds 1 --steps 2"
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
     SMOKE_LENGTH=256 RUNS=$LOG_DIR/runs
+    SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
 
 FAILED=""
 step() {  # step NAME LIMIT_SECONDS COMMAND...
-    local name=$1 limit=$2
+    local name=$1 limit=${SMOKE_LIMIT:-$2}
     shift 2
     echo "=== $name: $*"
     local start=$SECONDS
