@@ -27,13 +27,23 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak: float, devices: int) 
     return value if 0 < value <= 1 else None
 
 
-def measured_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024, trials: int = 5) -> float:
+def measured_matmul_peak(dtype: torch.dtype = torch.float32, max_size: int = 1024, trials: int = 5,
+                         slow_s: float = 0.05) -> float:
     """FLOP/s of a square matmul on this CPU (the reference for MFU on machines without a table): the
     best of `trials` timings of 5 matmuls, because one timing caught by a moment of other load read
-    a third of the rate (and the log then showed MFU 99% or n/a)."""
+    a third of the rate (and the log then showed MFU 99% or n/a). The size doubles from 128 up to
+    `max_size` while one matmul takes under `slow_s`: a CPU without bf16 units (0.5 GFLOP/s) spent
+    4 s on one bf16 matmul of 1024 and 2 minutes on the measurement; fp32 reaches 1024."""
     generator = torch.Generator().manual_seed(0)  # leave the training RNG streams alone
-    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
-    a @ b
+    size = 128
+    while True:
+        a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+        a @ b  # warm-up
+        start = time.perf_counter()
+        a @ b
+        if size >= max_size or time.perf_counter() - start > slow_s:
+            break
+        size *= 2
     best, reps = 0.0, 5
     for _ in range(trials):
         start = time.perf_counter()
