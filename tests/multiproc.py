@@ -9,6 +9,7 @@ through a file. A failure on any rank re-raises in the test with that rank's tra
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -40,6 +41,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, environ: dict, 
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    # a fork server's child inherits "forkserver" as its default start method; a torchrun rank has
+    # none set, so its data-loader workers fork (and do not import torch again in a new server)
+    multiprocessing.set_start_method(None, force=True)
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
