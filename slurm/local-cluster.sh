@@ -40,6 +40,9 @@ SlurmdPort=16818
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job waits cred_expire seconds before it may start again (default 120: two of the
+# preemption tests' four minutes); also the job step credentials' lifetime, ample on one machine
+AuthInfo=cred_expire=20
 CredType=cred/munge
 StateSaveLocation=$ROOT_DIR/state
 SlurmdSpoolDir=$ROOT_DIR/spool-%n
