@@ -2,14 +2,13 @@
 
 Each rank is a new process (torch and gloo state start clean), forked from a server process that
 imported torch, megatron-core, DeepSpeed and megamlm once for the whole session: a spawned rank
-spent ~5 s importing them, for every one of the suite's ~100 multi-rank runs. Each rank gets the
+spent ~5 s importing them, in every multi-rank run of the suite. Each rank gets the
 test's current environment plus torchrun's variables, runs `fn(*args)` and returns its result
 through a file. A failure on any rank re-raises in the test with that rank's traceback.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 import tempfile
@@ -27,12 +26,8 @@ def free_port() -> int:
 
 # imported once by the fork server (a module that fails to import is left to the rank to import)
 PRELOAD = ["torch", "megatron.core", "deepspeed", "transformers", "megamlm.train.loop", "megamlm.glue"]
-
-
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(PRELOAD)
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, environ: dict, fn, args) -> None:
@@ -43,7 +38,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, environ: dict, 
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     # a fork server's child inherits "forkserver" as its default start method; a torchrun rank has
     # none set, so its data-loader workers fork (and do not import torch again in a new server)
-    multiprocessing.set_start_method(None, force=True)
+    mp.set_start_method(None, force=True)
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -60,9 +55,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, environ: dict, 
 def run_on_ranks(fn, world_size: int = 2, *args, timeout: float = 600):
     """Results of `fn(*args)` on ranks 0..world_size-1 (fn must be importable, i.e. top level)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = _context()
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, dict(os.environ), fn, args))
+        procs = [CONTEXT.Process(target=_worker, args=(r, world_size, port, out_dir, dict(os.environ), fn, args))
                  for r in range(world_size)]
         for p in procs:
             p.start()
