@@ -184,7 +184,7 @@ def _load_and_compare(cfg, tag: str) -> dict:
                     **{k: safe_get_full_optimizer_state(param, k) for k in KINDS[1:]}}
         for kind, local in held.items():
             full = to_full(engine.module, param, local.view(getattr(param, "ds_shape", param.shape)))
-            worst = max(worst, (full - expected.tensors[name][kind]).abs().max().item())
+            worst = max(worst, (full - expected.full(name, kind)).abs().max().item())
     step = next(iter(base.state[t] for t in base.state if base.state[t]))["step"].item()
     return {"worst": worst, "optimizer": type(optimizer).__name__, "resharded": state.resharded,
             "step": step, "source_step": expected.optimizer_step, "lr": schedule.get_last_lr()[0],

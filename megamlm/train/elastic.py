@@ -5,10 +5,15 @@ A checkpoint's DeepSpeed files hold every optimizer tensor (fp32 master weights,
 moments) cut twice: by tensor parallelism (megamlm's shard rules, `megamlm.model.tp`) and by ZeRO's
 data-parallel partitions (stage 0: none; 1/2: one flat range per rank, mapped to parameter names by
 DeepSpeed's own `param_slice_mappings`, the index its universal checkpoints are made from; 3: each
-parameter cut in DP equal parts). `read_full_state` undoes both cuts into one full (TP=1) tensor per
-parameter and kind; `load_full_state` cuts them again for the running engine through DeepSpeed's
-tensor-fragment API (`safe_set_full_fp32_param` / `safe_set_full_optimizer_state`, which address
-ZeRO-1/2/3 and the bf16 optimizer alike), or the parameters and torch's optimizer state at stage 0.
+parameter cut in DP equal parts). `read_full_state` indexes both cuts; `FullState.full` undoes them
+into one full (TP=1) tensor per kind, one parameter at a time; `load_full_state` cuts each again for
+the running engine through DeepSpeed's tensor-fragment API (`safe_set_full_fp32_param` /
+`safe_set_full_optimizer_state`, which address ZeRO-1/2/3 and the bf16 optimizer alike), or the
+parameters and torch's optimizer state at stage 0.
+
+Every rank reads every file it needs, so the files are memory-mapped: the ranks of a node share one
+copy in the page cache (and one read from the file system), and a rank's own memory holds the full
+form of one parameter at a time, not the whole optimizer state (`benchmarks/elastic_memory.py`).
 
 Why not DeepSpeed's `ds_to_universal` + `load_universal` as they are: the loader cannot fill a
 stage-0 engine (every fp32 run on one DP rank is one), it reads the module from model-state files
@@ -30,10 +35,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megamlm.config import Config, ConfigError, config_from_dict
+from megamlm.config import Config, ConfigError, ModelConfig, config_from_dict
 from megamlm.data.stream import StreamPosition
 from megamlm.model.reshard import from_full
-from megamlm.model.tp import merge_shards
+from megamlm.model.tp import merge_shards, shard_rule
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 """What the optimizer holds per parameter: the master weights and AdamW's two moments."""
@@ -106,7 +111,8 @@ def convert_position(position: StreamPosition, written: Layout, running: Layout,
 # ---- reading: DeepSpeed files -> full tensors ---------------------------------------------------------
 
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)  # our own checkpoint: trusted
+    # our own checkpoint: trusted; mmap: tensors are views of the file, read when a parameter is assembled
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 def _optimizer_file(folder: Path, dp_rank: int, tp_rank: int) -> dict:
@@ -116,8 +122,23 @@ def _optimizer_file(folder: Path, dp_rank: int, tp_rank: int) -> dict:
     return _load(path)["optimizer_state_dict"]
 
 
-Shard = dict[str, dict[str, torch.Tensor]]
-"""One TP rank's tensors: parameter name -> kind (KINDS) -> tensor shaped like that rank's parameter."""
+@dataclass(frozen=True)
+class Pieces:
+    """One TP rank's tensor of one parameter and kind, as views of the checkpoint's (memory-mapped)
+    flat tensors: nothing is read before `tensor()`."""
+
+    parts: list[torch.Tensor]
+    """1-D slices end to end (a ZeRO-3 part may run past the tensor: padding)."""
+    shape: torch.Size
+    """The shape of that rank's parameter."""
+
+    def tensor(self) -> torch.Tensor:
+        flat = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+        return flat[: self.shape.numel()].view(self.shape)
+
+
+Shard = dict[str, dict[str, Pieces]]
+"""One TP rank's tensors: parameter name -> kind (KINDS) -> its pieces."""
 
 
 def _stage0(folder: Path, tp_rank: int, names: list[str]) -> tuple[Shard, float]:
@@ -130,8 +151,10 @@ def _stage0(folder: Path, tp_rank: int, names: list[str]) -> tuple[Shard, float]
         moments = optimizer["optimizer_state_dict"]["state"]
     else:
         masters, moments = [states["module"][name] for name in names], optimizer["state"]
-    shard = {name: {"fp32": masters[i].float(), "exp_avg": moments[i]["exp_avg"],
-                    "exp_avg_sq": moments[i]["exp_avg_sq"]} for i, name in enumerate(names)}
+    tensors = {name: {"fp32": masters[i], "exp_avg": moments[i]["exp_avg"], "exp_avg_sq": moments[i]["exp_avg_sq"]}
+               for i, name in enumerate(names)}
+    shard = {name: {kind: Pieces([t.flatten()], t.shape) for kind, t in kinds.items()}
+             for name, kinds in tensors.items()}
     return shard, float(moments[0]["step"])
 
 
@@ -151,7 +174,7 @@ def _stage12(folder: Path, tp_rank: int, dp: int) -> tuple[Shard, float]:
                     pieces.setdefault(name, {}).setdefault(kind, []).append(
                         flat.narrow(0, fragment.start, fragment.numel))
     shape_of = {name: shape for group in shapes for name, shape in group.items()}
-    shard = {name: {kind: torch.cat(parts).view(shape_of[name]) for kind, parts in kinds.items()}
+    shard = {name: {kind: Pieces(parts, shape_of[name]) for kind, parts in kinds.items()}
              for name, kinds in pieces.items()}
     return shard, float(moments[0]["step"])
 
@@ -171,25 +194,38 @@ def _stage3(folder: Path, tp_rank: int, dp: int) -> tuple[Shard, float]:
         offset = 0
         for name, shape in group_shapes.items():
             part = math.ceil(shape.numel() / dp)
-            shard[name] = {kind: torch.cat([flats[r][group][kind].narrow(0, offset, part) for r in range(dp)])
-                           [: shape.numel()].view(shape) for kind in KINDS}
+            shard[name] = {kind: Pieces([flats[r][group][kind].narrow(0, offset, part) for r in range(dp)], shape)
+                           for kind in KINDS}
             offset += part
     return shard, float(moments[0]["step"])
 
 
 @dataclass
 class FullState:
-    tensors: dict[str, dict[str, torch.Tensor]]
-    """parameter name -> kind (KINDS) -> full (TP=1) fp32 tensor."""
+    shards: list[Shard]
+    """Per written TP rank: what its files hold, indexed (nothing read yet)."""
+    model: ModelConfig
+    """The written model (how its parameters are sharded)."""
     optimizer_step: float
     """AdamW's step count (the same for every parameter: each one is updated at every step)."""
     engine: dict
     """DeepSpeed's counters and the LR schedule's state, from the model-state file of rank 0."""
 
+    @property
+    def names(self) -> list[str]:
+        return list(self.shards[0])
+
+    def full(self, name: str, kind: str) -> torch.Tensor:
+        """The full (TP=1) fp32 tensor of parameter `name`'s `kind` (KINDS), read now."""
+        # replicated parameters: TP rank 0's copy, as DeepSpeed's universal checkpoints take it
+        ranks = self.shards if shard_rule(name)[0] is not None else self.shards[:1]
+        parts = [{name: shard[name][kind].tensor()} for shard in ranks]
+        return merge_shards(parts, self.model, check_replicas=False)[name].float()
+
 
 def read_full_state(folder: Path, written: Layout, names: list[str], cfg: Config) -> FullState:
-    """Every optimizer tensor of checkpoint `folder` in full form (`names`: the model's parameters in
-    order, which a stage-0 file indexes by position)."""
+    """Every optimizer tensor of checkpoint `folder`, to be read in full form parameter by parameter
+    (`names`: the model's parameters in order, which a stage-0 file indexes by position)."""
     per_tp = []
     for tp_rank in range(written.tp):
         if written.zero_stage == 0:
@@ -199,15 +235,11 @@ def read_full_state(folder: Path, written: Layout, names: list[str], cfg: Config
         else:
             shard, step = _stage3(folder, tp_rank, written.dp)
         per_tp.append(shard)
-    # replicated parameters: TP rank 0's copy, as DeepSpeed's universal checkpoints take it
-    tensors = {kind: merge_shards([{n: s[n][kind] for n in s} for s in per_tp], cfg.model, check_replicas=False)
-               for kind in KINDS}
     first = (folder / "mp_rank_00_model_states.pt") if written.zero_stage < 3 else \
         (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     engine = {k: v for k, v in _load(first).items() if k in ("global_steps", "global_samples", "skipped_steps",
                                                                "lr_scheduler")}
-    return FullState({name: {kind: tensors[kind][name] for kind in KINDS} for name in tensors["fp32"]},
-                     step, engine)
+    return FullState(per_tp, cfg.model, step, engine)
 
 
 # ---- loading: full tensors -> the running engine ----------------------------------------------------
@@ -257,26 +289,25 @@ def load_full_state(engine, schedule, state: FullState) -> None:
         optimizer._lazy_init_hp_params_optimizer_state()  # links each parameter to its moment fragments
     params = dict(model.named_parameters())
     masters = _stage0_masters(engine, optimizer, base)
-    if set(params) != set(state.tensors):
-        missing, unexpected = sorted(set(params) - set(state.tensors)), sorted(set(state.tensors) - set(params))
+    if set(params) != set(state.names):
+        missing, unexpected = sorted(set(params) - set(state.names)), sorted(set(state.names) - set(params))
         raise ConfigError(f"the checkpoint's parameters differ from the model's: missing {missing or 'none'}, "
                           f"unexpected {unexpected or 'none'}")
     for name, param in params.items():
-        local = {kind: from_full(model, param, full) for kind, full in state.tensors[name].items()}
-        if hasattr(param, "ds_id"):  # ZeRO-3: the module holds only this rank's partition
-            with zero.GatheredParameters([param], modifier_rank=0):
-                param.data.copy_(local["fp32"].to(param.dtype))
-        else:
-            param.data.copy_(local["fp32"].to(param.dtype))
-        if masters is not None:
-            master = masters[id(param)]
-            master.data.copy_(local["fp32"])
-            for kind in KINDS[1:]:
-                base.state[master][kind].copy_(local[kind])
-        else:  # each rank sets the fragments its partition holds (ZeRO-1/2: maybe none of this one)
-            safe_set_full_fp32_param(param, local["fp32"])
-            for kind in KINDS[1:]:
-                safe_set_full_optimizer_state(param, local[kind], kind)
+        for kind in KINDS:  # one full tensor in memory at a time
+            local = from_full(model, param, state.full(name, kind))
+            if kind == "fp32" and hasattr(param, "ds_id"):  # ZeRO-3: the module holds only this rank's partition
+                with zero.GatheredParameters([param], modifier_rank=0):
+                    param.data.copy_(local.to(param.dtype))
+            elif kind == "fp32":
+                param.data.copy_(local.to(param.dtype))
+            if masters is not None:
+                master = masters[id(param)]
+                (master if kind == "fp32" else base.state[master][kind]).data.copy_(local)
+            elif kind == "fp32":  # each rank sets the fragments its partition holds (ZeRO-1/2: maybe none of this one)
+                safe_set_full_fp32_param(param, local)
+            else:
+                safe_set_full_optimizer_state(param, local, kind)
     for tensor in stepped:
         base.state[tensor]["step"].fill_(state.optimizer_step)
     schedule.load_state_dict(state.engine["lr_scheduler"])
