@@ -16,7 +16,7 @@
 # it, varlen with the kernel's window). Each step has its own time limit and log file; a failed step is
 # reported and the next one runs.
 #   GPU_SH_SMOKE=1 bash benchmarks/gpu.sh LOG_DIR [STEP ...]
-# runs every command at toy size (tiny model, 64-128 tokens, a few updates) on whatever device there is:
+# runs every command at toy size (tiny model, 16-token benchmarks, 128-token training runs, a few updates) on whatever device there is:
 # the check, on a CPU, that a lease will not be spent on a broken command (tests/test_gpu_script.py).
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
@@ -27,7 +27,7 @@ mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
 TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
 if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options and overrides win
-    SMOKE_BENCH="--model tiny --seq-length 64 --batch 1 --rounds 1 --steps 1"
+    SMOKE_BENCH="--model tiny --seq-length 16 --batch 1 --rounds 1 --steps 1"
     SMOKE_ATTENTION="--lengths 128,256 --batch 1 --heads 2 --repeats 1"
     SMOKE_HOST="--device cpu --rounds 1 --steps 2"
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
