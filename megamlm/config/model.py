@@ -172,7 +172,13 @@ class ModelConfig:
     50,304). Smaller chunks hold less, larger ones run larger matmuls (GPU: measure with
     benchmarks/head_memory.py --set model.head_loss_chunk=...)."""
     init_std: float = 0.02
-    """Standard deviation of the normal initialization (BERT's init)."""
+    """Standard deviation of the normal initialization (BERT's init; `init` may scale it per weight)."""
+    init: Literal["bert", "modernbert"] = "bert"
+    """How weights are drawn (model/init.py INIT_SCHEMES). bert: every weight and embedding ~
+    N(0, init_std) (fairseq's init_bert_params); modernbert: transformers' ModernBERT init, a normal cut
+    at ±2σ with σ = init_std for the embeddings, QKV and the first FFN linear and σ = init_std /
+    sqrt(2 · num_layers) for each layer's output projections (attention out, second FFN linear) and the
+    MLM head's dense layer. Biases 0 and norms 1 in both."""
 
     def __post_init__(self):
         check_fields(self, "model")

@@ -1,8 +1,11 @@
 """Parameter initialization that does not depend on the tensor-parallel degree.
 
-fairseq's init_bert_params: weights and embeddings ~ N(0, 0.02), biases 0, LayerNorm 1/0, the
-position pad row 0 (and the token pad row 0 unless CLAP / zero-clap build the table without
-padding_idx).
+model.init names a scheme (INIT_SCHEMES). bert is fairseq's init_bert_params: weights and embeddings
+~ N(0, 0.02), biases 0, LayerNorm 1/0, the position pad row 0 (and the token pad row 0 unless CLAP /
+zero-clap build the table without padding_idx). modernbert is transformers' ModernBertPreTrainedModel
+init: a normal truncated at ±2σ, σ scaled down by sqrt(2 · layers) for the projections that write
+into the residual stream (Megatron's and GPT-2's scaled init); the pad rows as in bert (transformers
+draws its pad row too, but nothing reads it: padded keys are masked and padded positions have no loss).
 
 Each parameter is drawn whole, at its TP=1 shape, from a generator seeded by (seed, parameter
 name), and this rank keeps its slice along the parameter's `partition_dim`. Vocab-parallel tables
@@ -17,11 +20,40 @@ import zlib
 import torch
 from torch import nn
 
+import math
+from dataclasses import dataclass
+
 from megamlm.config import ModelConfig
+from megamlm.model import names
 from megamlm.model.norm import NORM_TYPES
 from megamlm.model.tp import full_shape, shard
 
 _NOT_RANDOM = ("beta", "log_slopes")  # set by their modules from the config / Press et al.
+
+
+@dataclass(frozen=True)
+class InitScheme:
+    cutoff: float | None
+    """Draws are cut at ± cutoff·σ (torch's trunc_normal_); None: a plain normal."""
+    scaled: tuple[str, ...]
+    """Name templates (model/names.py) whose σ is init_std / sqrt(2 · num_layers) (ELECTRA's generator's
+    too, with the discriminator's num_layers: one config initializes both)."""
+
+
+INIT_SCHEMES = {
+    "bert": InitScheme(cutoff=None, scaled=()),
+    # transformers' ModernBertPreTrainedModel._init_weights: "in" (init_std) for the embeddings, Wqkv and
+    # Wi; "out" (init_std / sqrt(2 L)) for both Wo and the head's dense layer; cutoff factor 2
+    "modernbert": InitScheme(cutoff=2.0, scaled=(names.ATTENTION_OUT, names.FC2, names.LM_HEAD_DENSE)),
+}
+"""model.init -> its scheme (the names of ModelConfig.init)."""
+
+
+def _draw(shape: list[int], std: float, cutoff: float | None, generator: torch.Generator) -> torch.Tensor:
+    full = torch.empty(shape)
+    if cutoff is None:
+        return full.normal_(0.0, std, generator=generator)
+    return torch.nn.init.trunc_normal_(full, 0.0, std, -cutoff * std, cutoff * std, generator=generator)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -32,6 +64,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: int,
                     tp_size: int) -> None:
     zero_token_pad_row = model.head != "clap" and not model.zero_mask
+    scheme = INIT_SCHEMES[model.init]
+    scaled = [names.pattern(template) for template in scheme.scaled]
+    scaled_std = model.init_std / math.sqrt(2.0 * model.num_layers)
     norms = tuple(m for m in module.modules() if isinstance(m, NORM_TYPES))
     norm_params = {id(p) for m in norms for p in m.parameters()}
     for name, param in module.named_parameters():
@@ -45,7 +80,8 @@ def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: i
             continue
         shape = full_shape(param, tp_size, model.vocab_size)
         vocab_parallel = getattr(param, "vocab_parallel", False)
-        full = torch.empty(shape).normal_(0.0, model.init_std, generator=_generator(seed, name))
+        std = scaled_std if any(p.match(name) for p in scaled) else model.init_std
+        full = _draw(shape, std, scheme.cutoff, _generator(seed, name))
         if vocab_parallel:
             if zero_token_pad_row:
                 full[model.pad_token_id] = 0

@@ -8,6 +8,8 @@ megatron's layer for the configured LayerNorm order (LAYER_NORM_SLOTS).
 
 from __future__ import annotations
 
+import re
+
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_TABLE = "embedding.positions.weight"
 TOKEN_TYPES = "embedding.token_types.weight"
@@ -32,6 +34,13 @@ GENERATOR_PREFIX = "generator."
 LAYER_NORM_SLOTS = {"post": {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_mlp_layernorm"},
                     "pre": {"attn_norm": "input_layernorm", "mlp_norm": "pre_mlp_layernorm"}}
 """model.layernorm -> megatron's LayerNorm slots (PostLNTransformerLayer adds the post ones)."""
+
+
+def pattern(template: str) -> re.Pattern:
+    """The names a template stands for ({i}: any layer, {kind}: weight | bias), also under ELECTRA's
+    generator prefix (a second encoder's names)."""
+    escaped = re.escape(template).replace(r"\{i\}", r"\d+").replace(r"\{kind\}", "(weight|bias)")
+    return re.compile(f"({re.escape(GENERATOR_PREFIX)})?{escaped}$")
 
 
 def weight_and_bias(theirs: str, ours: str) -> list[tuple[str, str]]:

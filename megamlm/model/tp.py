@@ -14,8 +14,6 @@ that every rank gates its own columns; `shard` / `unshard` are the one place tha
 
 from __future__ import annotations
 
-import re
-
 import math
 
 import torch
@@ -38,18 +36,12 @@ SHARD_RULES: list[tuple[str, int, bool]] = [
 ]
 
 
-def _pattern(template: str) -> re.Pattern:
-    """The template's names, also under ELECTRA's generator prefix (a second encoder's names)."""
-    escaped = re.escape(template).replace(r"\{i\}", r"\d+").replace(r"\{kind\}", "(weight|bias)")
-    return re.compile(f"({re.escape(names.GENERATOR_PREFIX)})?{escaped}$")
-
-
-_RULES = [(_pattern(template), dim, vocab) for template, dim, vocab in SHARD_RULES]
+_RULES = [(names.pattern(template), dim, vocab) for template, dim, vocab in SHARD_RULES]
 
 
 def shard_stride(name: str, model: ModelConfig) -> int:
     """Halves each TP shard of `name` holds: 2 for a gated FFN's first linear, else 1."""
-    return 2 if model.gated_ffn and _pattern(names.FC1).match(name) else 1
+    return 2 if model.gated_ffn and names.pattern(names.FC1).match(name) else 1
 
 
 def shard(full: torch.Tensor, dim: int, tp: int, rank: int, stride: int = 1) -> torch.Tensor:
