@@ -5,8 +5,14 @@ Memory per GPU (bytes; P = parameters, TP/DP the parallel degrees, w = 2 for bf1
   weights      P/TP · w                 (ZeRO-3: / DP)
   gradients    P/TP · w                 (ZeRO-2/3: / DP)
   optimizer    P/TP · (8 + 4 master if w == 2)   Adam moments (+ fp32 master copy)  (ZeRO-1+: / DP)
-  activations  L · s · b · h · (34 + 5 · a · s / h) · w/2 / TP   (Korthikanti et al. 2022, no
-               recomputation; attention scores a·s² dominate at long sequences)
+  activations  L · s · b · h · (34 + 5 · a · s / h) · w/2 / TP   (Korthikanti et al. 2022); the
+               5·a·s/h term is the scores, softmax and dropout mask [b, a, s, s], which only the eager
+               backend keeps: sdpa (flash / cuDNN / memory-efficient on a GPU), flex and varlen are
+               fused kernels that keep O(s) per head. train.activation_checkpointing: each layer keeps
+               its input (L · s · b · h · w) and one layer's activations exist at a time.
+  attention bias  sdpa's (and eager's) additive bias, built once per forward and attention pattern and shared by
+               its layers: b · s² · w per pattern with a window or model.document_mask, b · a/TP · s² · w
+               with a score term (ALiBi); at most that for packed rows (one [L, L] block per sample)
 Wall time = flops/token (the objective's) · token slots · updates / (GPUs · peak · MFU). Of the slots,
 the fill (real tokens / slots) trains: measured 0.99 for data.packing=packed (best fit) and 0.745 padded
 (the reference's `complete` samples of Pile-like documents at 2048; BENCHMARKS.md); the training log's
@@ -18,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamlm.config import Config, ConfigError
+from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
 from megamlm.train.flops import GPU_PEAKS
 
@@ -69,7 +76,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
         raise ConfigError(f"parallel.tensor_parallel={tp} does not divide {nodes} nodes x "
                           f"{gpus_per_node} GPUs = {gpus}")
     dp = gpus // tp
-    train, m, s = cfg.train, cfg.model, cfg.data.seq_length
+    train, s = cfg.train, cfg.data.seq_length
     accumulation = train.accumulation_steps(dp)
     global_batch = train.micro_batch_size * accumulation * dp
     # token slots of one micro-batch: micro rows of s, or one packed row of its budget
@@ -83,8 +90,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
         "weights": params / tp * w / (dp if stage >= 3 else 1),
         "gradients": params / tp * w / (dp if stage >= 2 else 1),
         "optimizer": params / tp * (8 + (4 if w == 2 else 0)) / (dp if stage >= 1 else 1),
-        "activations": (m.num_layers * micro_tokens * m.hidden_size
-                        * (34 + 5 * m.num_attention_heads * s / m.hidden_size) * w / 2 / tp),
+        **activations(cfg, micro_tokens, w, tp),
     }
     memory["total"] = sum(memory.values())
     if gpu not in GPU_PEAKS:
@@ -97,6 +103,27 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
     seconds = get_objective(cfg).flops_per_token(s) * tokens * train.steps / (gpus * peak * mfu)
     return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens, fill,
                 train.steps, memory, seconds / 3600)
+
+
+def activations(cfg: Config, micro_tokens: int, w: int, tp: int) -> dict[str, float]:
+    """Bytes per GPU of one micro-batch's activations and sdpa's attention bias (module docstring)."""
+    m, s = cfg.model, cfg.data.seq_length
+    per_token = 34 * m.hidden_size
+    if m.attention_backend == "eager":
+        per_token += 5 * m.num_attention_heads * s
+    layer = micro_tokens * per_token * w / 2 / tp
+    if cfg.train.activation_checkpointing:
+        stored = m.num_layers * micro_tokens * m.hidden_size * w + layer
+    else:
+        stored = m.num_layers * layer
+    bias = 0.0
+    if m.attention_backend in ("sdpa", "eager"):  # the backends that build it (AttentionBackend._bias)
+        score = POSITIONS[m.position].score_term
+        heads = m.num_attention_heads / tp if score else 1  # [b, np, s, s] or [b, 1, s, s]
+        rows = micro_tokens / s
+        bias = sum(rows * heads * s * s * w for pattern in set(m.layer_attention())
+                   if score or pattern.window is not None or m.document_mask)
+    return {"activations": stored, "attention bias": bias}
 
 
 def check_budget(plan: Plan, budget_gib: float) -> None:

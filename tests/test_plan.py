@@ -83,3 +83,33 @@ def test_the_plan_counts_real_tokens_at_the_layouts_fill():
     assert bigger.tokens_per_update == 16384 * 16 * 8 and bigger.fill == 0.9
     with pytest.raises(ConfigError, match="--fill 1.5 must be in"):
         make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"]), 1, 8, "A100", 0.35, fill=1.5)
+
+
+def test_activation_memory_counts_the_scores_only_where_a_backend_keeps_them():
+    """modernbert-base at 8192 × 2 rows, bf16: 34·h bytes per token per layer (Korthikanti et al.);
+    eager also keeps the scores [b, a, s, s] (5·a·s per token); sdpa and eager build a bias per
+    pattern that needs one (the 128-window's [b, 1, s, s], shared by the 14 local layers; the global
+    layers need none); flex and varlen neither; with checkpointing each layer keeps its input and one
+    layer's activations exist at a time."""
+    def memory(files, *overrides, tp=1):
+        cfg = load_config(files, [*overrides, f"parallel.tensor_parallel={tp}"])
+        return make_plan(cfg, 1, 8, "H100", 0.35).memory
+
+    modernbert = ([CONFIGS / "model/modernbert-base.yaml"], "data.seq_length=8192", "train.micro_batch_size=2",
+                  "train.precision=bf16")
+    layers, h, heads, s, tokens = 22, 768, 12, 8192, 2 * 8192
+    flex = memory(*modernbert, "model.attention_backend=flex")
+    assert flex["activations"] == layers * tokens * 34 * h and flex["attention bias"] == 0
+    assert memory(*modernbert, "model.attention_backend=varlen") == flex
+    sdpa = memory(*modernbert)
+    assert sdpa["activations"] == flex["activations"] and sdpa["attention bias"] == 2 * s * s * 2
+    patterns = load_config(modernbert[0], list(modernbert[1:])).model.layer_attention()
+    assert len(patterns) == layers and len(set(patterns)) == 2  # the local layers share one pattern
+    eager = memory(*modernbert, "model.attention_backend=eager")
+    assert eager["activations"] == layers * tokens * (34 * h + 5 * heads * s)
+    assert eager["activations"] > 19 * flex["activations"]  # what the plan said for every backend before
+    checkpointed = memory(*modernbert, "model.attention_backend=flex", "train.activation_checkpointing=true")
+    assert checkpointed["activations"] == layers * tokens * h * 2 + tokens * 34 * h
+    # ALiBi on sdpa: one global pattern, its bias [b, np, s, s] over this rank's 6 heads at TP=2
+    alibi = memory([CONFIGS / "pile/base-alibi.yaml"], tp=2)
+    assert alibi["attention bias"] == 4 * 6 * 2048 * 2048 * 2

@@ -25,7 +25,8 @@ class LayerAttention:
     table_blocks: int = 1
     """Blocks the random draw covers (max_positions / block_size; the pattern repeats beyond)."""
     seed: int = 0
-    """The random blocks' draw: the layer's index, so every layer has its own."""
+    """The random blocks' draw: the layer's index, so every layer has its own (0 without random blocks:
+    one pattern for every local layer)."""
 
     def keys_per_query(self, seq_length: int) -> int:
         """Keys a query attends to at most (the FLOPs count): s in a global layer; the window + 1,
@@ -286,8 +287,12 @@ class ModelConfig:
                          table_blocks=-(-self.max_positions // self.bigbird_block_size))
         else:
             local = {}
+        # only a random draw differs between layers; otherwise every local layer has one pattern, so
+        # the backends prepare it (a bias, a BlockMask) once per forward, not once per layer
+        drawn = local.get("random_blocks", 0) > 0
         return [LayerAttention() if self.local_window is None or i % self.global_every == 0 else
-                LayerAttention(window=self.local_window, seed=i, **local) for i in range(self.num_layers)]
+                LayerAttention(window=self.local_window, seed=i if drawn else 0, **local)
+                for i in range(self.num_layers)]
 
     @property
     def embedding_dim(self) -> int:

@@ -39,6 +39,8 @@ class PositionEncoding(nn.Module):
     `embedding.positions`); False: acts on attention scores (registered as `alibi`, wave 1's name)."""
     rotates: bool = False
     """True: rotates each layer's queries and keys (`rotation`, RoPE) before the backend attends."""
+    score_term: bool = False
+    """True: adds a term per head to every attention score (`score_params`, `score_bias`: ALiBi)."""
 
     @classmethod
     def from_config(cls, model: ModelConfig, tp_rank: int, tp_size: int) -> PositionEncoding:
@@ -217,6 +219,8 @@ class Alibi(PositionEncoding):
     log-slopes (slopes stay positive) of shape [2, np] (before, after) and rebuilds the bias each
     forward; the encoder prepares it once per forward and every layer shares it.
     """
+
+    score_term = True
 
     def __init__(self, num_heads: int, mode: str, tp_rank: int, tp_size: int):
         super().__init__()
