@@ -150,3 +150,20 @@ def test_kernel_options_parse_and_bad_ones_are_refused_before_any_work():
             kernel_options(bad)
         bad_cfg = variant_config("zero-clap", ["model.attention_backend=flex", f"model.flex_kernel_options={bad}"])
         assert "model.flex_kernel_options" in FlexAttention.unsupported_here(bad_cfg.model)
+
+
+def test_kernel_options_on_another_backend_warn_that_they_are_ignored():
+    import warnings
+
+    from megamlm.model.attention import ATTENTION_BACKENDS
+    from tests.variants import variant_config
+
+    for name in ("sdpa", "eager", "varlen"):
+        cfg = variant_config("baseline", [f"model.attention_backend={name}", "model.flex_kernel_options=num_warps=4"])
+        with pytest.warns(UserWarning, match=f"flex_kernel_options='num_warps=4' applies to .*flex only; the {name} "):
+            ATTENTION_BACKENDS[name].from_config(cfg.model, _position("none"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # without options, or on flex itself: no warning
+        ATTENTION_BACKENDS["sdpa"].from_config(variant_config("baseline").model, _position("none"))
+        flex = variant_config("zero-clap", ["model.attention_backend=flex", "model.flex_kernel_options=num_warps=4"])
+        ATTENTION_BACKENDS["flex"].from_config(flex.model, _position("alibi"))

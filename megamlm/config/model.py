@@ -160,7 +160,8 @@ class ModelConfig:
     flex_kernel_options: str = ""
     """FlexAttention's Triton kernel options, comma-separated NAME=VALUE (e.g. "BLOCK_M=128,BLOCK_N=64,
     num_warps=8,num_stages=3"; fwd_/bwd_ prefixes apply to one pass); empty: torch's defaults.
-    `benchmarks/attention.py --flex-sweep` measures candidates (model/flex.py)."""
+    `benchmarks/attention.py --flex-sweep` measures candidates (model/flex.py). Other backends ignore it,
+    with a warning."""
     head_loss: Literal["unfused", "fused"] = "unfused"
     """How training computes the MLM loss. unfused: the head's logits [n, V_local] over the masked
     positions, then megatron's vocab-parallel cross-entropy (which copies them to fp32 and keeps the

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,9 @@ class AttentionBackend:
     @classmethod
     def from_config(cls, model: ModelConfig, position: PositionEncoding) -> AttentionBackend:
         """The backend of an encoder built from `model` (a backend with settings reads them here)."""
+        if model.flex_kernel_options:  # a warning, not an error: a folder trained on flex may run elsewhere
+            warnings.warn(f"model.flex_kernel_options={model.flex_kernel_options!r} applies to "
+                          f"model.attention_backend=flex only; the {cls.name} backend ignores it")
         return cls(position)
 
     def prepare_layers(self, patterns, padding: torch.Tensor, documents: torch.Tensor | None,
