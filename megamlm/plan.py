@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamlm.config import Config, ConfigError
+from megamlm.model.attention import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
 from megamlm.train.flops import GPU_PEAKS
@@ -108,22 +109,21 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
 def activations(cfg: Config, micro_tokens: int, w: int, tp: int) -> dict[str, float]:
     """Bytes per GPU of one micro-batch's activations and sdpa's attention bias (module docstring)."""
     m, s = cfg.model, cfg.data.seq_length
+    backend = ATTENTION_BACKENDS[m.attention_backend]
     per_token = 34 * m.hidden_size
-    if m.attention_backend == "eager":
+    if backend.keeps_scores:
         per_token += 5 * m.num_attention_heads * s
     layer = micro_tokens * per_token * w / 2 / tp
     if cfg.train.activation_checkpointing:
         stored = m.num_layers * micro_tokens * m.hidden_size * w + layer
     else:
         stored = m.num_layers * layer
-    bias = 0.0
-    if m.attention_backend in ("sdpa", "eager"):  # the backends that build it (AttentionBackend._bias)
-        score = POSITIONS[m.position].score_term
-        heads = m.num_attention_heads / tp if score else 1  # [b, np, s, s] or [b, 1, s, s]
-        rows = micro_tokens / s
-        bias = sum(rows * heads * s * s * w for pattern in set(m.layer_attention())
-                   if score or pattern.window is not None or m.document_mask)
-    return {"activations": stored, "attention bias": bias}
+    biased = []  # the distinct patterns that get a bias [b, np|1, s, s] = micro_tokens · (np|1) · s
+    score = POSITIONS[m.position].score_term
+    if backend.additive_bias:
+        biased = [p for p in set(m.layer_attention()) if score or p.window is not None or m.document_mask]
+    heads = m.num_attention_heads / tp if score else 1
+    return {"activations": stored, "attention bias": len(biased) * micro_tokens * heads * s * w}
 
 
 def check_budget(plan: Plan, budget_gib: float) -> None:

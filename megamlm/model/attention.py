@@ -102,6 +102,10 @@ class AttentionBackend:
     """sdpa: see the module docstring. Subclasses override `prepare` and `attend`."""
 
     name = "sdpa"
+    additive_bias = True
+    """Builds an additive bias [b, np|1, s, s] per attention pattern that needs one (`_bias`)."""
+    keeps_scores = False
+    """Keeps the scores [b, np, s, s] for the backward (unfused); False: a fused kernel on a GPU."""
 
     def __init__(self, position: PositionEncoding):
         self.position = position
@@ -205,6 +209,7 @@ class EagerAttention(AttentionBackend):
     """softmax(q·kᵀ·scale + bias), our dropout, @ v: what SDPA computes on CPU with dropout."""
 
     name = "eager"
+    keeps_scores = True
 
     def _attend(self, q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
         return _eager(q, k, v, bias, dropout_p, scale)
@@ -214,6 +219,7 @@ class FlexAttention(AttentionBackend):
     """FlexAttention with the position's score term as score_mod and a document BlockMask."""
 
     name = "flex"
+    additive_bias = False
 
     def __init__(self, position: PositionEncoding, kernel_options: dict | None = None):
         super().__init__(position)
@@ -279,6 +285,7 @@ class VarlenAttention(AttentionBackend):
     """Variable-length FlashAttention over the real tokens (module docstring)."""
 
     name = "varlen"
+    additive_bias = False
 
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:

@@ -15,13 +15,12 @@ So the same seed gives the same model at any TP degree and in any construction o
 
 from __future__ import annotations
 
+import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-import math
-from dataclasses import dataclass
 
 from megamlm.config import ModelConfig
 from megamlm.model import names

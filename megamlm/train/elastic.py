@@ -28,6 +28,7 @@ initial value.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,10 @@ class Pieces:
     shape: torch.Size
     """The shape of that rank's parameter."""
 
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> Pieces:
+        return cls([tensor.flatten()], tensor.shape)
+
     def tensor(self) -> torch.Tensor:
         flat = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
         return flat[: self.shape.numel()].view(self.shape)
@@ -151,10 +156,8 @@ def _stage0(folder: Path, tp_rank: int, names: list[str]) -> tuple[Shard, float]
         moments = optimizer["optimizer_state_dict"]["state"]
     else:
         masters, moments = [states["module"][name] for name in names], optimizer["state"]
-    tensors = {name: {"fp32": masters[i], "exp_avg": moments[i]["exp_avg"], "exp_avg_sq": moments[i]["exp_avg_sq"]}
-               for i, name in enumerate(names)}
-    shard = {name: {kind: Pieces([t.flatten()], t.shape) for kind, t in kinds.items()}
-             for name, kinds in tensors.items()}
+    shard = {name: {"fp32": Pieces.whole(masters[i]), **{k: Pieces.whole(moments[i][k]) for k in KINDS[1:]}}
+             for i, name in enumerate(names)}
     return shard, float(moments[0]["step"])
 
 
@@ -296,11 +299,10 @@ def load_full_state(engine, schedule, state: FullState) -> None:
     for name, param in params.items():
         for kind in KINDS:  # one full tensor in memory at a time
             local = from_full(model, param, state.full(name, kind))
-            if kind == "fp32" and hasattr(param, "ds_id"):  # ZeRO-3: the module holds only this rank's partition
-                with zero.GatheredParameters([param], modifier_rank=0):
+            if kind == "fp32":  # the module's copy; ZeRO-3 holds only this rank's partition of it
+                with zero.GatheredParameters([param], modifier_rank=0) if hasattr(param, "ds_id") else \
+                        contextlib.nullcontext():
                     param.data.copy_(local.to(param.dtype))
-            elif kind == "fp32":
-                param.data.copy_(local.to(param.dtype))
             if masters is not None:
                 master = masters[id(param)]
                 (master if kind == "fp32" else base.state[master][kind]).data.copy_(local)
