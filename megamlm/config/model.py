@@ -181,6 +181,15 @@ class ModelConfig:
     at ±2σ with σ = init_std for the embeddings, QKV and the first FFN linear and σ = init_std /
     sqrt(2 · num_layers) for each layer's output projections (attention out, second FFN linear) and the
     MLM head's dense layer. Biases 0 and norms 1 in both."""
+    classifier: Literal["pooler", "mlm_head"] = "pooler"
+    """The sentence-classification head fine-tuning puts on the encoder (`megamlm glue`;
+    glue/heads.py CLASSIFIER_HEADS). pooler: dense -> tanh -> out_proj, drawn fresh (fairseq's
+    RobertaClassificationHead; BERT's pooler + classifier); mlm_head: the MLM head's transform (dense ->
+    activation -> norm), started from the folder's pretrained MLM head, -> out_proj (transformers'
+    ModernBertForSequenceClassification, whose `head` is the masked-LM model's)."""
+    classifier_pooling: Literal["cls", "mean"] = "cls"
+    """The features the classification head reads: the first token's (`<s>`, [CLS]), or the mean over
+    the sequence's tokens, specials included (ModernBERT's classifier_pooling)."""
 
     def __post_init__(self):
         check_fields(self, "model")

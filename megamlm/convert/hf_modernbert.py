@@ -8,6 +8,8 @@ keys within local_attention // 2 on each side: megamlm's model.local_window), Ro
 module reads its attributes. Dropouts: ModernBERT drops after the embedding norm (embedding_dropout =
 model.hidden_dropout), on attention probabilities and after Wo (attention_dropout) and inside the MLP
 (mlp_dropout, not in megamlm); its recipe trains with all of them 0, and parity is checked in eval mode.
+Sequence classification (`classifier_pooling`: cls | mean) is model.classifier_pooling; its head is the
+masked-LM head (the modernbert variant's model.classifier: mlm_head).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def modernbert_config_values(model: ModelConfig, activation: str, pad_token_id: 
         num_attention_heads=model.num_attention_heads, intermediate_size=model.ffn_hidden_size,
         hidden_activation=activation, classifier_activation=activation, max_position_embeddings=model.max_positions,
         norm_eps=model.layernorm_epsilon, decoder_bias=True, **{key: model.bias for key in BIASES},
+        classifier_pooling=model.classifier_pooling,
         embedding_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout, mlp_dropout=0.0,
         layer_types=[GLOBAL if layer.window is None else LOCAL for layer in model.layer_attention()],
         local_attention=model.local_window or model.max_positions,
@@ -86,4 +89,4 @@ def modernbert_model_values(values: dict, activations: dict[str, str]) -> dict:
         hidden_dropout=float(config.embedding_dropout), attention_dropout=float(config.attention_dropout),
         local_window=config.local_attention if windowed else None, global_every=every,
         rope_theta=float(kinds[GLOBAL].get("rope_theta", 160000.0)),
-        rope_theta_local=float(kinds[LOCAL].get("rope_theta", 10000.0)))
+        rope_theta_local=float(kinds[LOCAL].get("rope_theta", 10000.0)), classifier_pooling=config.classifier_pooling)

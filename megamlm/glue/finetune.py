@@ -1,7 +1,8 @@
 """GLUE fine-tuning with the reference recipe (fairseq sentence_prediction, section 6 of the spec).
 
     input     <s> A </s></s> B </s>        (fairseq ids; right-padded with 1)
-    head      <s> features -> dense -> tanh -> out_proj  (RobertaClassificationHead, pooler dropout 0)
+    head      <s> features -> dense -> tanh -> out_proj  (RobertaClassificationHead, pooler dropout 0;
+              the folder's model.classifier / classifier_pooling may name another, glue/heads.py)
     loss      cross-entropy, or MSE for STS-B (labels / 5)
     optimizer AdamW (0.9, 0.98), eps 1e-6, weight decay 0.1, dropout 0.1 / 0.1, no clipping
     schedule  polynomial decay (power 1) to 0 after linear warm-up: the recipe's max_update and
@@ -29,6 +30,7 @@ from megamlm.config import OptimConfig
 from megamlm.data.packing import best_fit_decreasing
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError
+from megamlm.glue.heads import CLASSIFIER_HEADS, Pooling
 from megamlm.glue.metrics import HIGHER_IS_BETTER, compute_metrics
 from megamlm.glue.tasks import Example, Task
 from megamlm.parallel import ParallelContext, host_to_device
@@ -55,42 +57,27 @@ class FinetuneOptions:
     right-padded row per sequence (fairseq's layout; the recorded GLUE runs before session 8)."""
 
 
-class ClassificationHead(nn.Module):
-    """fairseq RobertaClassificationHead; parameter names match `classification_heads.<name>.*`."""
-
-    def __init__(self, hidden_size: int, num_classes: int):
-        super().__init__()
-        self.dense = nn.Linear(hidden_size, hidden_size)
-        self.out_proj = nn.Linear(hidden_size, num_classes)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.tanh(self.dense(features)))
-
-
 class SentenceClassifier(nn.Module):
-    """The pretrained Encoder (without its objective's heads) + a classification head on `<s>`."""
+    """The pretrained Encoder (without its objective's heads) + the classification head its config names
+    (model.classifier, reading model.classifier_pooling's features)."""
 
-    def __init__(self, body: nn.Module, num_classes: int, seed: int):
+    def __init__(self, body: nn.Module, num_classes: int, seed: int, pretrained: dict[str, torch.Tensor] | None = None):
+        """`pretrained`: the model folder's full tensors, for a head that starts from some of them."""
         super().__init__()
         self.body = body
-        generator = torch.Generator().manual_seed(seed)
-        self.head = ClassificationHead(body.config.hidden_size, num_classes)
-        with torch.no_grad():  # BERT init, identical on every rank (seeded generator, not the global RNG)
-            for linear in (self.head.dense, self.head.out_proj):
-                linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * body.config.init_std)
-                linear.bias.zero_()
+        model = body.config
+        self.head = CLASSIFIER_HEADS[model.classifier](model, num_classes)
+        # identical on every rank: a generator seeded by the fine-tuning seed, not the global RNG
+        self.pretrained = self.head.initialize(model, torch.Generator().manual_seed(seed), pretrained or {})
+        """The folder's tensors the head started from (none: drawn)."""
         self.head.to(body.ctx.device)
 
-    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None,
-                starts: torch.Tensor | None = None, host_layout: tuple | None = None) -> torch.Tensor:
-        """tokens [b, s] one sequence per row -> [b, classes]; packed rows (`pack`): segments [r, w]
-        and the flat index of each sequence's <s>, starts [n] -> [n, classes] in the starts' order.
-        host_layout: (tokens, None, segments) on the CPU (Encoder.hidden_states')."""
+    def forward(self, tokens: torch.Tensor, pooling: Pooling, segments: torch.Tensor | None = None,
+                host_layout: tuple | None = None) -> torch.Tensor:
+        """tokens [b, s] (one sequence per row, or packed rows with segments [b, s]) -> [n, classes], the
+        n sequences `pooling` places (in its order). host_layout: (tokens, None, segments) on the CPU."""
         hidden = self.body(tokens, segments=segments, host_layout=host_layout)  # [s, b, h]
-        if starts is None:
-            return self.head(hidden[0])  # <s> features [b, h] -> [b, classes]
-        width = tokens.size(1)
-        return self.head(hidden[starts % width, starts // width])  # [n, h] -> [n, classes]
+        return self.head(pooling(hidden))  # [n, h] -> [n, classes]
 
 
 def encode(examples: list[Example], tokenizer: Tokenizer, max_length: int) -> list[list[int]]:
@@ -139,12 +126,16 @@ def pack(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 def classify(model: SentenceClassifier, sequences: list[list[int]], pad: int, packing: str,
              device: torch.device) -> torch.Tensor:
     """Logits [n, classes] of the sequences, in their order, in the layout `packing` names."""
+    lengths = [len(ids) for ids in sequences]
+    kind = model.body.config.classifier_pooling
     if packing == "packed":
         tokens, segments, starts = pack(sequences, pad)
-        return model(*(host_to_device(t, device) for t in (tokens, segments, starts)),
+        pooling = Pooling.of(starts, lengths, tokens.numel(), kind).to(device)
+        return model(host_to_device(tokens, device), pooling, host_to_device(segments, device),
                      host_layout=(tokens, None, segments))
     tokens = collate(sequences, pad)
-    return model(host_to_device(tokens, device), host_layout=(tokens, None, None))
+    pooling = Pooling.of(torch.arange(len(sequences)) * tokens.size(1), lengths, tokens.numel(), kind).to(device)
+    return model(host_to_device(tokens, device), pooling, host_layout=(tokens, None, None))
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:

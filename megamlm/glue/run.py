@@ -23,7 +23,8 @@ from megamlm.config import ParallelConfig
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, task_files
-from megamlm.objectives import load_encoder
+from megamlm.model.folder import read_model_folder
+from megamlm.objectives import encoder_from
 from megamlm.parallel import init_distributed, seed_everything
 
 TABLE_ORDER = ("MNLI", "QNLI", "QQP", "RTE", "SST-2", "MRPC", "CoLA", "STS-B")
@@ -43,11 +44,15 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     ctx = ctx or init_distributed(ParallelConfig())
     overrides = [f"model.hidden_dropout={options.dropout}", f"model.attention_dropout={options.dropout}"]
     result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev), "seeds": {}}
+    saved = read_model_folder(checkpoint)
     for seed in seeds:
         seed_everything(seed, ctx)
-        cfg, body = load_encoder(checkpoint, ctx, overrides)
+        cfg, body = encoder_from(saved, checkpoint, ctx, overrides)
         tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
-        model = SentenceClassifier(body, task.num_classes, seed)
+        model = SentenceClassifier(body, task.num_classes, seed, pretrained=saved.full)
+        if seed == seeds[0]:
+            log(f"{name}: classifier {cfg.model.classifier} on {cfg.model.classifier_pooling} features, "
+                + (f"started from {', '.join(model.pretrained)}" if model.pretrained else "drawn fresh"))
         result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log)
     return result
 

@@ -37,13 +37,17 @@ class InitScheme:
     scaled: tuple[str, ...]
     """Name templates (model/names.py) whose σ is init_std / sqrt(2 · num_layers) (ELECTRA's generator's
     too, with the discriminator's num_layers: one config initializes both)."""
+    width_scaled_classifier: bool = False
+    """A fine-tuning head's classification layer has σ = hidden_size^-0.5 (else init_std)."""
 
 
 INIT_SCHEMES = {
     "bert": InitScheme(cutoff=None, scaled=()),
     # transformers' ModernBertPreTrainedModel._init_weights: "in" (init_std) for the embeddings, Wqkv and
-    # Wi; "out" (init_std / sqrt(2 L)) for both Wo and the head's dense layer; cutoff factor 2
-    "modernbert": InitScheme(cutoff=2.0, scaled=(names.ATTENTION_OUT, names.FC2, names.LM_HEAD_DENSE)),
+    # Wi; "out" (init_std / sqrt(2 L)) for both Wo and the head's dense layer; "final_out" (h^-0.5) for
+    # the sequence classifier; cutoff factor 2
+    "modernbert": InitScheme(cutoff=2.0, scaled=(names.ATTENTION_OUT, names.FC2, names.LM_HEAD_DENSE),
+                             width_scaled_classifier=True),
 }
 """model.init -> its scheme (the names of ModelConfig.init)."""
 
@@ -55,6 +59,28 @@ def _draw(shape: list[int], std: float, cutoff: float | None, generator: torch.G
     return torch.nn.init.trunc_normal_(full, 0.0, std, -cutoff * std, cutoff * std, generator=generator)
 
 
+def _std(model: ModelConfig, name: str) -> float:
+    """σ of the weight `name` under model.init: scaled for the output projections its scheme names."""
+    scaled = any(names.pattern(template).match(name) for template in INIT_SCHEMES[model.init].scaled)
+    return model.init_std / math.sqrt(2.0 * model.num_layers) if scaled else model.init_std
+
+
+@torch.no_grad()
+def init_head_linear(linear: nn.Linear, model: ModelConfig, like: str | None,
+                     generator: torch.Generator) -> None:
+    """A linear layer of a head outside the model (fine-tuning), drawn by model.init's scheme from
+    `generator`: with the σ of the model's weight `like` (e.g. the MLM head's dense layer), or for
+    like=None the scheme's classification-layer σ; bias 0."""
+    scheme = INIT_SCHEMES[model.init]
+    if like is not None:
+        std = _std(model, like)
+    else:
+        std = model.hidden_size ** -0.5 if scheme.width_scaled_classifier else model.init_std
+    linear.weight.copy_(_draw(list(linear.weight.shape), std, scheme.cutoff, generator))
+    if linear.bias is not None:
+        linear.bias.zero_()
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
@@ -64,8 +90,6 @@ def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: i
                     tp_size: int) -> None:
     zero_token_pad_row = model.head != "clap" and not model.zero_mask
     scheme = INIT_SCHEMES[model.init]
-    scaled = [names.pattern(template) for template in scheme.scaled]
-    scaled_std = model.init_std / math.sqrt(2.0 * model.num_layers)
     norms = tuple(m for m in module.modules() if isinstance(m, NORM_TYPES))
     norm_params = {id(p) for m in norms for p in m.parameters()}
     for name, param in module.named_parameters():
@@ -79,8 +103,7 @@ def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: i
             continue
         shape = full_shape(param, tp_size, model.vocab_size)
         vocab_parallel = getattr(param, "vocab_parallel", False)
-        std = scaled_std if any(p.match(name) for p in scaled) else model.init_std
-        full = _draw(shape, std, scheme.cutoff, _generator(seed, name))
+        full = _draw(shape, _std(model, name), scheme.cutoff, _generator(seed, name))
         if vocab_parallel:
             if zero_token_pad_row:
                 full[model.pad_token_id] = 0

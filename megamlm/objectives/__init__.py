@@ -3,7 +3,7 @@
 from megamlm.objectives.base import OBJECTIVES, LossOutput, LossTotals, Objective, get_objective, register_objective
 from megamlm.objectives.mlm import MaskedLM, perplexity  # importing it registers "mlm"
 from megamlm.objectives import electra, sentence_pairs  # noqa: F401  (register "electra", "nsp", "sop")
-from megamlm.objectives.pretrained import from_pretrained, load_encoder, load_pretrained
+from megamlm.objectives.pretrained import encoder_from, from_pretrained, load_encoder, load_pretrained
 
-__all__ = ["OBJECTIVES", "LossOutput", "LossTotals", "MaskedLM", "Objective", "from_pretrained", "get_objective",
-           "load_encoder", "load_pretrained", "perplexity", "register_objective"]
+__all__ = ["OBJECTIVES", "LossOutput", "LossTotals", "MaskedLM", "Objective", "encoder_from", "from_pretrained",
+           "get_objective", "load_encoder", "load_pretrained", "perplexity", "register_objective"]

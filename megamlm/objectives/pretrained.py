@@ -8,7 +8,7 @@ from torch import nn
 
 from megamlm.config import Config, ParallelConfig, replace_config
 from megamlm.model.encoder import Encoder
-from megamlm.model.folder import read_model_folder
+from megamlm.model.folder import ModelFolder, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives.base import get_objective
 from megamlm.parallel import ParallelContext, init_distributed
@@ -35,8 +35,13 @@ def load_encoder(folder: str | Path, ctx: ParallelContext | None = None,
                  overrides: list[str] = ()) -> tuple[Config, Encoder]:
     """(config, the bare Encoder in eval mode) from a model folder, the objective's heads left out
     (what fine-tuning starts from)."""
+    return encoder_from(read_model_folder(folder), folder, ctx, overrides)
+
+
+def encoder_from(saved: ModelFolder, folder: str | Path, ctx: ParallelContext | None = None,
+                 overrides: list[str] = ()) -> tuple[Config, Encoder]:
+    """load_encoder of a folder read already (`saved`, read from `folder`): one read for several models."""
     ctx = ctx or init_distributed(ParallelConfig())
-    saved = read_model_folder(folder)
     cfg = _config(saved, folder, ctx, overrides)
     encoder = Encoder(cfg.model, ctx, seed=cfg.train.seed)
     names = dict(encoder.named_parameters())

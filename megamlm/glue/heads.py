@@ -1,0 +1,125 @@
+"""Sentence-classification heads for fine-tuning, chosen by name (model.classifier), and the pooling
+of each sequence's features they read (model.classifier_pooling).
+
+    pooler    features -> dense -> tanh -> out_proj                 fairseq's RobertaClassificationHead,
+                                                                     BERT's / ALBERT's pooler + classifier
+    mlm_head  features -> dense -> activation -> norm -> out_proj   transformers' ModernBertForSequence-
+                                                                     Classification (head + classifier)
+
+ModernBertForSequenceClassification's `head` is the same module, under the same name, as
+ModernBertForMaskedLM's, so fine-tuning a masked-LM checkpoint starts it from the pretrained MLM
+head's dense layer and norm; `mlm_head` does the same from a model folder. The new weights are drawn by
+model.init's scheme (model/init.py), from a generator seeded by the fine-tuning seed, identical on
+every data-parallel rank.
+
+Pooling reads the encoder's output [s, b, h] at indices made on the host (`Pooling`), the same code for
+one sequence per row and for packed rows: `cls` the first token of each sequence, `mean` the average
+over its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megamlm.config import ModelConfig
+from megamlm.model import names
+from megamlm.model.activation import activation_function
+from megamlm.model.init import init_head_linear
+from megamlm.model.norm import norm
+from megamlm.parallel import host_to_device
+
+
+@dataclass
+class Pooling:
+    """Where n sequences lie in a [b, s] batch, as flat positions (row-major: b * s + position)."""
+
+    first: torch.Tensor
+    """[n] the flat position of each sequence's first token."""
+    owner: torch.Tensor | None = None
+    """[b * s] the sequence each position belongs to (n on padding); mean pooling only."""
+    length: torch.Tensor | None = None
+    """[n, 1] each sequence's tokens; mean pooling only."""
+
+    @classmethod
+    def of(cls, starts: torch.Tensor, lengths: list[int], positions: int, kind: str) -> Pooling:
+        """Sequences of `lengths` tokens starting at flat positions `starts` in a batch of `positions`."""
+        if kind == "cls":
+            return cls(starts)
+        count = torch.tensor(lengths)
+        span = torch.cat([torch.arange(start, start + n) for start, n in zip(starts.tolist(), lengths)])
+        owner = torch.full((positions,), len(lengths), dtype=torch.long)
+        owner[span] = torch.repeat_interleave(torch.arange(len(lengths)), count)
+        return cls(starts, owner, count.unsqueeze(1))
+
+    def to(self, device: torch.device) -> Pooling:
+        parts = (self.first, self.owner, self.length)
+        return Pooling(*(None if t is None else host_to_device(t, device) for t in parts))
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [s, b, h] -> features [n, h]."""
+        width = hidden.size(0)
+        if self.owner is None:
+            return hidden[self.first % width, self.first // width]  # [n, h]
+        flat = hidden.transpose(0, 1).reshape(-1, hidden.size(-1))  # [s, b, h] -> [b * s, h]
+        n = self.first.numel()
+        sums = flat.new_zeros(n + 1, flat.size(1)).index_add_(0, self.owner, flat)[:n]  # padding -> row n
+        return sums / self.length.to(sums.dtype)
+
+
+class PoolerHead(nn.Module):
+    """fairseq's RobertaClassificationHead (= BERT's pooler + classifier); parameter names match fairseq's
+    `classification_heads.<name>.*`."""
+
+    def __init__(self, model: ModelConfig, num_classes: int):
+        super().__init__()
+        self.dense = nn.Linear(model.hidden_size, model.hidden_size)
+        self.out_proj = nn.Linear(model.hidden_size, num_classes)
+
+    def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
+        """Draw the weights; returns the names taken from `pretrained` (none: this head is always new)."""
+        init_head_linear(self.dense, model, names.LM_HEAD_DENSE.format(kind="weight"), generator)
+        init_head_linear(self.out_proj, model, None, generator)
+        return []
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(features)))
+
+
+class MLMHeadClassifier(nn.Module):
+    """The MLM head's transform (dense -> model.activation -> norm, RobertaLMHead's names) and a linear
+    classifier over the embedding width (ModernBERT: the hidden width)."""
+
+    PRETRAINED = {"dense.{kind}": names.LM_HEAD_DENSE, "layernorm.{kind}": names.LM_HEAD_NORM}
+    """This head's parameter -> the folder's MLM-head parameter it starts from."""
+
+    def __init__(self, model: ModelConfig, num_classes: int):
+        super().__init__()
+        self.dense = nn.Linear(model.hidden_size, model.embedding_dim, bias=model.bias)
+        self.activation = activation_function(model)
+        self.layernorm = norm(model, model.embedding_dim)
+        self.out_proj = nn.Linear(model.embedding_dim, num_classes)
+
+    @torch.no_grad()
+    def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
+        """Draw the weights, then take the MLM head's where the folder has them (a CLAP-head or ELECTRA
+        folder has none: the transform stays drawn); returns the names taken."""
+        init_head_linear(self.dense, model, names.LM_HEAD_DENSE.format(kind="weight"), generator)
+        init_head_linear(self.out_proj, model, None, generator)
+        taken = []
+        for name, param in self.named_parameters():
+            ours, kind = name.rsplit(".", 1)
+            source = self.PRETRAINED.get(f"{ours}.{{kind}}", "").format(kind=kind)
+            if source in pretrained:
+                param.copy_(pretrained[source])
+                taken.append(source)
+        return taken
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.layernorm(self.activation(self.dense(features))))
+
+
+CLASSIFIER_HEADS: dict[str, type[nn.Module]] = {"pooler": PoolerHead, "mlm_head": MLMHeadClassifier}
+"""model.classifier -> its head (the names of ModelConfig.classifier)."""

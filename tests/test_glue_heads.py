@@ -1,0 +1,122 @@
+"""Fine-tuning heads (glue/heads.py) against transformers: a ModernBERT folder fine-tunes with
+ModernBertForSequenceClassification's head (the pretrained MLM head's transform + a classifier), on the
+first token's or the mean features, with its logits in one-row-per-sequence and packed batches, and
+its fresh classifier drawn as transformers draws it."""
+
+import numpy as np
+import pytest
+import torch
+
+from megamlm.convert.pipeline import convert
+from megamlm.data.tokenizer import Tokenizer
+from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, classify
+from megamlm.glue.heads import Pooling
+from megamlm.model.encoder import Encoder
+from megamlm.model.folder import read_model_folder
+from megamlm.objectives import encoder_from
+from tests.test_glue import GLUE
+from tests.test_modernbert import QUIET, save_modernbert
+from tests.variants import variant_config
+
+LENGTHS = (30, 5, 12, 22, 3, 17, 9)  # several longer than the 16-token window
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_a_modernbert_folder_classifies_as_transformers_does(world, tmp_path, pooling):
+    from transformers import ModernBertForSequenceClassification
+
+    source = save_modernbert(tmp_path / "hf", classifier_pooling=pooling)
+    convert("hf", "megamlm", source, tmp_path / "megamlm", **QUIET)
+    saved = read_model_folder(tmp_path / "megamlm")
+    assert (saved.cfg.model.classifier, saved.cfg.model.classifier_pooling) == ("mlm_head", pooling)
+    _, body = encoder_from(saved, tmp_path / "megamlm", world)
+    ours = SentenceClassifier(body, 3, seed=1, pretrained=saved.full).eval()
+    assert ours.pretrained == ["lm_head.dense.weight", "lm_head.layernorm.weight"]  # no biases in ModernBERT
+    theirs = ModernBertForSequenceClassification.from_pretrained(source, num_labels=3, attn_implementation="eager")
+    theirs = theirs.float().eval()
+    # transformers starts `head` from the masked-LM checkpoint's, as megamlm does; the classifier is new
+    for mine, other in ((ours.head.dense, theirs.head.dense), (ours.head.layernorm, theirs.head.norm)):
+        assert torch.equal(mine.weight, other.weight)
+    theirs.classifier.load_state_dict(ours.head.out_proj.state_dict())
+
+    order = torch.from_numpy(Tokenizer.load(saved.cfg.data.tokenizer).vocab_order)  # megamlm id -> theirs
+    rng = np.random.default_rng(0)
+    sequences = [[0, *rng.integers(4, 290, n).tolist(), 2] for n in LENGTHS]  # <s> = [CLS], </s> = [SEP]
+    tokens = torch.full((len(sequences), max(map(len, sequences))), 1)
+    for row, ids in enumerate(sequences):
+        tokens[row, :len(ids)] = torch.tensor(ids)
+    with torch.no_grad():
+        want = theirs(input_ids=order[tokens], attention_mask=tokens.ne(1).long()).logits
+        for packing in ("padded", "packed"):
+            got = classify(ours, sequences, 1, packing, world.device)
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    back = convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back", **QUIET)
+    assert back["max_diff"]["transformers ModernBertForMaskedLM"] < 1e-5
+    assert (tmp_path / "back/config.json").read_text().count(f'"classifier_pooling": "{pooling}"') == 1
+
+
+def test_a_fresh_modernbert_classifier_is_drawn_as_transformers_draws_it(world):
+    # the modernbert init: the transform's dense layer as the MLM head's (σ / sqrt(2 L)), the
+    # classifier with σ = h^-0.5 (transformers' "final_out"), both cut at 2σ; compared with the
+    # draws of ModernBertForSequenceClassification's own initialization at the same shape
+    from transformers import ModernBertConfig, ModernBertForSequenceClassification
+
+    cfg = variant_config("modernbert", ["model.hidden_size=256", "model.ffn_hidden_size=384"])
+    m = cfg.model
+    ours = SentenceClassifier(Encoder(m, world, seed=1), 8, seed=1)  # no folder: nothing to start from
+    assert ours.pretrained == []
+    torch.manual_seed(0)
+    theirs = ModernBertForSequenceClassification(ModernBertConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads, num_labels=8,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, cls_token_id=0, sep_token_id=2))
+    for mine, other, std in ((ours.head.dense.weight, theirs.head.dense.weight, 0.02 / (2 * m.num_layers) ** 0.5),
+                             (ours.head.out_proj.weight, theirs.classifier.weight, m.hidden_size ** -0.5)):
+        assert mine.abs().max() <= 2 * std and other.abs().max() <= 2 * std
+        assert mine.std().item() == pytest.approx(other.std().item(), rel=0.08)  # 0.88 σ: a normal cut at 2σ
+        assert mine.std().item() == pytest.approx(0.8796 * std, rel=0.08)
+    assert not ours.head.out_proj.bias.any()
+
+
+@pytest.mark.parametrize("variant", ["baseline", "modernbert"])
+def test_mean_pooling_gives_each_sequence_its_padded_logits_when_packed(world, variant):
+    cfg = variant_config(variant, ["model.classifier_pooling=mean"])
+    model = SentenceClassifier(Encoder(cfg.model, world, seed=3), num_classes=2, seed=1).eval()
+    rng = np.random.default_rng(1)
+    sequences = [[0, *rng.integers(4, 1000, n).tolist(), 2] for n in LENGTHS]
+    with torch.no_grad():
+        padded = classify(model, sequences, 1, "padded", world.device)
+        packed = classify(model, sequences, 1, "packed", world.device)
+        one = torch.cat([classify(model, [ids], 1, "padded", world.device) for ids in sequences])
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded, one, rtol=0, atol=1e-5)  # padding does not enter the mean
+
+
+def test_pooling_places_each_sequence():
+    hidden = torch.arange(2 * 4 * 1, dtype=torch.float).reshape(2, 4, 1).transpose(0, 1)  # [s=4, b=2, h=1]
+    starts = torch.tensor([4, 0, 2])  # row 1 from 0; row 0 from 0 and from 2
+    assert Pooling.of(starts, [3, 2, 2], 8, "cls")(hidden).flatten().tolist() == [4, 0, 2]
+    # row 0 holds 0 1 2 3, row 1 holds 4 5 6 7: means of (4 5 6), (0 1), (2 3); position 7 is padding
+    assert Pooling.of(starts, [3, 2, 2], 8, "mean")(hidden).flatten().tolist() == [5, 0.5, 2.5]
+
+
+def test_fine_tuning_a_modernbert_folder_starts_from_its_mlm_head(world, tmp_path):
+    from megamlm.glue.run import run_task
+
+    convert("hf", "megamlm", save_modernbert(tmp_path / "hf", classifier_pooling="mean"), tmp_path / "megamlm",
+            **QUIET)
+    lines = []
+    result = run_task(str(tmp_path / "megamlm"), str(GLUE), "RTE", [1], FinetuneOptions(epochs=1, batch_size=4),
+                      max_train=8, max_eval=None, ctx=world, log=lines.append)
+    assert lines[0] == ("RTE: classifier mlm_head on mean features, started from lm_head.dense.weight, "
+                        "lm_head.layernorm.weight")
+    assert np.isfinite(result["seeds"][1]["epochs"][0]["train_loss"])
+
+
+def test_glue_folders_without_an_mlm_head_draw_it(world, tmp_path):
+    # a CLAP head has no transform to start from: the mlm_head classifier is drawn, and says so
+    cfg = variant_config("learned-clap", ["model.classifier=mlm_head"])
+    folder = {"lm_head.bias": torch.zeros(cfg.model.vocab_size)}  # what a CLAP folder has of lm_head
+    model = SentenceClassifier(Encoder(cfg.model, world, seed=1), 2, seed=1, pretrained=folder)
+    assert model.pretrained == []
+    assert model.head.dense.weight.std().item() == pytest.approx(cfg.model.init_std, rel=0.05)  # bert init
