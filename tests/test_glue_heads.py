@@ -1,7 +1,10 @@
 """Fine-tuning heads (glue/heads.py) against transformers: a ModernBERT folder fine-tunes with
 ModernBertForSequenceClassification's head (the pretrained MLM head's transform + a classifier), on the
 first token's or the mean features, with its logits in one-row-per-sequence and packed batches, and
-its fresh classifier drawn as transformers draws it."""
+its fresh classifier drawn as transformers draws it; BERT and ALBERT pretraining checkpoints keep their
+pooler, and fine-tune from it as Bert/AlbertForSequenceClassification do."""
+
+import json
 
 import numpy as np
 import pytest
@@ -11,10 +14,13 @@ from megamlm.convert.pipeline import convert
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, classify
 from megamlm.glue.heads import Pooling
+from megamlm.glue.run import folder_tensors
+from megamlm.model.embedding import token_types
 from megamlm.model.encoder import Encoder
 from megamlm.model.folder import read_model_folder
 from megamlm.objectives import encoder_from
 from tests.test_glue import GLUE
+from tests.test_hf_bert_albert import save_albert, save_bert
 from tests.test_modernbert import QUIET, save_modernbert
 from tests.variants import variant_config
 
@@ -120,3 +126,75 @@ def test_glue_folders_without_an_mlm_head_draw_it(world, tmp_path):
     model = SentenceClassifier(Encoder(cfg.model, world, seed=1), 2, seed=1, pretrained=folder)
     assert model.pretrained == []
     assert model.head.dense.weight.std().item() == pytest.approx(cfg.model.init_std, rel=0.05)  # bert init
+
+
+def _padded(sequences: list[list[int]], pad: int = 1) -> torch.Tensor:
+    tokens = torch.full((len(sequences), max(map(len, sequences))), pad)
+    for row, ids in enumerate(sequences):
+        tokens[row, :len(ids)] = torch.tensor(ids)
+    return tokens
+
+
+@pytest.mark.parametrize("architecture", ["BertForPreTraining", "AlbertForPreTraining"])
+def test_bert_and_albert_checkpoints_fine_tune_from_their_pretrained_pooler(world, tmp_path, architecture):
+    from transformers import AutoModelForSequenceClassification
+
+    bert = architecture.startswith("Bert")
+    source = (save_bert if bert else save_albert)(tmp_path / "hf", pretraining=True)
+    if not bert:  # the Hub's albert-base-v2 names the masked-LM class but holds the pretraining weights
+        config = json.loads((source / "config.json").read_text())
+        (source / "config.json").write_text(json.dumps({**config, "architectures": ["AlbertForMaskedLM"]}))
+    convert("hf", "megamlm", source, tmp_path / "megamlm", **QUIET)
+    saved = read_model_folder(tmp_path / "megamlm")
+    kind = "nsp" if bert else "sop"
+    assert sorted(saved.heads) == [f"{kind}.{part}.{k}" for part in ("dense", "out_proj") for k in ("bias", "weight")]
+    _, body = encoder_from(saved, tmp_path / "megamlm", world)
+    ours = SentenceClassifier(body, 3, seed=1, pretrained=folder_tensors(saved)).eval()
+    assert ours.pretrained == [f"classification_heads.{kind}.dense.{k}" for k in ("weight", "bias")]
+    theirs = AutoModelForSequenceClassification.from_pretrained(source, num_labels=3, attn_implementation="eager")
+    theirs = theirs.float().eval()
+    pooler = theirs.bert.pooler.dense if bert else theirs.albert.pooler
+    assert torch.equal(ours.head.dense.weight, pooler.weight)  # both start from the checkpoint's pooler
+    theirs.classifier.load_state_dict(ours.head.out_proj.state_dict())
+
+    order = torch.from_numpy(Tokenizer.load(saved.cfg.data.tokenizer).vocab_order)  # megamlm id -> theirs
+    vocab = saved.cfg.model.vocab_size
+    rng = np.random.default_rng(0)
+    sequences = [[0, *rng.integers(4, vocab - 1, a).tolist(), 2, *rng.integers(4, vocab - 1, b).tolist(), 2]
+                 for a, b in ((5, 9), (12, 3), (2, 20), (7, 7))]  # [CLS] A [SEP] B [SEP]
+    tokens = _padded(sequences)
+    with torch.no_grad():
+        want = theirs(input_ids=order[tokens], attention_mask=tokens.ne(1).long(),
+                      token_type_ids=token_types(tokens, saved.cfg.model)).logits
+        for packing in ("padded", "packed"):
+            torch.testing.assert_close(classify(ours, sequences, 1, packing, world.device), want, rtol=0, atol=2e-5)
+    # and back: the pretraining class again, whose sequence classifier starts from the same pooler
+    convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back", **QUIET)
+    assert json.loads((tmp_path / "back/config.json").read_text())["architectures"] == [architecture]
+    again = AutoModelForSequenceClassification.from_pretrained(tmp_path / "back", num_labels=3)
+    assert torch.equal((again.bert.pooler.dense if bert else again.albert.pooler).weight, pooler.weight)
+
+
+def test_a_sentence_pair_model_keeps_its_pooler_through_conversion(world, tmp_path):
+    # a folder trained with NSP holds pair_head.*; converted, it is a masked-LM folder whose
+    # classification head `nsp` is the pair head: fine-tuning starts from the same pooler either way
+    from megamlm.model.folder import write_model_folder
+    from megamlm.objectives import get_objective
+    from megamlm.model.reshard import full_state_dict
+
+    cfg = variant_config("bert", ["objective.name=nsp"])
+    model = get_objective(cfg).build_model(world)
+    write_model_folder(tmp_path / "nsp", cfg, full_state_dict(model))
+    convert("megamlm", "megamlm", tmp_path / "nsp", tmp_path / "mlm", **QUIET)
+    trained, converted = read_model_folder(tmp_path / "nsp"), read_model_folder(tmp_path / "mlm")
+    assert converted.cfg.objective.name == "mlm" and not any(k.startswith("pair_head") for k in converted.full)
+    assert torch.equal(converted.heads["nsp.out_proj.weight"], trained.full["pair_head.classifier.weight"])
+    sequences = [[0, 5, 6, 2, 7, 8, 9, 2], [0, 10, 2, 11, 2]]
+    logits = []
+    for folder, saved in ((tmp_path / "nsp", trained), (tmp_path / "mlm", converted)):
+        _, body = encoder_from(saved, folder, world)
+        classifier = SentenceClassifier(body, 2, seed=1, pretrained=folder_tensors(saved)).eval()
+        assert torch.equal(classifier.head.dense.weight, trained.full["pair_head.pooler.weight"])
+        with torch.no_grad():
+            logits.append(classify(classifier, sequences, 1, "packed", world.device))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)

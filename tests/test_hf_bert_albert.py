@@ -39,14 +39,16 @@ VOCAB = (["[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 VOCAB += [f"w{i}" for i in range(301 - len(VOCAB))]
 
 
-def save_bert(folder: Path, heads: int = 3, seed: int = 0) -> Path:
-    """A random BertForMaskedLM (every weight nonzero, both token types) and its BertTokenizer."""
-    from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+def save_bert(folder: Path, heads: int = 3, seed: int = 0, pretraining: bool = False) -> Path:
+    """A random BertForMaskedLM (every weight nonzero, both token types) and its BertTokenizer;
+    `pretraining`: a BertForPreTraining (+ the pooler and the next-sentence classifier)."""
+    import transformers
+    from transformers import BertConfig, BertTokenizer
 
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=48, num_hidden_layers=2, num_attention_heads=heads,
                      intermediate_size=96, max_position_embeddings=40, type_vocab_size=2, layer_norm_eps=1e-12)
-    model = BertForMaskedLM(cfg)
+    model = getattr(transformers, "BertForPreTraining" if pretraining else "BertForMaskedLM")(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -62,16 +64,18 @@ ALBERT_VOCAB = list(dict.fromkeys(["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]",
 ALBERT_VOCAB += [f"\u2581w{i}" for i in range(301 - len(ALBERT_VOCAB))]
 
 
-def save_albert(folder: Path, heads: int = 3, seed: int = 0) -> Path:
+def save_albert(folder: Path, heads: int = 3, seed: int = 0, pretraining: bool = False) -> Path:
     """A random AlbertForMaskedLM (E = 24 != H = 48, 3 applications of one layer, gelu_new) and its
-    SentencePiece (Unigram) AlbertTokenizer."""
-    from transformers import AlbertConfig, AlbertForMaskedLM, AlbertTokenizer
+    SentencePiece (Unigram) AlbertTokenizer; `pretraining`: an AlbertForPreTraining (+ the pooler and the
+    sentence-order classifier)."""
+    import transformers
+    from transformers import AlbertConfig, AlbertTokenizer
 
     torch.manual_seed(seed)
     cfg = AlbertConfig(vocab_size=len(ALBERT_VOCAB), embedding_size=24, hidden_size=48, num_hidden_layers=3,
                        num_attention_heads=heads, intermediate_size=96, max_position_embeddings=40,
                        hidden_act="gelu_new", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = AlbertForMaskedLM(cfg)
+    model = getattr(transformers, "AlbertForPreTraining" if pretraining else "AlbertForMaskedLM")(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

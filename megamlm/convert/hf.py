@@ -15,6 +15,9 @@ non-renaming steps are written next to it:
   gate half], megatron's full gated fc1 layout as is (model/tp.py shards it); it has no position table
   (RoPE), no layer-0 attention norm (model.first_layer_norm) and, by default, no biases: keys a model
   does not have are absent on both sides (`_rename`), and a decoder without bias imports as zeros;
+- BERT's / ALBERT's pretraining checkpoints also hold a sentence-pair head (pooler + NSP / SOP classifier):
+  it is the model folder's classification head `nsp` / `sop` (`pair_head`), written back as the
+  pretraining class (`HFFormat.pretraining`);
 - vocabulary rows: RoBERTa's ids are fairseq's; BERT's WordPiece and ALBERT's SentencePiece ids are
   permuted into megamlm's (data/pieces.py: vocab_order) by the importer / exporter, which hold the vocab.
 """
@@ -79,6 +82,9 @@ class HFFormat:
     """`qkv` is one tensor of rows [q; k; v] (ModernBERT's Wqkv), not three {part}s."""
     position_table: bool = True
     """Position and token-type tables in BERT's layout (ModernBERT: neither)."""
+    pair_head: tuple[str, str, str] | None = None
+    """(objective, pooler, classifier) of a pretraining checkpoint's sentence-pair head ({kind}: weight |
+    bias): BERT's pooler + next-sentence classifier, ALBERT's + sentence-order classifier; None: none."""
 
     @property
     def positions(self) -> str:
@@ -96,13 +102,20 @@ class HFFormat:
     def decoder(self) -> str:
         return f"{self.head}.decoder.{{kind}}" if self.head else "decoder.{kind}"
 
-    def build(self, values: dict, **config_options):
-        """The transformers model of this class for config.json `values` (hf_config_values), freshly
-        initialized; `config_options` go to its config class (e.g. attn_implementation)."""
+    @property
+    def pretraining(self) -> str:
+        """The pretraining class (masked LM + the sentence-pair head) of a format with a pair head."""
+        return self.architecture.replace("ForMaskedLM", "ForPreTraining")
+
+    def build(self, values: dict, pretraining: bool = False, **config_options):
+        """The transformers model of this class (`pretraining`: its pretraining class) for config.json
+        `values` (hf_config_values), freshly initialized; `config_options` go to its config class (e.g.
+        attn_implementation)."""
         import transformers
 
         config_class = getattr(transformers, self.architecture.replace("ForMaskedLM", "Config"))
-        return getattr(transformers, self.architecture)(config_class(**values, **config_options))
+        model_class = getattr(transformers, self.pretraining if pretraining else self.architecture)
+        return model_class(config_class(**values, **config_options))
 
 
 ALBERT_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.{i}"
@@ -121,7 +134,8 @@ BERT = HFFormat(
                      *weight_and_bias("cls.predictions.transform.LayerNorm.{kind}", names.LM_HEAD_NORM),
                      ("cls.predictions.bias", names.LM_HEAD_BIAS)],
     qkv="bert.encoder.layer.{i}.attention.self.{part}.{kind}", head="cls.predictions",
-    position_rows_dropped=POSITION_OFFSET, fixed={"tie_word_embeddings": True})
+    position_rows_dropped=POSITION_OFFSET, fixed={"tie_word_embeddings": True},
+    pair_head=("nsp", "bert.pooler.dense.{kind}", "cls.seq_relationship.{kind}"))
 ALBERT = HFFormat(
     "AlbertForMaskedLM", "albert",
     [("albert.embeddings.word_embeddings.weight", names.WORD_EMBEDDINGS),
@@ -137,7 +151,8 @@ ALBERT = HFFormat(
      ("predictions.bias", names.LM_HEAD_BIAS)],
     qkv=f"{ALBERT_LAYER}.attention.{{part}}.{{kind}}", head="predictions", position_rows_dropped=POSITION_OFFSET,
     fixed={"num_hidden_groups": 1, "inner_group_num": 1, "tie_word_embeddings": True},
-    config=(("embedding_size", "embedding_size"),), variant={"share_layers": True})
+    config=(("embedding_size", "embedding_size"),), variant={"share_layers": True},
+    pair_head=("sop", "albert.pooler.{kind}", "sop_classifier.classifier.{kind}"))
 MODERNBERT_LAYER = "model.layers.{i}"
 MODERNBERT = HFFormat(
     "ModernBertForMaskedLM", "model",
@@ -155,6 +170,9 @@ MODERNBERT = HFFormat(
     qkv=f"{MODERNBERT_LAYER}.attn.Wqkv.{{kind}}", head="", position_rows_dropped=0,
     fixed={"tie_word_embeddings": True}, fused_qkv=True, position_table=False)
 HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT)}
+PRETRAINING = {f.pretraining: f for f in (BERT, ALBERT)}
+"""The pretraining classes, read as their masked-LM class plus the sentence-pair head (Hub folders of
+bert-base / albert-base name the masked-LM class but hold the pretraining weights)."""
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
                "swish": "silu"}
 """config.json's hidden_act -> model.activation (the first name of each is what export writes)."""
@@ -263,6 +281,32 @@ def megamlm_to_hf(full: dict[str, torch.Tensor], model: ModelConfig,
     out[fmt.decoder.format(kind="weight")] = full[names.WORD_EMBEDDINGS]
     out[fmt.decoder.format(kind="bias")] = full[names.LM_HEAD_BIAS]
     return out
+
+
+def _pair_keys(fmt: HFFormat) -> dict[str, str]:
+    """The sentence-pair head's keys: megamlm's classification head (`nsp.dense.weight`, ...) -> HF's."""
+    kind, pooler, classifier = fmt.pair_head
+    return {f"{kind}.{ours}.{k}": theirs.format(kind=k)
+            for ours, theirs in (("dense", pooler), ("out_proj", classifier)) for k in ("weight", "bias")}
+
+
+def pair_head(hf_state: dict[str, torch.Tensor], fmt: HFFormat) -> dict[str, torch.Tensor]:
+    """The pretrained sentence-pair head of a pretraining checkpoint as a classification head in fairseq's
+    form, named by its objective (`nsp.dense.*` the pooler, `nsp.out_proj.*` the 2-way classifier: the
+    same dense -> tanh -> linear function); empty when the checkpoint has none."""
+    keys = _pair_keys(fmt) if fmt.pair_head else {}
+    if not keys or not all(theirs in hf_state for theirs in keys.values()):
+        return {}
+    return {ours: hf_state[theirs] for ours, theirs in keys.items()}
+
+
+def pair_head_to_hf(heads: dict[str, torch.Tensor], fmt: HFFormat) -> dict[str, torch.Tensor]:
+    """The inverse: a folder's classification head of the format's pair objective -> the pretraining
+    class's keys; empty when the folder has none."""
+    keys = _pair_keys(fmt) if fmt.pair_head else {}
+    if not keys or not all(ours in heads for ours in keys):
+        return {}
+    return {theirs: heads[ours] for ours, theirs in keys.items()}
 
 
 VOCAB_ROWS = (names.WORD_EMBEDDINGS, names.LM_HEAD_BIAS, names.LM_HEAD_WEIGHT)

@@ -18,7 +18,7 @@ import torch
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import (ALBERT, BERT, MODERNBERT, ROBERTA, HFFormat, hf_config_values, megamlm_to_hf,
-                                permute_vocab)
+                                pair_head_to_hf, permute_vocab)
 from megamlm.convert.parity import compare
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import JsonTokenizer, WordPieceTokenizer
@@ -119,11 +119,12 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
     with staged_output(out, "hf", overwrite) as tmp:
         if fmt is not None:
             pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])
-            hf = fmt.build(hf_config_values(cfg, fmt, pad))
+            pair = pair_head_to_hf(model.heads, fmt)  # kept: the pretraining class, as bert-base's folder
+            hf = fmt.build(hf_config_values(cfg, fmt, pad), pretraining=bool(pair))
             full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
-            missing, unexpected = hf.load_state_dict(megamlm_to_hf(full, cfg, fmt), strict=False)
+            missing, unexpected = hf.load_state_dict({**megamlm_to_hf(full, cfg, fmt), **pair}, strict=False)
             if unexpected or [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]:
-                raise ConversionError(f"{fmt.architecture} keys: missing {missing}, unexpected {unexpected}")
+                raise ConversionError(f"{type(hf).__name__} keys: missing {missing}, unexpected {unexpected}")
             hf.save_pretrained(tmp)
             kind, remote = fmt.architecture, False
         else:

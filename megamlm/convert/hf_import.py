@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from megamlm.config import Config, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ACTIVATIONS, BERT, HF_FORMATS, MODERNBERT, ROBERTA, HFFormat, hf_to_megamlm,
-                                model_values, permute_vocab)
+from megamlm.convert.hf import (ACTIVATIONS, BERT, HF_FORMATS, MODERNBERT, PRETRAINING, ROBERTA, HFFormat,
+                                hf_to_megamlm, model_values, pair_head, permute_vocab)
 from megamlm.convert.hf_modernbert import modernbert_problems
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
@@ -32,7 +32,7 @@ from megamlm.model.embedding import token_types
 
 MEGAMLM_EXPORT = "MegamlmForMaskedLM"
 """megamlm's own export of the other variants (hf_export.py: modeling_megamlm.py through auto_map)."""
-SUPPORTED = (*HF_FORMATS, MEGAMLM_EXPORT)
+SUPPORTED = (*HF_FORMATS, *PRETRAINING, MEGAMLM_EXPORT)
 """Architectures `convert --from hf` reads."""
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
@@ -49,6 +49,9 @@ class HFSource:
     """tokens [b, s] (megamlm ids) -> logits [b, s, V] (megamlm columns): transformers' forward of the folder."""
     tokenizer_files: dict[str, str] | None = None
     """Files of the tokenizer folder to ship with the model (BERT's WordPiece), or None (bundled GPT-2)."""
+    heads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """A pretraining checkpoint's sentence-pair head as a classification head (hf.pair_head): kept in the
+    folder's classification_heads.pt, where fine-tuning's pooler starts from it."""
 
 
 def _read_config(folder: Path) -> tuple[dict, HFFormat | None]:
@@ -66,7 +69,7 @@ def _read_config(folder: Path) -> tuple[dict, HFFormat | None]:
                               f"--from hf reads {', '.join(SUPPORTED)}")
     if architectures[0] == MEGAMLM_EXPORT:
         return values, None
-    fmt = HF_FORMATS[architectures[0]]
+    fmt = HF_FORMATS.get(architectures[0]) or PRETRAINING[architectures[0]]
     differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
     if fmt is MODERNBERT:
@@ -185,6 +188,7 @@ def read_hf(folder: str | Path) -> HFSource:
         raise ConversionError(f"{weights}: {fmt.decoder.format(kind='weight')} differs from the word embeddings "
                               f"(an untied decoder): megamlm's {fmt.prefix} ties them")
     full = hf_to_megamlm(state, cfg.model, fmt)
+    heads = pair_head(state, fmt)
     if order is not None:
         full = permute_vocab(full, order)
 
@@ -200,7 +204,7 @@ def read_hf(folder: str | Path) -> HFSource:
             logits = model.float().eval()(**inputs).logits
         return logits if order is None else logits[..., order]  # the vocabulary's columns -> megamlm's
 
-    return HFSource(cfg, full, reference, files)
+    return HFSource(cfg, full, reference, files, heads)
 
 
 def _check_gpt2(folder: Path, vocab_size: int, zero_mask: bool) -> str:

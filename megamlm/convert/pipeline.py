@@ -31,6 +31,7 @@ from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
 from megamlm.model.folder import read_model_folder, staged_write
 from megamlm.objectives import get_objective
+from megamlm.objectives.sentence_pairs import as_classification_head
 
 SOURCES = ("fairseq", "megamlm", "zero", "hf")
 TARGETS = ("megamlm", "fairseq", "hf")
@@ -105,7 +106,8 @@ def read_megamlm(path: str | Path) -> Model:
 
 def read_hugging_face(path: str | Path) -> Model:
     source = read_hf(path)
-    return Model(source.cfg, source.full, {}, reference=source.reference, tokenizer_files=source.tokenizer_files)
+    return Model(source.cfg, source.full, source.heads, reference=source.reference,
+                 tokenizer_files=source.tokenizer_files)
 
 
 def read_zero(path: str | Path) -> Model:
@@ -166,11 +168,15 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
 
 
 def _masked_lm_part(model: Model, log) -> tuple[Model, Config]:
-    """An MLM-based objective's model (NSP, SOP) as a masked-LM model: its further heads left out."""
+    """An MLM-based objective's model (NSP, SOP) as a masked-LM model: its further heads leave the model,
+    a sentence-pair head kept as the classification head named by the objective."""
+    name = model.cfg.objective.name
     objective = get_objective(model.cfg)
-    heads = sorted({name.split(".")[0] for name in model.full if objective.fresh_head(name)})
-    log(f"objective.name={model.cfg.objective.name}: {', '.join(heads) or 'no further head'} left out, the "
-        f"masked-LM model is converted")
+    heads = sorted({key.split(".")[0] for key in model.full if objective.fresh_head(key)})
+    kept = as_classification_head(model.full, name)
+    log(f"objective.name={name}: {', '.join(heads) or 'no further head'} "
+        f"{f'kept as the classification head {name}' if kept else 'left out'}, the masked-LM model is converted")
+    model.heads = {**model.heads, **kept}
     model.full = {k: v for k, v in model.full.items() if not objective.fresh_head(k)}
     model.cfg = config_from_dict(model.cfg.to_dict(), ["objective.name=mlm"])
     return model, model.cfg

@@ -8,7 +8,9 @@ of each sequence's features they read (model.classifier_pooling).
 
 ModernBertForSequenceClassification's `head` is the same module, under the same name, as
 ModernBertForMaskedLM's, so fine-tuning a masked-LM checkpoint starts it from the pretrained MLM
-head's dense layer and norm; `mlm_head` does the same from a model folder. The new weights are drawn by
+head's dense layer and norm; `mlm_head` does the same from a model folder. Likewise BERT's and ALBERT's
+sequence classifiers start from the checkpoint's pooler, and `pooler` from the folder's (a sentence-pair
+model's, or the one conversion keeps as a classification head). The new weights are drawn by
 model.init's scheme (model/init.py), from a generator seeded by the fine-tuning seed, identical on
 every data-parallel rank.
 
@@ -25,10 +27,12 @@ import torch
 from torch import nn
 
 from megamlm.config import ModelConfig
+from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
 from megamlm.model import names
 from megamlm.model.activation import activation_function
 from megamlm.model.init import init_head_linear
 from megamlm.model.norm import norm
+from megamlm.objectives.sentence_pairs import pair_kinds
 from megamlm.parallel import host_to_device
 
 
@@ -69,9 +73,31 @@ class Pooling:
         return sums / self.length.to(sums.dtype)
 
 
+@torch.no_grad()
+def _take(module: nn.Module, sources: dict[str, list[str]], pretrained: dict[str, torch.Tensor]) -> list[str]:
+    """Copy into each parameter of `module` the first of its `sources` ({kind}: weight | bias) that
+    `pretrained` holds; returns the names taken."""
+    taken = []
+    for name, param in module.named_parameters():
+        ours, kind = name.rsplit(".", 1)
+        found = [key.format(kind=kind) for key in sources.get(f"{ours}.{{kind}}", ())
+                 if key.format(kind=kind) in pretrained]
+        if found:
+            param.copy_(pretrained[found[0]])
+            taken.append(found[0])
+    return taken
+
+
 class PoolerHead(nn.Module):
     """fairseq's RobertaClassificationHead (= BERT's pooler + classifier); parameter names match fairseq's
-    `classification_heads.<name>.*`."""
+    `classification_heads.<name>.*`. Its dense layer starts from the folder's pretrained pooler when it
+    has one, as BertForSequenceClassification and AlbertForSequenceClassification start from the
+    checkpoint's: a sentence-pair model's (`pair_head.pooler`), or one kept by conversion as the
+    classification head of its objective (`classification_heads.nsp.dense`, `...sop.dense`)."""
+
+    PRETRAINED = {"dense.{kind}": ["pair_head.pooler.{kind}",
+                                   *(f"{HEADS_PREFIX}{kind}.dense.{{kind}}" for kind in pair_kinds())]}
+    """This head's parameter -> the folder tensors it starts from, the first found."""
 
     def __init__(self, model: ModelConfig, num_classes: int):
         super().__init__()
@@ -79,10 +105,10 @@ class PoolerHead(nn.Module):
         self.out_proj = nn.Linear(model.hidden_size, num_classes)
 
     def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
-        """Draw the weights; returns the names taken from `pretrained` (none: this head is always new)."""
+        """Draw the weights, then take the pretrained pooler's; returns the names taken."""
         init_head_linear(self.dense, model, names.LM_HEAD_DENSE.format(kind="weight"), generator)
         init_head_linear(self.out_proj, model, None, generator)
-        return []
+        return _take(self, self.PRETRAINED, pretrained)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.tanh(self.dense(features)))
@@ -92,7 +118,7 @@ class MLMHeadClassifier(nn.Module):
     """The MLM head's transform (dense -> model.activation -> norm, RobertaLMHead's names) and a linear
     classifier over the embedding width (ModernBERT: the hidden width)."""
 
-    PRETRAINED = {"dense.{kind}": names.LM_HEAD_DENSE, "layernorm.{kind}": names.LM_HEAD_NORM}
+    PRETRAINED = {"dense.{kind}": [names.LM_HEAD_DENSE], "layernorm.{kind}": [names.LM_HEAD_NORM]}
     """This head's parameter -> the folder's MLM-head parameter it starts from."""
 
     def __init__(self, model: ModelConfig, num_classes: int):
@@ -102,20 +128,12 @@ class MLMHeadClassifier(nn.Module):
         self.layernorm = norm(model, model.embedding_dim)
         self.out_proj = nn.Linear(model.embedding_dim, num_classes)
 
-    @torch.no_grad()
     def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
         """Draw the weights, then take the MLM head's where the folder has them (a CLAP-head or ELECTRA
         folder has none: the transform stays drawn); returns the names taken."""
         init_head_linear(self.dense, model, names.LM_HEAD_DENSE.format(kind="weight"), generator)
         init_head_linear(self.out_proj, model, None, generator)
-        taken = []
-        for name, param in self.named_parameters():
-            ours, kind = name.rsplit(".", 1)
-            source = self.PRETRAINED.get(f"{ours}.{{kind}}", "").format(kind=kind)
-            if source in pretrained:
-                param.copy_(pretrained[source])
-                taken.append(source)
-        return taken
+        return _take(self, self.PRETRAINED, pretrained)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.layernorm(self.activation(self.dense(features))))

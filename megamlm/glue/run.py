@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from megamlm.config import ParallelConfig
+from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, task_files
-from megamlm.model.folder import read_model_folder
+from megamlm.model.folder import ModelFolder, read_model_folder
 from megamlm.objectives import encoder_from
 from megamlm.parallel import init_distributed, seed_everything
 
@@ -45,16 +46,23 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     overrides = [f"model.hidden_dropout={options.dropout}", f"model.attention_dropout={options.dropout}"]
     result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev), "seeds": {}}
     saved = read_model_folder(checkpoint)
+    pretrained = folder_tensors(saved)
     for seed in seeds:
         seed_everything(seed, ctx)
         cfg, body = encoder_from(saved, checkpoint, ctx, overrides)
         tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
-        model = SentenceClassifier(body, task.num_classes, seed, pretrained=saved.full)
+        model = SentenceClassifier(body, task.num_classes, seed, pretrained=pretrained)
         if seed == seeds[0]:
             log(f"{name}: classifier {cfg.model.classifier} on {cfg.model.classifier_pooling} features, "
                 + (f"started from {', '.join(model.pretrained)}" if model.pretrained else "drawn fresh"))
         result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log)
     return result
+
+
+def folder_tensors(saved: ModelFolder) -> dict:
+    """A model folder's tensors a classification head may start from: the model's, and its classification
+    heads' as `classification_heads.<name>.*` (fairseq's names)."""
+    return {**saved.full, **{HEADS_PREFIX + name: tensor for name, tensor in saved.heads.items()}}
 
 
 def _spawned(args) -> dict:

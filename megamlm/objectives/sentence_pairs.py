@@ -21,13 +21,17 @@ from torch import nn
 
 from megamlm.data.batch import Batch
 from megamlm.data.pairs import Pairing
-from megamlm.objectives.base import LossOutput, register_objective
+from megamlm.objectives.base import OBJECTIVES, LossOutput, register_objective
 from megamlm.objectives.mlm import MaskedLanguageModeling, MaskedLM, perplexity, select
 from megamlm.parallel import ParallelContext
 
 
 class PairHead(nn.Module):
-    """BERT's pooler and a 2-way classifier: [n, h] features at `<s>` -> [n, 2] logits."""
+    """BERT's pooler and a 2-way classifier: [n, h] features at `<s>` -> [n, 2] logits. The same function
+    as a fairseq classification head (dense -> tanh -> out_proj): conversion keeps it as one named by the
+    objective (`as_classification_head`), and fine-tuning's pooler starts from its `pooler`."""
+
+    AS_CLASSIFICATION_HEAD = {"pooler": "dense", "classifier": "out_proj"}
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -123,3 +127,16 @@ class SentenceOrderPrediction(SentencePairObjective):
     name = "sop"
     kind = "sop"
     loss_terms = ("mlm", "sop")
+
+
+def pair_kinds() -> list[str]:
+    """The sentence-pair objectives' kinds (the names their heads are kept under in model folders)."""
+    return [cls.kind for cls in OBJECTIVES.values() if issubclass(cls, SentencePairObjective)]
+
+
+def as_classification_head(full: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """A sentence-pair model's head as the classification head `kind` ({kind}.dense.weight, ...): what a
+    folder's classification_heads.pt holds (empty if `full` has no pair head)."""
+    return {f"{kind}.{fairseq}.{k}": full[f"pair_head.{ours}.{k}"]
+            for ours, fairseq in PairHead.AS_CLASSIFICATION_HEAD.items() for k in ("weight", "bias")
+            if f"pair_head.{ours}.{k}" in full}
