@@ -19,7 +19,7 @@ from megamlm.model.embedding import token_types
 from megamlm.model.encoder import Encoder
 from megamlm.model.folder import read_model_folder
 from megamlm.objectives import encoder_from
-from tests.test_glue import GLUE
+from tests.test_glue import GLUE, tiny_folder  # noqa: F401  (a fixture)
 from tests.test_hf_bert_albert import save_albert, save_bert
 from tests.test_modernbert import QUIET, save_modernbert
 from tests.variants import variant_config
@@ -198,3 +198,17 @@ def test_a_sentence_pair_model_keeps_its_pooler_through_conversion(world, tmp_pa
         with torch.no_grad():
             logits.append(classify(classifier, sequences, 1, "packed", world.device))
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+def test_the_glue_command_takes_overrides_of_the_folders_config(tiny_folder, tmp_path, capsys):  # noqa: F811
+    from megamlm.cli import main as cli
+
+    args = ["glue", "--checkpoint", str(tiny_folder), "--data-dir", str(GLUE), "--tasks", "RTE", "--epochs", "1",
+            "--max-train-samples", "4", "--out", str(tmp_path / "out")]
+    assert cli([*args, "model.classifier_pooling=mean"]) == 0
+    assert "RTE: classifier pooler on mean features, drawn fresh" in capsys.readouterr().out
+    report = json.loads((tmp_path / "out/results.json").read_text())
+    assert report["options"]["overrides"] == ["model.classifier_pooling=mean"]
+    assert cli([*args, "model.classifier_pooling=max"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.classifier_pooling='max' is invalid; allowed: cls | mean" in err

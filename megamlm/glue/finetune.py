@@ -55,6 +55,9 @@ class FinetuneOptions:
     decreasing), positions and attention per sequence, the head on each sequence's <s>, so the linear
     layers compute no padding (SST-2 1.5x, RTE 1.4x faster on CPU, BENCHMARKS.md); padded: one
     right-padded row per sequence (fairseq's layout; the recorded GLUE runs before session 8)."""
+    overrides: tuple[str, ...] = ()
+    """Dotted overrides of the folder's config, e.g. model.classifier_pooling=mean (`megamlm glue
+    --checkpoint DIR ... model.classifier=mlm_head`); the dropout above is applied after them."""
 
 
 class SentenceClassifier(nn.Module):

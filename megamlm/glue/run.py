@@ -43,7 +43,8 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     train = rng.sample(train_all, max_train) if max_train and max_train < len(train_all) else train_all
     dev = rng.sample(dev, max_eval) if max_eval and max_eval < len(dev) else dev
     ctx = ctx or init_distributed(ParallelConfig())
-    overrides = [f"model.hidden_dropout={options.dropout}", f"model.attention_dropout={options.dropout}"]
+    overrides = [*options.overrides, f"model.hidden_dropout={options.dropout}",
+                 f"model.attention_dropout={options.dropout}"]
     result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev), "seeds": {}}
     saved = read_model_folder(checkpoint)
     pretrained = folder_tensors(saved)
