@@ -183,8 +183,9 @@ class ModelConfig:
     MLM head's dense layer. Biases 0 and norms 1 in both."""
     classifier: Literal["pooler", "mlm_head"] = "pooler"
     """The sentence-classification head fine-tuning puts on the encoder (`megamlm glue`;
-    glue/heads.py CLASSIFIER_HEADS). pooler: dense -> tanh -> out_proj, drawn fresh (fairseq's
-    RobertaClassificationHead; BERT's pooler + classifier); mlm_head: the MLM head's transform (dense ->
+    glue/heads.py CLASSIFIER_HEADS). pooler: dense -> tanh -> out_proj (fairseq's
+    RobertaClassificationHead; BERT's pooler + classifier, dense started from the folder's pretrained
+    pooler when it has one, else drawn); mlm_head: the MLM head's transform (dense ->
     activation -> norm), started from the folder's pretrained MLM head, -> out_proj (transformers'
     ModernBertForSequenceClassification, whose `head` is the masked-LM model's)."""
     classifier_pooling: Literal["cls", "mean"] = "cls"
