@@ -212,3 +212,28 @@ def test_the_glue_command_takes_overrides_of_the_folders_config(tiny_folder, tmp
     assert cli([*args, "model.classifier_pooling=max"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.classifier_pooling='max' is invalid; allowed: cls | mean" in err
+
+
+def test_continued_pretraining_with_nsp_starts_from_the_imported_nsp_head(world, tmp_path):
+    # bert-base's folder holds BERT's NSP head: `train.init_from` with objective.name=nsp starts from it, so
+    # the pair logits are BertForPreTraining's from the first update
+    from transformers import BertForPreTraining
+
+    from megamlm.config import replace_config
+    from megamlm.objectives import get_objective
+    from megamlm.train.loop import init_from_folder
+
+    source = save_bert(tmp_path / "hf", pretraining=True)
+    convert("hf", "megamlm", source, tmp_path / "megamlm", **QUIET)
+    cfg = replace_config(read_model_folder(tmp_path / "megamlm").cfg, ["objective.name=nsp"])
+    objective = get_objective(cfg)
+    model = objective.build_model(world).eval()
+    init_from_folder(model, cfg, str(tmp_path / "megamlm"), objective)
+    theirs = BertForPreTraining.from_pretrained(source, attn_implementation="eager").eval()
+    order = torch.from_numpy(Tokenizer.load(cfg.data.tokenizer).vocab_order)
+    tokens = _padded([[0, 5, 6, 7, 2, 8, 9, 2], [0, 10, 11, 2, 12, 2]])
+    with torch.no_grad():
+        ours = model.pair_head(model.hidden_states(tokens)[0])  # <s> features [b, h] -> [b, 2]
+        want = theirs(input_ids=order[tokens], attention_mask=tokens.ne(1).long(),
+                      token_type_ids=token_types(tokens, cfg.model)).seq_relationship_logits
+    torch.testing.assert_close(ours, want, rtol=0, atol=2e-5)

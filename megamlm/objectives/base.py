@@ -121,6 +121,11 @@ class Objective(ABC):
         objective lacks (train.init_from starts it from its initialization)."""
         return False
 
+    def heads_from_folder(self, heads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This objective's head parameters among a folder's classification heads (train.init_from
+        starts them from there): none by default."""
+        return {}
+
     def exported(self, name: str) -> bool:
         """Whether parameter `name` goes into exported model folders (<run_dir>/final); checkpoints
         keep everything."""

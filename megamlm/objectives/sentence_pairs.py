@@ -73,6 +73,13 @@ class SentencePairObjective(MaskedLanguageModeling):
         """The pair head: continued pretraining from an MLM folder (e.g. an imported BERT) adds it."""
         return name.startswith("pair_head.")
 
+    def heads_from_folder(self, heads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The pair head kept as the folder's classification head `kind` (an imported BERT / ALBERT
+        pretraining checkpoint, a converted NSP / SOP model): continued pretraining starts from it."""
+        return {f"pair_head.{ours}.{k}": heads[f"{self.kind}.{fairseq}.{k}"]
+                for ours, fairseq in PairHead.AS_CLASSIFICATION_HEAD.items() for k in ("weight", "bias")
+                if f"{self.kind}.{fairseq}.{k}" in heads}
+
     def pairing(self, seed: int) -> Pairing:
         return Pairing(self.kind, seed)
 

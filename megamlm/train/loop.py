@@ -118,14 +118,17 @@ def evaluate(objective: Objective, model, stream: MaskedBatches, max_batches: in
 
 def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> None:
     """Start from a model folder's weights (checked: same architecture as the run's config); the
-    objective's own heads that the folder lacks (`Objective.fresh_head`) keep their initialization."""
+    objective's own heads come from the folder's classification heads where it keeps them
+    (`Objective.heads_from_folder`: BERT's NSP head), and those it lacks (`Objective.fresh_head`) keep
+    their initialization."""
     source = read_model_folder(folder)
     differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
               for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
     if differ:
         raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
                           f"(start from its config.yaml: --config {folder}/config.yaml)")
-    load_full_state_dict(model, source.full, keep={n for n, _ in model.named_parameters() if objective.fresh_head(n)})
+    full = {**objective.heads_from_folder(source.heads), **source.full}
+    load_full_state_dict(model, full, keep={n for n, _ in model.named_parameters() if objective.fresh_head(n)})
 
 
 def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: bool = False,
