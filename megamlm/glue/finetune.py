@@ -55,6 +55,8 @@ class FinetuneOptions:
     decreasing), positions and attention per sequence, the head on each sequence's <s>, so the linear
     layers compute no padding (SST-2 1.5x, RTE 1.4x faster on CPU, BENCHMARKS.md); padded: one
     right-padded row per sequence (fairseq's layout; the recorded GLUE runs before session 8)."""
+    predict: bool = False
+    """Also predict each task's test files with the best epoch's weights (glue/submission.py)."""
     overrides: tuple[str, ...] = ()
     """Dotted overrides of the folder's config, e.g. model.classifier_pooling=mean (`megamlm glue
     --checkpoint DIR ... model.classifier=mlm_head`); the dropout above is applied after them."""
@@ -162,8 +164,9 @@ def predict(model: SentenceClassifier, sequences: list[list[int]], task: Task, b
 
 def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: list[Example],
              tokenizer: Tokenizer, options: FinetuneOptions, seed: int, ctx: ParallelContext,
-             log=print) -> dict:
-    """Train with the recipe; returns {"epochs": [...], "best": {...}, "updates": n}."""
+             log=print, test: dict[str, list[Example]] | None = None) -> dict:
+    """Train with the recipe; returns {"epochs": [...], "best": {...}, "updates": n}, and with `test`
+    ({submission name: a test file's rows}) "test": {name: predictions of the best epoch's weights}."""
     pad = model.body.config.pad_token_id
     batch_size = options.batch_size or task.batch_size
     if batch_size % ctx.dp_size:
@@ -181,7 +184,8 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
                                   weight_decay=options.weight_decay, fused=True)
     generator = torch.Generator().manual_seed(seed)
     history, update = [], 0
-    better = HIGHER_IS_BETTER[task.metrics[0]]
+    key = task.metrics[0]
+    better = HIGHER_IS_BETTER[key]
     model.train()
     for epoch in range(1, options.epochs + 1):
         # summed on the device in float64 (what adding Python floats did), read once per epoch: a read
@@ -211,6 +215,14 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
                         **metrics})
         log(f"{task.name} seed {seed} epoch {epoch}/{options.epochs}: train loss {train_loss:.4f} | "
             + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" | {history[-1]['seconds']:.0f}s")
-    key = task.metrics[0]
-    best = (max if better else min)(history, key=lambda e: e[key])
-    return {"epochs": history, "best": best, "updates": update, "schedule_updates": total}
+        if test and max(history, key=lambda e: e[key] if better else -e[key]) is history[-1]:
+            best_weights = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    best = max(history, key=lambda e: e[key] if better else -e[key])  # the first best epoch
+    result = {"epochs": history, "best": best, "updates": update, "schedule_updates": total}
+    if test:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(best_weights[name])
+        result["test"] = {name: predict(model, encode(rows, tokenizer, max_length), task, batch_size * 2, pad, ctx,
+                                        options.packing).tolist() for name, rows in test.items()}
+    return result

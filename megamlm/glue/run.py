@@ -23,7 +23,8 @@ from megamlm.config import ParallelConfig
 from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
-from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, task_files
+from megamlm.glue.submission import prediction_lines, write_submission
+from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, read_test_examples, task_files, task_test_files
 from megamlm.model.folder import ModelFolder, read_model_folder
 from megamlm.objectives import encoder_from
 from megamlm.parallel import init_distributed, seed_everything
@@ -39,6 +40,10 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     if isinstance(files, str):
         return {"skipped": files}
     train_all, dev = read_examples(task, files[0]), read_examples(task, files[1])
+    tests = {submission: read_test_examples(task, path) for path, submission in task_test_files(task, data_dir)} \
+        if options.predict else {}
+    if options.predict and not tests:
+        log(f"{name}: no test file ({', '.join(file for file, _ in task.test_files)}) in {Path(data_dir) / name}")
     rng = random.Random(0)  # the same subsample for every seed and variant
     train = rng.sample(train_all, max_train) if max_train and max_train < len(train_all) else train_all
     dev = rng.sample(dev, max_eval) if max_eval and max_eval < len(dev) else dev
@@ -56,7 +61,10 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
         if seed == seeds[0]:
             log(f"{name}: classifier {cfg.model.classifier} on {cfg.model.classifier_pooling} features, "
                 + (f"started from {', '.join(model.pretrained)}" if model.pretrained else "drawn fresh"))
-        result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log)
+        result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log, test=tests)
+        predicted = result["seeds"][seed].get("test", {})
+        for submission, predictions in predicted.items():
+            predicted[submission] = prediction_lines(task, tests[submission], predictions)
     return result
 
 
@@ -91,6 +99,10 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
         else:
             result["summary"] = summarize(result)
     if not dist.is_initialized() or dist.get_rank() == 0:  # data-parallel ranks hold the same results
+        for name, result in results.items():
+            written = write_submission(Path(out) / "test", TASKS[name], result) if "seeds" in result else {}
+            for path in written.values():
+                log(f"{name}: test predictions {path} (seed {result['test_seed']})")
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "results.json").write_text(json.dumps(report, indent=1))
         (Path(out) / "results.md").write_text(markdown(report))

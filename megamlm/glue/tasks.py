@@ -3,7 +3,8 @@
 Column quirks handled here: CoLA has no header (source, label, original label, sentence); MRPC's
 header starts with a byte-order mark and has quality/ID columns; STS-B scores are floats (0-5,
 divided by 5 as fairseq's preprocessing does); RTE/QNLI labels are words; MNLI's dev files are
-dev_matched.tsv (GLUE layout) or a reduced 3-column copy (premise, hypothesis, label id).
+dev_matched.tsv (GLUE layout) or a reduced 3-column copy (premise, hypothesis, label id). Test files
+have a header, an `index` column and no label (CoLA's too); MNLI has a matched and a mismatched one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class Task:
     """GLUE's training rows, which the recipe's max_update was computed for (10 epochs)."""
     dev_files: tuple[str, ...] = ("dev.tsv",)
     header: bool = True
+    test_files: tuple[tuple[str, str], ...] = (("test.tsv", ""),)
+    """(test file, its predictions' name in a GLUE submission; "" = the task's name)."""
+    test_text_columns: tuple[str, ...] | None = None
+    """Header names of the test file's texts, where they differ from text_columns (CoLA)."""
 
     @property
     def num_classes(self) -> int:
@@ -52,7 +57,8 @@ class Task:
 
 TASKS: dict[str, Task] = {t.name: t for t in [
     Task("MNLI", ("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"),
-         1e-5, 32, 123873, 7432, ("accuracy",), 392702, ("dev_matched.tsv", "dev_matched_3col.tsv")),
+         1e-5, 32, 123873, 7432, ("accuracy",), 392702, ("dev_matched.tsv", "dev_matched_3col.tsv"),
+         test_files=(("test_matched.tsv", "MNLI-m"), ("test_mismatched.tsv", "MNLI-mm"))),
     Task("QNLI", ("question", "sentence"), "label", ("entailment", "not_entailment"),
          1e-5, 32, 33112, 1986, ("accuracy",), 104743),
     Task("QQP", ("question1", "question2"), "is_duplicate", ("0", "1"),
@@ -61,7 +67,8 @@ TASKS: dict[str, Task] = {t.name: t for t in [
          2e-5, 16, 2036, 122, ("accuracy",), 2490),
     Task("SST-2", ("sentence",), "label", ("0", "1"), 1e-5, 32, 20935, 1256, ("accuracy",), 67349),
     Task("MRPC", ("#1 String", "#2 String"), "Quality", ("0", "1"), 1e-5, 16, 2296, 137, ("accuracy", "f1"), 3668),
-    Task("CoLA", (3,), 1, ("0", "1"), 1e-5, 16, 5336, 320, ("accuracy", "mcc"), 8551, header=False),
+    Task("CoLA", (3,), 1, ("0", "1"), 1e-5, 16, 5336, 320, ("accuracy", "mcc"), 8551, header=False,
+         test_text_columns=("sentence",)),
     Task("STS-B", ("sentence1", "sentence2"), "score", None, 2e-5, 16, 3598, 214,
          ("mse", "pearson", "spearman"), 5749),
 ]}
@@ -72,7 +79,9 @@ MNLI_3COL_ORDER = ("entailment", "neutral", "contradiction")
 @dataclass
 class Example:
     texts: tuple[str, ...]
-    label: float | int
+    label: float | int | None
+    """The class id, STS-B's score / 5, or None in a test file (then `index` is its row's index)."""
+    index: str | None = None
 
 
 def read_examples(task: Task, path: str | Path) -> list[Example]:
@@ -115,6 +124,33 @@ def read_examples(task: Task, path: str | Path) -> list[Example]:
             label = task.labels.index(raw)
         examples.append(Example(tuple(row[c] for c in columns), label))
     return examples
+
+
+def read_test_examples(task: Task, path: str | Path) -> list[Example]:
+    """Rows of a test file (index, the task's texts, no label); errors name the file and line."""
+    path = Path(path)
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    if not rows:
+        raise GlueDataError(f"{path}: empty file")
+    wanted = ["index", *(task.test_text_columns or task.text_columns)]
+    try:
+        columns = [rows[0].index(name) for name in wanted]
+    except ValueError:
+        raise GlueDataError(f"{path}:1: header {rows[0]} lacks {task.name}'s test columns {wanted}") from None
+    examples = []
+    for number, row in enumerate(rows[1:], 2):
+        if len(row) <= max(columns):
+            raise GlueDataError(f"{path}:{number}: {len(row)} columns, {task.name}'s test file needs "
+                                f"{max(columns) + 1}")
+        examples.append(Example(tuple(row[c] for c in columns[1:]), None, row[columns[0]]))
+    return examples
+
+
+def task_test_files(task: Task, data_dir: str | Path) -> list[tuple[Path, str]]:
+    """(test file, submission name) of each of the task's test files present in `data_dir`."""
+    folder = Path(data_dir) / task.name
+    return [(folder / file, name or task.name) for file, name in task.test_files if (folder / file).is_file()]
 
 
 def task_files(task: Task, data_dir: str | Path) -> tuple[Path, Path] | str:
