@@ -14,11 +14,11 @@ from megamlm.convert.pipeline import convert
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, classify
 from megamlm.glue.heads import Pooling
-from megamlm.glue.run import folder_tensors
+from megamlm.glue.run import config_overrides, folder_tensors
 from megamlm.model.embedding import token_types
 from megamlm.model.encoder import Encoder
 from megamlm.model.folder import read_model_folder
-from megamlm.objectives import encoder_from
+from megamlm.objectives import encoder_from, load_encoder
 from tests.test_glue import GLUE, tiny_folder  # noqa: F401  (a fixture)
 from tests.test_hf_bert_albert import save_albert, save_bert
 from tests.test_modernbert import QUIET, save_modernbert
@@ -209,6 +209,10 @@ def test_the_glue_command_takes_overrides_of_the_folders_config(tiny_folder, tmp
     assert "RTE: classifier pooler on mean features, drawn fresh" in capsys.readouterr().out
     report = json.loads((tmp_path / "out/results.json").read_text())
     assert report["options"]["overrides"] == ["model.classifier_pooling=mean"]
+    assert cli([*args, "--dropout", "0.2", "model.attention_dropout=0"]) == 0
+    options = FinetuneOptions(**json.loads((tmp_path / "out/results.json").read_text())["options"])
+    _, body = load_encoder(tiny_folder, overrides=config_overrides(options))
+    assert (body.config.hidden_dropout, body.config.attention_dropout) == (0.2, 0.0)  # the override wins
     assert cli([*args, "model.classifier_pooling=max"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.classifier_pooling='max' is invalid; allowed: cls | mean" in err

@@ -132,7 +132,8 @@ def cmd_glue(args) -> int:
     from megamlm.glue.run import merge_reports, run_glue
 
     options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, packing=args.packing,
-                              predict=args.predict, overrides=tuple(args.overrides))
+                              predict=args.predict, overrides=tuple(args.overrides),
+                              **({} if args.dropout is None else {"dropout": args.dropout}))
     if args.merge:
         merge_reports(args.merge)
         print((Path(args.merge) / "results.md").read_text())
@@ -164,6 +165,8 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, default=1, help="tasks in parallel processes")
     parser.add_argument("--ppl", type=float, default=None, help="the model's validation perplexity, "
                                                                 "for the table (megamlm eval ppl)")
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="hidden and attention dropout while fine-tuning (default: the recipe's)")
     parser.add_argument("--predict", action="store_true",
                         help="also predict each task's test files with the best epoch's weights: "
                              "<out>/test/<TASK>.tsv in GLUE's submission format (the best seed's)")

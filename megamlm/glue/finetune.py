@@ -50,6 +50,7 @@ class FinetuneOptions:
     longer pairs are truncated, the longer sentence first."""
     weight_decay: float = 0.1
     dropout: float = 0.1
+    """Hidden and attention dropout while fine-tuning (the recipe: 0.1), whatever the folder trained with."""
     packing: Literal["packed", "padded"] = "packed"
     """packed: a batch's sequences end to end in rows as wide as its longest one (best-fit
     decreasing), positions and attention per sequence, the head on each sequence's <s>, so the linear
@@ -59,7 +60,8 @@ class FinetuneOptions:
     """Also predict each task's test files with the best epoch's weights (glue/submission.py)."""
     overrides: tuple[str, ...] = ()
     """Dotted overrides of the folder's config, e.g. model.classifier_pooling=mean (`megamlm glue
-    --checkpoint DIR ... model.classifier=mlm_head`); the dropout above is applied after them."""
+    --checkpoint DIR ... model.classifier=mlm_head`), applied after `dropout` (so they may set one of
+    the two dropouts alone)."""
 
 
 class SentenceClassifier(nn.Module):

@@ -48,14 +48,12 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     train = rng.sample(train_all, max_train) if max_train and max_train < len(train_all) else train_all
     dev = rng.sample(dev, max_eval) if max_eval and max_eval < len(dev) else dev
     ctx = ctx or init_distributed(ParallelConfig())
-    overrides = [*options.overrides, f"model.hidden_dropout={options.dropout}",
-                 f"model.attention_dropout={options.dropout}"]
     result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev), "seeds": {}}
     saved = read_model_folder(checkpoint)
     pretrained = folder_tensors(saved)
     for seed in seeds:
         seed_everything(seed, ctx)
-        cfg, body = encoder_from(saved, checkpoint, ctx, overrides)
+        cfg, body = encoder_from(saved, checkpoint, ctx, config_overrides(options))
         tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
         model = SentenceClassifier(body, task.num_classes, seed, pretrained=pretrained)
         if seed == seeds[0]:
@@ -66,6 +64,12 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
         for submission, predictions in predicted.items():
             predicted[submission] = prediction_lines(task, tests[submission], predictions)
     return result
+
+
+def config_overrides(options: FinetuneOptions) -> list[str]:
+    """What fine-tuning changes in the folder's config: the dropout, then the user's overrides."""
+    return [f"model.hidden_dropout={options.dropout}", f"model.attention_dropout={options.dropout}",
+            *options.overrides]
 
 
 def folder_tensors(saved: ModelFolder) -> dict:
