@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megamlm.glue.finetune import FinetuneOptions
-from megamlm.glue.run import run_glue
+from megamlm.glue.run import merge_reports, run_glue
 from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, read_test_examples, task_test_files
 from tests.test_glue import GLUE, tiny_folder  # noqa: F401  (a fixture)
 
@@ -55,13 +55,13 @@ def test_predictions_come_from_the_best_epoch_of_the_best_seed(tiny_folder, tmp_
     shutil.copytree(GLUE, data)
     dev = _dev_as_test("STS-B", data)
     options = FinetuneOptions(epochs=6, batch_size=4, lr=1e-2, dropout=0.0, predict=True)
-    report = run_glue(str(tiny_folder), str(data), ["STS-B", "RTE"], [1, 2], str(tmp_path / "out"), options,
+    report = run_glue(str(tiny_folder), str(data), ["STS-B", "RTE"], [1, 2], str(tmp_path / "array/out"), options,
                       max_train=8, log=lambda *a: None)
     stsb = report["tasks"]["STS-B"]
     best_seed = min(stsb["seeds"], key=lambda seed: stsb["seeds"][seed]["best"]["mse"])
     assert stsb["test_seed"] == best_seed
-    lines = (tmp_path / "out/test/STS-B.tsv").read_text().splitlines()
-    assert lines == (tmp_path / f"out/test/seed{best_seed}/STS-B.tsv").read_text().splitlines()
+    lines = (tmp_path / "array/out/test/STS-B.tsv").read_text().splitlines()
+    assert lines == (tmp_path / f"array/out/test/seed{best_seed}/STS-B.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and [line.split("\t")[0] for line in lines[1:]] == list("012345")
     scores = np.array([float(line.split("\t")[1]) for line in lines[1:]])
     assert ((0 <= scores) & (scores <= 5)).all()
@@ -72,7 +72,11 @@ def test_predictions_come_from_the_best_epoch_of_the_best_seed(tiny_folder, tmp_
     assert best["epoch"] < len(epochs)  # the last epoch is not the best: the weights were kept
     assert mse == pytest.approx(best["mse"], abs=2e-4)  # scores are written to 3 decimals
     assert all(abs(mse - best["mse"]) < abs(mse - e["mse"]) for e in epochs if e["epoch"] != best["epoch"])
-    rte = (tmp_path / "out/test/RTE.tsv").read_text().splitlines()  # the real test rows: label names
+    rte = (tmp_path / "array/out/test/RTE.tsv").read_text().splitlines()  # the real test rows: label names
     assert len(rte) == 6 and {line.split("\t")[1] for line in rte[1:]} <= {"entailment", "not_entailment"}
-    saved = json.loads((tmp_path / "out/results.json").read_text())["tasks"]["RTE"]
+    saved = json.loads((tmp_path / "array/out/results.json").read_text())["tasks"]["RTE"]
     assert saved["seeds"]["1"]["test_rows"] == {"RTE": 5} and "test" not in saved["seeds"]["1"]
+    # a job array's folder (slurm/glue.sbatch: <model>/glue/<TASK>/): --merge gathers the submission files
+    merge_reports(tmp_path / "array")
+    assert sorted(p.name for p in (tmp_path / "array/test").iterdir()) == ["RTE.tsv", "STS-B.tsv"]
+    assert (tmp_path / "array/test/RTE.tsv").read_text() == (tmp_path / "array/out/test/RTE.tsv").read_text()

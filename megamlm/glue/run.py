@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import random
+import shutil
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -115,7 +116,7 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
 
 def merge_reports(folder: str | Path) -> dict:
     """One report from the per-task runs of a job array (<folder>/<TASK>/results.json); written to
-    <folder>/results.{json,md}."""
+    <folder>/results.{json,md}, and their test predictions (--predict) gathered in <folder>/test/."""
     folder = Path(folder)
     parts = sorted(folder.glob("*/results.json"))
     if not parts:
@@ -127,6 +128,9 @@ def merge_reports(folder: str | Path) -> dict:
         report = {**part, "tasks": tasks}
     (folder / "results.json").write_text(json.dumps(report, indent=1))
     (folder / "results.md").write_text(markdown(report))
+    for path in sorted(folder.glob("*/test/*.tsv")):  # each task's submission files (not the per-seed ones)
+        (folder / "test").mkdir(exist_ok=True)
+        shutil.copyfile(path, folder / "test" / path.name)
     return report
 
 
