@@ -241,3 +241,23 @@ def test_continued_pretraining_with_nsp_starts_from_the_imported_nsp_head(world,
         want = theirs(input_ids=order[tokens], attention_mask=tokens.ne(1).long(),
                       token_type_ids=token_types(tokens, cfg.model)).seq_relationship_logits
     torch.testing.assert_close(ours, want, rtol=0, atol=2e-5)
+
+
+def test_electra_runs_fine_tune_with_one_linear_layer_on_the_first_token(world):
+    # google-research/electra's classifier: tf.layers.dense on sequence_output[:, 0] (Glorot-uniform)
+    from megamlm.config import load_config
+    from tests.variants import CONFIGS, TINY
+
+    cfg = load_config([CONFIGS / "variants/baseline.yaml", CONFIGS / "objectives/electra.yaml"], TINY)
+    assert cfg.model.classifier == "linear"
+    model = SentenceClassifier(Encoder(cfg.model, world, seed=1), 3, seed=1).eval()
+    assert [name for name, _ in model.head.named_parameters()] == ["out_proj.weight", "out_proj.bias"]
+    bound = (6 / (cfg.model.hidden_size + 3)) ** 0.5
+    weight = model.head.out_proj.weight
+    assert weight.abs().max() <= bound and weight.abs().max() > 0.8 * bound and not model.head.out_proj.bias.any()
+    sequences = [[0, 5, 6, 7, 2], [0, 8, 9, 2, 2, 10, 2]]
+    with torch.no_grad():
+        hidden = model.body(_padded(sequences))  # [s, b, h]
+        want = hidden[0] @ weight.T + model.head.out_proj.bias  # the first token's features, one layer
+        for packing in ("padded", "packed"):
+            torch.testing.assert_close(classify(model, sequences, 1, packing, world.device), want, rtol=0, atol=1e-5)

@@ -5,6 +5,8 @@ of each sequence's features they read (model.classifier_pooling).
                                                                      BERT's / ALBERT's pooler + classifier
     mlm_head  features -> dense -> activation -> norm -> out_proj   transformers' ModernBertForSequence-
                                                                      Classification (head + classifier)
+    linear    features -> out_proj                                  ELECTRA's fine-tuning (google-research/
+                                                                     electra: `[CLS]` features, one dense layer)
 
 ModernBertForSequenceClassification's `head` is the same module, under the same name, as
 ModernBertForMaskedLM's, so fine-tuning a masked-LM checkpoint starts it from the pretrained MLM
@@ -139,5 +141,26 @@ class MLMHeadClassifier(nn.Module):
         return self.out_proj(self.layernorm(self.activation(self.dense(features))))
 
 
-CLASSIFIER_HEADS: dict[str, type[nn.Module]] = {"pooler": PoolerHead, "mlm_head": MLMHeadClassifier}
+class LinearHead(nn.Module):
+    """One linear layer on the features: ELECTRA's classifier (its finetune/classification code reads
+    `sequence_output[:, 0]` and applies `tf.layers.dense`; transformers' ElectraForSequenceClassification
+    adds a dense + GELU layer the paper's code does not have)."""
+
+    def __init__(self, model: ModelConfig, num_classes: int):
+        super().__init__()
+        self.out_proj = nn.Linear(model.hidden_size, num_classes)
+
+    @torch.no_grad()
+    def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
+        """Glorot-uniform weights and zero bias: tf.layers.dense's defaults, as ELECTRA's code leaves them."""
+        nn.init.xavier_uniform_(self.out_proj.weight, generator=generator)
+        self.out_proj.bias.zero_()
+        return []
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(features)
+
+
+CLASSIFIER_HEADS: dict[str, type[nn.Module]] = {"pooler": PoolerHead, "mlm_head": MLMHeadClassifier,
+                                                "linear": LinearHead}
 """model.classifier -> its head (the names of ModelConfig.classifier)."""
