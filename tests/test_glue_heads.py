@@ -261,3 +261,27 @@ def test_electra_runs_fine_tune_with_one_linear_layer_on_the_first_token(world):
         want = hidden[0] @ weight.T + model.head.out_proj.bias  # the first token's features, one layer
         for packing in ("padded", "packed"):
             torch.testing.assert_close(classify(model, sequences, 1, packing, world.device), want, rtol=0, atol=1e-5)
+
+
+def test_layerwise_lr_decay_scales_each_depth_and_zero_freezes_the_body(world):
+    from megamlm.glue.finetune import finetune, layer_lr_scales
+    from megamlm.glue.tasks import TASKS, Example
+
+    # 2 layers: embedding 0, layers 1-2, head 4 (no final norm: post-LN); the GPT-2 vocabulary
+    cfg = variant_config("baseline", ["model.vocab_size=50265"])
+    model = SentenceClassifier(Encoder(cfg.model, world, seed=1), 2, seed=1)
+    scales = layer_lr_scales(model, 0.5)
+    assert scales["body.embedding.word_embeddings.weight"] == 0.5 ** 4
+    assert scales["body.encoder.layers.0.mlp.linear_fc1.weight"] == 0.5 ** 3
+    assert scales["body.encoder.layers.1.self_attention.linear_qkv.bias"] == 0.5 ** 2
+    assert scales["head.out_proj.weight"] == scales["head.dense.bias"] == 1.0
+    assert set(layer_lr_scales(model, None).values()) == {1.0}
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    rng = np.random.default_rng(0)
+    words = "the a of to and in is it that was good bad".split()
+    examples = [Example((" ".join(rng.choice(words, 6)),), int(rng.integers(2))) for _ in range(8)]
+    tokenizer = Tokenizer.load(cfg.data.tokenizer)
+    finetune(model, TASKS["SST-2"], examples, examples, tokenizer, FinetuneOptions(
+        epochs=1, batch_size=4, lr=1e-3, layerwise_lr_decay=0.0), seed=1, ctx=world, log=lambda *a: None)
+    for name, param in model.named_parameters():  # lr 0 below the head: AdamW leaves those weights as they were
+        assert torch.equal(param, before[name]) != name.startswith("head."), name

@@ -132,7 +132,8 @@ def cmd_glue(args) -> int:
     from megamlm.glue.run import merge_reports, run_glue
 
     options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, packing=args.packing,
-                              predict=args.predict, overrides=tuple(args.overrides),
+                              layerwise_lr_decay=args.layerwise_lr_decay, predict=args.predict,
+                              overrides=tuple(args.overrides),
                               **({} if args.dropout is None else {"dropout": args.dropout}))
     if args.merge:
         merge_reports(args.merge)
@@ -167,6 +168,9 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
                                                                 "for the table (megamlm eval ppl)")
     parser.add_argument("--dropout", type=float, default=None,
                         help="hidden and attention dropout while fine-tuning (default: the recipe's)")
+    parser.add_argument("--layerwise-lr-decay", type=float, default=None, metavar="DECAY",
+                        help="ELECTRA's layer-wise learning-rate decay (e.g. 0.8): each layer at DECAY times "
+                             "the lr of the one above, the head at the lr")
     parser.add_argument("--predict", action="store_true",
                         help="also predict each task's test files with the best epoch's weights: "
                              "<out>/test/<TASK>.tsv in GLUE's submission format (the best seed's)")

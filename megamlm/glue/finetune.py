@@ -56,6 +56,10 @@ class FinetuneOptions:
     decreasing), positions and attention per sequence, the head on each sequence's <s>, so the linear
     layers compute no padding (SST-2 1.5x, RTE 1.4x faster on CPU, BENCHMARKS.md); padded: one
     right-padded row per sequence (fairseq's layout; the recorded GLUE runs before session 8)."""
+    layerwise_lr_decay: float | None = None
+    """ELECTRA's layer-wise learning-rate decay (its recipe: 0.8; 0.9 for large): the head trains at the
+    learning rate, each layer below at `decay` times the one above, the embedding lowest
+    (`layer_lr_scales`); None: one learning rate (the reference's recipe)."""
     predict: bool = False
     """Also predict each task's test files with the best epoch's weights (glue/submission.py)."""
     overrides: tuple[str, ...] = ()
@@ -85,6 +89,26 @@ class SentenceClassifier(nn.Module):
         n sequences `pooling` places (in its order). host_layout: (tokens, None, segments) on the CPU."""
         hidden = self.body(tokens, segments=segments, host_layout=host_layout)  # [s, b, h]
         return self.head(pooling(hidden))  # [n, h] -> [n, classes]
+
+
+def layer_lr_scales(model: SentenceClassifier, decay: float | None) -> dict[str, float]:
+    """Parameter name -> learning-rate scale: decay^(L + 2 - depth), with depth 0 for the embedding (and a
+    learned position encoding), i + 1 for layer i (a shared layer: 1), L + 1 for the final norm and L + 2
+    for the classification head, as google-research/electra's `_get_layer_lrs`; all 1 when decay is None."""
+    top = model.body.config.num_layers + 2
+    scales = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] == "head":
+            depth = top
+        elif parts[1:3] == ["encoder", "layers"]:
+            depth = int(parts[3]) + 1
+        elif parts[1] == "encoder":  # the final norm (pre-LN)
+            depth = top - 1
+        else:  # the embedding, its projection, a learned position encoding
+            depth = 0
+        scales[name] = 1.0 if decay is None else decay ** (top - depth)
+    return scales
 
 
 def encode(examples: list[Example], tokenizer: Tokenizer, max_length: int) -> list[list[int]]:
@@ -182,7 +206,10 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     total, warmup = task.schedule(options.epochs, per_epoch)
     schedule = OptimConfig(lr=options.lr or task.lr, min_lr=0.0, schedule="polynomial", end_lr=0.0, power=1.0,
                            warmup_steps=warmup, betas=(0.9, 0.98), eps=1e-6)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, betas=schedule.betas, eps=schedule.eps,
+    scales = layer_lr_scales(model, options.layerwise_lr_decay)
+    groups = [{"params": [p for name, p in model.named_parameters() if scales[name] == scale], "lr_scale": scale}
+              for scale in sorted(set(scales.values()), reverse=True)]
+    optimizer = torch.optim.AdamW(groups, lr=schedule.lr, betas=schedule.betas, eps=schedule.eps,
                                   weight_decay=options.weight_decay, fused=True)
     generator = torch.Generator().manual_seed(seed)
     history, update = [], 0
@@ -197,7 +224,7 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
         for first in range(0, len(order), batch_size):
             batch = order[first:first + batch_size][ctx.dp_rank::ctx.dp_size]
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(update, schedule, total)
+                group["lr"] = lr_at(update, schedule, total) * group["lr_scale"]
             logits = classify(model, [train_ids[i] for i in batch], pad, options.packing, ctx.device)
             global_batch = len(order[first:first + batch_size])
             loss = _loss(logits, host_to_device(train_labels[batch], ctx.device), task.labels is None) / global_batch
