@@ -5,6 +5,7 @@ megamlm's ElectraModel gives the generator's logits at the masked positions and 
 logits over the text with the generator's samples in place; transformers' two models give the same
 (but for the padding column, which megamlm's generator never predicts)."""
 
+import pytest
 import torch
 
 from megamlm.convert.hf import BERT, megamlm_to_hf
@@ -88,3 +89,74 @@ def test_electra_is_transformers_generator_and_discriminator(world):
                                token_type_ids=token_types(out.corrupted, m)).logits
     real = attention.bool()
     torch.testing.assert_close(out.discriminator_logits[real], theirs[real], rtol=0, atol=2e-5)
+
+
+def save_electra(folder, heads: int = 4, seed: int = 0):
+    """A random ElectraForPreTraining (E = 32 != H = 48: embeddings_project; both token types) and its
+    WordPiece tokenizer (BERT's vocabulary and specials)."""
+    from transformers import BertTokenizer, ElectraConfig, ElectraForPreTraining
+
+    from tests.test_hf_bert_albert import VOCAB
+
+    torch.manual_seed(seed)
+    config = ElectraConfig(vocab_size=len(VOCAB), embedding_size=32, hidden_size=48, num_hidden_layers=2,
+                           num_attention_heads=heads, intermediate_size=96, max_position_embeddings=40,
+                           type_vocab_size=2, pad_token_id=0)
+    model = ElectraForPreTraining(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    (folder / "vocab.txt").write_text("".join(f"{piece}\n" for piece in VOCAB))
+    BertTokenizer(vocab=str(folder / "vocab.txt"), do_lower_case=True).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_electra_discriminator_imports_with_transformers_logits(world, tmp_path, tp, capsys):
+    from transformers import AutoTokenizer, ElectraForPreTraining
+
+    from megamlm.cli import main as cli
+    from megamlm.config import replace_config
+    from megamlm.convert.parity import megamlm_logits
+    from megamlm.convert.pipeline import convert
+    from megamlm.data.tokenizer import Tokenizer
+    from megamlm.glue.finetune import SentenceClassifier, classify
+    from megamlm.model.folder import read_model_folder
+    from megamlm.objectives import load_encoder
+    from megamlm.train.loop import init_from_folder
+    from tests.faults_common import one_line
+    from tests.test_modernbert import QUIET
+
+    source = save_electra(tmp_path / "hf")
+    report = convert("hf", "megamlm", source, tmp_path / "megamlm", tp=tp, **QUIET)
+    assert report["max_diff"]["hf source"] < 1e-5
+    saved = read_model_folder(tmp_path / "megamlm")
+    cfg, m = saved.cfg, saved.cfg.model
+    assert (cfg.objective.name, m.classifier, m.embedding_size, m.token_types, m.hidden_size) == (
+        "electra", "linear", 32, 2, 48)
+    assert not any(k.startswith("generator.") for k in saved.full)
+    # a sentence pair through transformers' own tokenizer: the discriminator's logit at every token
+    inputs = AutoTokenizer.from_pretrained(source)("the fox and the dog", "run to the river bank", return_tensors="pt")
+    with torch.no_grad():
+        want = ElectraForPreTraining.from_pretrained(source).eval()(**inputs).logits
+    order = torch.from_numpy(Tokenizer.load(cfg.data.tokenizer).vocab_order)  # megamlm id -> theirs
+    ours = torch.argsort(order)[inputs["input_ids"]]
+    assert torch.equal(token_types(ours, m), inputs["token_type_ids"])
+    torch.testing.assert_close(megamlm_logits(cfg, saved.full, ours), want, rtol=0, atol=1e-5)
+    # fine-tuning reads the discriminator's encoder; continued pretraining adds a new generator
+    _, body = load_encoder(tmp_path / "megamlm", world)
+    logits = classify(SentenceClassifier(body, 3, seed=1), [ours[0].tolist()], m.pad_token_id, "packed", world.device)
+    assert logits.shape == (1, 3)
+    cfg = replace_config(cfg, ["parallel.tensor_parallel=1"])  # this world's (a TP=2 folder loads at TP=1)
+    objective = get_objective(cfg)
+    model = objective.build_model(world)
+    init_from_folder(model, cfg, str(tmp_path / "megamlm"), objective)
+    assert torch.equal(model.discriminator_head.prediction.weight, saved.full["discriminator_head.prediction.weight"])
+    assert model.generator is not None
+    # ELECTRA converts between megamlm folders, not to the masked-LM formats: one line, nothing written
+    capsys.readouterr()
+    assert cli(["convert", "--from", "megamlm", "--to", "hf", str(tmp_path / "megamlm"), str(tmp_path / "out")]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "objective.name=electra: conversion to hf" in line and "(this one converts to megamlm)" in line
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,5 @@
-"""Hugging Face `RobertaForMaskedLM` / `BertForMaskedLM` / `AlbertForMaskedLM` / `ModernBertForMaskedLM`
-<-> megamlm key tables (full TP=1 tensors).
+"""Hugging Face `RobertaForMaskedLM` / `BertForMaskedLM` / `AlbertForMaskedLM` / `ModernBertForMaskedLM` /
+`ElectraForPreTraining` <-> megamlm key tables (full TP=1 tensors).
 
 One declarative table per format maps each HF key to a megamlm key (`HFFormat.keys`); the only
 non-renaming steps are written next to it:
@@ -15,6 +15,9 @@ non-renaming steps are written next to it:
   gate half], megatron's full gated fc1 layout as is (model/tp.py shards it); it has no position table
   (RoPE), no layer-0 attention norm (model.first_layer_norm) and, by default, no biases: keys a model
   does not have are absent on both sides (`_rename`), and a decoder without bias imports as zeros;
+- ELECTRA's discriminator is BERT's encoder (`electra.*`, its `embeddings_project` megamlm's embedding
+  projection when embedding_size differs from hidden_size) with the replaced-token head and no MLM head:
+  megamlm's ELECTRA objective without its generator;
 - BERT's / ALBERT's pretraining checkpoints also hold a sentence-pair head (pooler + NSP / SOP classifier):
   it is the model folder's classification head `nsp` / `sop` (`pair_head`), written back as the
   pretraining class (`HFFormat.pretraining`);
@@ -82,6 +85,10 @@ class HFFormat:
     """`qkv` is one tensor of rows [q; k; v] (ModernBERT's Wqkv), not three {part}s."""
     position_table: bool = True
     """Position and token-type tables in BERT's layout (ModernBERT: neither)."""
+    mlm_head: bool = True
+    """The format has an MLM head whose decoder is tied to the word embeddings (ELECTRA's discriminator: none)."""
+    objective: str = "mlm"
+    """The megamlm objective whose model the format is (objective.name)."""
     pair_head: tuple[str, str, str] | None = None
     """(objective, pooler, classifier) of a pretraining checkpoint's sentence-pair head ({kind}: weight |
     bias): BERT's pooler + next-sentence classifier, ALBERT's + sentence-order classifier; None: none."""
@@ -113,7 +120,7 @@ class HFFormat:
         attn_implementation)."""
         import transformers
 
-        config_class = getattr(transformers, self.architecture.replace("ForMaskedLM", "Config"))
+        config_class = getattr(transformers, self.architecture.split("For")[0] + "Config")
         model_class = getattr(transformers, self.pretraining if pretraining else self.architecture)
         return model_class(config_class(**values, **config_options))
 
@@ -169,7 +176,16 @@ MODERNBERT = HFFormat(
      ("decoder.bias", names.LM_HEAD_BIAS)],
     qkv=f"{MODERNBERT_LAYER}.attn.Wqkv.{{kind}}", head="", position_rows_dropped=0,
     fixed={"tie_word_embeddings": True}, fused_qkv=True, position_table=False)
-HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT)}
+ELECTRA = HFFormat(
+    "ElectraForPreTraining", "electra",
+    _body("electra") + [*weight_and_bias("electra.embeddings_project.{kind}", names.EMBEDDING_PROJECTION),
+                        *weight_and_bias("discriminator_predictions.dense.{kind}", names.DISCRIMINATOR_DENSE),
+                        *weight_and_bias("discriminator_predictions.dense_prediction.{kind}",
+                                         names.DISCRIMINATOR_PREDICTION)],
+    qkv="electra.encoder.layer.{i}.attention.self.{part}.{kind}", head="", position_rows_dropped=POSITION_OFFSET,
+    fixed={}, config=(("embedding_size", "embedding_size"),), variant={"classifier": "linear"}, mlm_head=False,
+    objective="electra")
+HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT, ELECTRA)}
 PRETRAINING = {f.pretraining: f for f in (BERT, ALBERT)}
 """The pretraining classes, read as their masked-LM class plus the sentence-pair head (Hub folders of
 bert-base / albert-base name the masked-LM class but hold the pretraining weights)."""
@@ -193,6 +209,8 @@ def hf_config_values(model: ModelConfig, fmt: HFFormat, pad_token_id: int) -> di
     if fmt is MODERNBERT:
         return {**modernbert_config_values(model, activation, pad_token_id), **fmt.fixed}
     values = {theirs: getattr(model, ours) for theirs, ours in HF_CONFIG + list(fmt.config)}
+    if "embedding_size" in values:  # null in megamlm: the hidden size
+        values["embedding_size"] = model.embedding_dim
     values["max_position_embeddings"] = model.max_positions + POSITION_OFFSET - fmt.position_rows_dropped
     values["hidden_act"] = activation
     values.update(type_vocab_size=model.token_types or 1, pad_token_id=pad_token_id)
@@ -249,7 +267,7 @@ def hf_to_megamlm(hf_state: dict[str, torch.Tensor], model: ModelConfig,
             else:
                 q, k, v = (hf_state[fmt.qkv.format(i=i, part=p, kind=kind)] for p in ("query", "key", "value"))
             out[names.QKV.format(i=i, kind=kind)] = fuse_qkv(q, k, v, model.num_attention_heads)
-    if names.LM_HEAD_BIAS not in out:  # a decoder without bias (ModernBERT's decoder_bias: false)
+    if fmt.mlm_head and names.LM_HEAD_BIAS not in out:  # a decoder without bias (ModernBERT's decoder_bias: false)
         out[names.LM_HEAD_BIAS] = torch.zeros(out[names.WORD_EMBEDDINGS].shape[0])
     if not fmt.position_table:
         return out
@@ -278,8 +296,9 @@ def megamlm_to_hf(full: dict[str, torch.Tensor], model: ModelConfig,
     if fmt.position_table:
         out[fmt.positions] = full[names.POSITION_TABLE][fmt.position_rows_dropped:]
         out[fmt.token_types] = full.get(names.TOKEN_TYPES, torch.zeros(1, model.embedding_dim))
-    out[fmt.decoder.format(kind="weight")] = full[names.WORD_EMBEDDINGS]
-    out[fmt.decoder.format(kind="bias")] = full[names.LM_HEAD_BIAS]
+    if fmt.mlm_head:
+        out[fmt.decoder.format(kind="weight")] = full[names.WORD_EMBEDDINGS]
+        out[fmt.decoder.format(kind="bias")] = full[names.LM_HEAD_BIAS]
     return out
 
 

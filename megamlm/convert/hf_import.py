@@ -1,6 +1,8 @@
 """Hugging Face import: a `RobertaForMaskedLM`, `BertForMaskedLM`, `AlbertForMaskedLM` or
 `ModernBertForMaskedLM` folder (config.json + model.safetensors or pytorch_model.bin, saved locally) ->
-a megamlm model, for continued pretraining.
+a megamlm model, for continued pretraining; an `ElectraForPreTraining` one (ELECTRA's discriminator) ->
+megamlm's ELECTRA model without its generator, for fine-tuning (and continued pretraining with a new
+generator).
 
 The key tables and the config table are `megamlm.convert.hf`'s (the export's, read the other way).
 RoBERTa's vocabulary is GPT-2 BPE with fairseq's dictionary ids (`vocab.json` of roberta-base is
@@ -22,8 +24,8 @@ import torch
 
 from megamlm.config import Config, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ACTIVATIONS, BERT, HF_FORMATS, MODERNBERT, PRETRAINING, ROBERTA, HFFormat,
-                                hf_to_megamlm, model_values, pair_head, permute_vocab)
+from megamlm.convert.hf import (ACTIVATIONS, BERT, ELECTRA, HF_FORMATS, MODERNBERT, PRETRAINING, ROBERTA,
+                                HFFormat, hf_to_megamlm, model_values, pair_head, permute_vocab)
 from megamlm.convert.hf_modernbert import modernbert_problems
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
@@ -37,7 +39,7 @@ SUPPORTED = (*HF_FORMATS, *PRETRAINING, MEGAMLM_EXPORT)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
 VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml",
-           "ModernBertForMaskedLM": "modernbert.yaml"}
+           "ModernBertForMaskedLM": "modernbert.yaml", "ElectraForPreTraining": "bert.yaml"}
 """The megamlm variant each format is (its config file)."""
 
 
@@ -115,6 +117,9 @@ def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, 
                                   f"{tuple(shape)}")
 
 
+WORDPIECE = (BERT, ELECTRA)
+"""The formats whose vocabulary is BERT's WordPiece vocab.txt."""
+
 SPECIAL_NAMES = {
     "AlbertForMaskedLM": {"cls_token": "[CLS]", "pad_token": "<pad>", "sep_token": "[SEP]", "unk_token": "<unk>",
                           "mask_token": "[MASK]", "tokenizer_class": "AlbertTokenizer"},
@@ -135,7 +140,7 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
     tokenizer.json + its special names, as megamlm's tokenizer files; checked to hold the model's vocabulary."""
     settings_path = folder / "tokenizer_config.json"
     settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
-    if fmt is BERT:
+    if fmt in WORDPIECE:
         kind, source = WordPieceTokenizer, folder / "vocab.txt"
         needs = "its WordPiece vocabulary"
     else:
@@ -172,7 +177,7 @@ def read_hf(folder: str | Path) -> HFSource:
         return _read_megamlm_export(folder, values)
     model = model_values(values, fmt)
     overrides = [f"model.{key}={value}" for key, value in model.items()]
-    overrides.append(f"data.seq_length={model['max_positions']}")
+    overrides += [f"data.seq_length={model['max_positions']}", f"objective.name={fmt.objective}"]
     files, order = None, None
     if fmt is not ROBERTA:
         files, tokenizer = _vocabulary(folder, fmt, values["vocab_size"])
@@ -202,7 +207,9 @@ def read_hf(folder: str | Path) -> HFSource:
             inputs.update(token_type_ids=token_types(tokens, cfg.model))
         with torch.no_grad():
             logits = model.float().eval()(**inputs).logits
-        return logits if order is None else logits[..., order]  # the vocabulary's columns -> megamlm's
+        if order is None or not fmt.mlm_head:
+            return logits
+        return logits[..., order]  # the vocabulary's columns -> megamlm's
 
     return HFSource(cfg, full, reference, files, heads)
 

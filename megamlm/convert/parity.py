@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megamlm.config import Config, ParallelConfig
+from megamlm.config import Config, ParallelConfig, replace_config
 from megamlm.convert.fairseq import ConversionError
 from megamlm.objectives import get_objective
 from megamlm.model.reshard import load_full_state_dict
@@ -42,8 +42,10 @@ def compare(ours: torch.Tensor, theirs: torch.Tensor, tokens: torch.Tensor, pad:
 
 
 def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """The objective's probe output (masked LM: logits [b, s, V]) of the model `full` holds."""
     ctx = init_distributed(ParallelConfig())
-    model = get_objective(cfg).build_model(ctx)
+    objective = get_objective(replace_config(cfg, ["parallel.tensor_parallel=1"]))  # a world of one runs it
+    model = objective.build_pretrained(ctx, set(full))
     load_full_state_dict(model, full)
     with torch.no_grad():
-        return model.eval()(tokens)
+        return objective.probe(model.eval(), tokens)

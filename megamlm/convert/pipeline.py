@@ -30,7 +30,7 @@ from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
 from megamlm.model.folder import read_model_folder, staged_write
-from megamlm.objectives import get_objective
+from megamlm.objectives import get_objective, objective_class
 from megamlm.objectives.sentence_pairs import as_classification_head
 
 SOURCES = ("fairseq", "megamlm", "zero", "hf")
@@ -136,13 +136,15 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
 def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
              overwrite: bool) -> dict:
     cfg = model.cfg
-    if cfg.objective.name != "mlm" and get_objective(cfg).masked_lm_inside:
+    if cfg.objective.name != "mlm" and objective_class(cfg).masked_lm_inside:
         model, cfg = _masked_lm_part(model, log)
-    if cfg.objective.name != "mlm":
+    targets = objective_class(cfg).conversion_targets
+    if target not in targets:
+        also = f" (this one converts to {', '.join(targets)})" if targets else ""
         raise fs.ConversionError(
-            f"{src} was trained with objective.name={cfg.objective.name}: conversion (and its logit parity "
-            f"check) covers masked-LM models; its folder already loads at any TP degree and `megamlm glue` "
-            f"fine-tunes it; nothing was written")
+            f"{src} was trained with objective.name={cfg.objective.name}: conversion to {target} (and its logit "
+            f"parity check) covers masked-LM models{also}; its folder already loads at any TP degree and "
+            f"`megamlm glue` fine-tunes it; nothing was written")
     tokens = probe_tokens(cfg)
     ours = megamlm_logits(cfg, model.full, tokens)
     pad = cfg.model.pad_token_id
@@ -161,8 +163,9 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             raise fs.ConversionError("--to hf needs transformers: pip install 'megamlm[hf]'") from None
         write_hf(model, out, tokens, ours, tolerance, report, overwrite)
     for check, diff in report["max_diff"].items():
-        log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {int(tokens.ne(pad).sum())} positions × "
-            f"{cfg.model.vocab_size} symbols (tolerance {tolerance:g})")
+        per_position = f" × {ours.shape[-1]} symbols" if ours.dim() > 2 else ""  # ELECTRA: one logit each
+        log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {int(tokens.ne(pad).sum())} positions{per_position} "
+            f"(tolerance {tolerance:g})")
     log(f"wrote {out}")
     return report
 

@@ -28,6 +28,8 @@ LM_HEAD_BIAS = "lm_head.bias"
 LM_HEAD_DENSE = "lm_head.dense.{kind}"
 LM_HEAD_NORM = "lm_head.layernorm.{kind}"
 CLAP_BETA = "lm_head.beta"
+DISCRIMINATOR_DENSE = "discriminator_head.dense.{kind}"
+DISCRIMINATOR_PREDICTION = "discriminator_head.prediction.{kind}"
 GENERATOR_PREFIX = "generator."
 """ELECTRA's generator: an encoder's names (and its head's lm_head.*) under this prefix."""
 

@@ -60,6 +60,8 @@ class Objective(ABC):
     """The validation metric `summary` adds next to the loss (lower is better)."""
     loss_terms: ClassVar[tuple[str, ...]] = ("mlm",)
     """Names of the loss's terms, in LossOutput order; the loss is their sum."""
+    conversion_targets: ClassVar[tuple[str, ...]] = ()
+    """The formats `megamlm convert` writes this objective's model to (checked by `probe` on a probe batch)."""
     masked_lm_inside: ClassVar[bool] = False
     """The model is mlm's MaskedLM plus the heads `fresh_head` names (NSP, SOP): conversion takes the
     MaskedLM."""
@@ -121,6 +123,11 @@ class Objective(ABC):
         objective lacks (train.init_from starts it from its initialization)."""
         return False
 
+    def probe(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """What conversions compare on a probe batch tokens [b, s]: [b, s, ...] from the model in eval
+        mode (the masked-LM objectives: the logits at every position)."""
+        return model(tokens)
+
     def heads_from_folder(self, heads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This objective's head parameters among a folder's classification heads (train.init_from
         starts them from there): none by default."""
@@ -147,13 +154,17 @@ def register_objective(cls: type[Objective]) -> type[Objective]:
     return cls
 
 
-def get_objective(cfg: Config) -> Objective:
+def objective_class(cfg: Config) -> type[Objective]:
+    """The class objective.name registers (its facts, without checking the config as building does)."""
     try:
-        cls = OBJECTIVES[cfg.objective.name]
+        return OBJECTIVES[cfg.objective.name]
     except KeyError:
         raise ConfigError(f"objective.name={cfg.objective.name!r} is not an objective; "
                           f"allowed: {' | '.join(sorted(OBJECTIVES))}") from None
-    return cls(cfg)
+
+
+def get_objective(cfg: Config) -> Objective:
+    return objective_class(cfg)(cfg)
 
 
 class LossTotals:

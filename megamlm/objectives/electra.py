@@ -180,6 +180,8 @@ class Electra(MaskedLanguageModeling):
 
     name = "electra"
     loss_terms = ("generator", "discriminator")
+    conversion_targets = ("megamlm",)
+    """From transformers' ElectraForPreTraining (`--from hf`) and between megamlm folders."""
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -263,6 +265,15 @@ class Electra(MaskedLanguageModeling):
     def exported(self, name: str) -> bool:
         """Exported folders hold the discriminator; the generator only with objective.export_generator."""
         return self.cfg.objective.export_generator or not name.startswith(names.GENERATOR_PREFIX)
+
+    def probe(self, model: ElectraModel, tokens: torch.Tensor) -> torch.Tensor:
+        """The discriminator's logits [b, s] on the tokens as they are (ElectraForPreTraining's)."""
+        return model.discriminator_head(model.hidden_states(tokens))
+
+    def fresh_head(self, name: str) -> bool:
+        """The generator: continued pretraining from a discriminator alone (an exported folder, an imported
+        ElectraForPreTraining) starts a new one."""
+        return name.startswith(names.GENERATOR_PREFIX)
 
     def build_pretrained(self, ctx: ParallelContext, saved: set[str]) -> ElectraModel:
         """The discriminator, with the generator when the folder holds one."""

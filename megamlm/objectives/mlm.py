@@ -150,6 +150,8 @@ class MaskedLanguageModeling(Objective):
     def unsupported_here(self) -> str | None:
         return MaskedLM.unsupported_here(self.cfg.model)
 
+    conversion_targets = ("megamlm", "fairseq", "hf")
+
     def build_model(self, ctx: ParallelContext, params_dtype: torch.dtype = torch.float32) -> MaskedLM:
         return MaskedLM(self.cfg.model, ctx, seed=self.cfg.train.seed, params_dtype=params_dtype)
 
