@@ -41,10 +41,11 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     if isinstance(files, str):
         return {"skipped": files}
     train_all, dev = read_examples(task, files[0]), read_examples(task, files[1])
-    tests = {submission: read_test_examples(task, path) for path, submission in task_test_files(task, data_dir)} \
-        if options.predict else {}
-    if options.predict and not tests:
-        log(f"{name}: no test file ({', '.join(file for file, _ in task.test_files)}) in {Path(data_dir) / name}")
+    tests = {}  # submission name -> the test file's rows
+    if options.predict:
+        tests = {submission: read_test_examples(task, path) for path, submission in task_test_files(task, data_dir)}
+        if not tests:
+            log(f"{name}: no test file ({', '.join(file for file, _ in task.test_files)}) in {Path(data_dir) / name}")
     rng = random.Random(0)  # the same subsample for every seed and variant
     train = rng.sample(train_all, max_train) if max_train and max_train < len(train_all) else train_all
     dev = rng.sample(dev, max_eval) if max_eval and max_eval < len(dev) else dev
