@@ -5,6 +5,8 @@ megamlm's ElectraModel gives the generator's logits at the masked positions and 
 logits over the text with the generator's samples in place; transformers' two models give the same
 (but for the padding column, which megamlm's generator never predicts)."""
 
+import json
+
 import pytest
 import torch
 
@@ -154,9 +156,16 @@ def test_an_electra_discriminator_imports_with_transformers_logits(world, tmp_pa
     init_from_folder(model, cfg, str(tmp_path / "megamlm"), objective)
     assert torch.equal(model.discriminator_head.prediction.weight, saved.full["discriminator_head.prediction.weight"])
     assert model.generator is not None
-    # ELECTRA converts between megamlm folders, not to the masked-LM formats: one line, nothing written
+    # and back to transformers' class; fairseq has no ELECTRA: one line, nothing written
+    back = convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back", **QUIET)
+    assert back["max_diff"]["transformers ElectraForPreTraining"] < 1e-5
+    assert json.loads((tmp_path / "back/config.json").read_text())["architectures"] == ["ElectraForPreTraining"]
+    with torch.no_grad():
+        torch.testing.assert_close(ElectraForPreTraining.from_pretrained(tmp_path / "back").eval()(**inputs).logits,
+                                   want, rtol=0, atol=1e-5)
     capsys.readouterr()
-    assert cli(["convert", "--from", "megamlm", "--to", "hf", str(tmp_path / "megamlm"), str(tmp_path / "out")]) == 2
+    out = tmp_path / "model.pt"
+    assert cli(["convert", "--from", "megamlm", "--to", "fairseq", str(tmp_path / "megamlm"), str(out)]) == 2
     line = one_line(capsys.readouterr().err)
-    assert "objective.name=electra: conversion to hf" in line and "(this one converts to megamlm)" in line
-    assert not (tmp_path / "out").exists()
+    assert "objective.name=electra: conversion to fairseq" in line and "(this one converts to megamlm, hf)" in line
+    assert not out.exists()

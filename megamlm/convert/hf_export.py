@@ -1,7 +1,9 @@
 """Hugging Face export: the RoBERTa-shaped variant as `RobertaForMaskedLM`, the BERT-shaped one (token
 types) as `BertForMaskedLM`, the ALBERT-shaped one (factorized embedding, shared layer) as
 `AlbertForMaskedLM`, the ModernBERT-shaped one (RoPE, GeGLU, pre-LN without layer 0's norm) as
-`ModernBertForMaskedLM`, every other variant as megamlm's own modeling file registered through `auto_map`
+`ModernBertForMaskedLM`, a BERT-shaped ELECTRA discriminator as `ElectraForPreTraining` (its generator stays
+behind: transformers keeps it as a separate model), every other masked-LM variant as megamlm's own modeling
+file registered through `auto_map`
 (trust_remote_code; not for the ModernBERT parts, which are refused there), plus tokenizer files: GPT-2
 BPE whose ids are the fairseq dictionary's (as RoBERTa's vocab.json on the Hub), BERT's vocab.txt or
 ALBERT's / ModernBERT's tokenizer.json in their own id order (the model's vocabulary rows permuted
@@ -17,8 +19,8 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ALBERT, BERT, MODERNBERT, ROBERTA, HFFormat, hf_config_values, megamlm_to_hf,
-                                pair_head_to_hf, permute_vocab)
+from megamlm.convert.hf import (ALBERT, BERT, ELECTRA, MODERNBERT, ROBERTA, HFFormat, hf_config_values,
+                                megamlm_to_hf, pair_head_to_hf, permute_vocab)
 from megamlm.convert.parity import compare
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import JsonTokenizer, WordPieceTokenizer
@@ -29,14 +31,15 @@ from megamlm.model.embedding import token_types
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_megamlm.py"
 
 
-def hf_format(model: ModelConfig) -> HFFormat | None:
+def hf_format(model: ModelConfig, objective: str = "mlm") -> HFFormat | None:
     """The transformers class that computes exactly what `model` does (baseline: RoBERTa; baseline +
     token types: BERT; + a factorized embedding and a shared layer: ALBERT; the modernbert variant:
-    ModernBERT), or None (megamlm's own modeling file)."""
+    ModernBERT; ELECTRA's discriminator of BERT's shape, any embedding width: ELECTRA), or None (masked
+    LM: megamlm's own modeling file)."""
     common = (model.embedding_layernorm and model.head == "roberta" and model.tie_embeddings
               and not model.scale_embeddings and not model.normalize_embeddings and not model.zero_mask
               and model.pad_token_id == 1 and model.normalization == "layernorm")
-    if common and model.position == "rope":
+    if common and model.position == "rope" and objective != ELECTRA.objective:
         modern = (model.layernorm == "pre" and not model.first_layer_norm and model.gated_ffn
                   and model.local_attention == "window"
                   and not model.token_types and model.embedding_size in (None, model.hidden_size)
@@ -45,12 +48,15 @@ def hf_format(model: ModelConfig) -> HFFormat | None:
     if not (common and model.position == "learned" and model.layernorm == "post" and model.bias
             and not model.gated_ffn and model.local_window is None):
         return None
+    bert_tokens = model.token_types and model.separator_token_id == 2
+    if objective == ELECTRA.objective:  # the discriminator: BERT's encoder, an embedding projection if E != h
+        return ELECTRA if bert_tokens and not model.share_layers else None
     if model.share_layers:  # ALBERT's embedding always has its own width (a projection follows)
-        return ALBERT if model.token_types and model.separator_token_id == 2 and model.embedding_size else None
+        return ALBERT if bert_tokens and model.embedding_size else None
     if model.embedding_size not in (None, model.hidden_size):
         return None
     if model.token_types:
-        return BERT if model.separator_token_id == 2 else None
+        return BERT if bert_tokens else None
     return ROBERTA
 
 
@@ -109,7 +115,12 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
     from safetensors.torch import save_file
 
     cfg = model.cfg.model
-    fmt = hf_format(cfg)
+    objective = model.cfg.objective.name
+    fmt = hf_format(cfg, objective)
+    if fmt is None and objective == ELECTRA.objective:
+        raise ConversionError("objective.name=electra: conversion to hf writes the discriminator as "
+                              "ElectraForPreTraining, which has BERT's shape (learned positions, token types, "
+                              "post-LN, biases, layer norms, separate layers); this model differs")
     if fmt is None and cfg.modern_parts():
         raise ConversionError(f"{', '.join(cfg.modern_parts())}: only the modernbert variant's mix of these "
                               f"exports (as ModernBertForMaskedLM); megamlm's own modeling file has none of them")
@@ -140,15 +151,17 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
             kind, remote, order = "MegamlmForMaskedLM (trust_remote_code)", True, None
         if not write_tokenizer(tokenizer, tmp, wordpiece_order=order is not None):
             report["warning"] = "no tokenizer files: the model's tokenizer cannot be written for this model"
-        loaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp, trust_remote_code=remote).eval()
+        masked_lm = fmt is None or fmt.mlm_head
+        auto = transformers.AutoModelForMaskedLM if masked_lm else transformers.AutoModelForPreTraining
+        loaded = auto.from_pretrained(tmp, trust_remote_code=remote).eval()
         inputs = dict(input_ids=tokens, attention_mask=tokens.ne(cfg.pad_token_id).long())
-        if fmt in (BERT, ALBERT):
+        if fmt in (BERT, ALBERT, ELECTRA):
             inputs["token_type_ids"] = token_types(tokens, cfg)
         if order is not None:
             inputs["input_ids"] = order[tokens]
         with torch.no_grad():
             theirs = loaded(**inputs).logits
-        if order is not None:
+        if order is not None and fmt.mlm_head:
             theirs = theirs[..., order]  # WordPiece columns -> megamlm's
         report["max_diff"][f"transformers {kind}"] = compare(ours, theirs, tokens, cfg.pad_token_id,
                                                              f"transformers' {kind}", tolerance)

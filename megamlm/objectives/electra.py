@@ -180,8 +180,8 @@ class Electra(MaskedLanguageModeling):
 
     name = "electra"
     loss_terms = ("generator", "discriminator")
-    conversion_targets = ("megamlm",)
-    """From transformers' ElectraForPreTraining (`--from hf`) and between megamlm folders."""
+    conversion_targets = ("megamlm", "hf")
+    """Between megamlm folders, and from / to transformers' ElectraForPreTraining (the discriminator)."""
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
