@@ -80,3 +80,28 @@ def test_predictions_come_from_the_best_epoch_of_the_best_seed(tiny_folder, tmp_
     merge_reports(tmp_path / "array")
     assert sorted(p.name for p in (tmp_path / "array/test").iterdir()) == ["RTE.tsv", "STS-B.tsv"]
     assert (tmp_path / "array/test/RTE.tsv").read_text() == (tmp_path / "array/out/test/RTE.tsv").read_text()
+
+
+def _predict_on_ranks(folder, data):
+    from megamlm.glue.run import run_task
+
+    options = FinetuneOptions(epochs=2, batch_size=4, lr=1e-3, dropout=0.0, predict=True, layerwise_lr_decay=0.8,
+                              overrides=("model.classifier_pooling=mean",))
+    return run_task(str(folder), str(data), "STS-B", [3], options, 8, None, log=lambda *a: None)
+
+
+@pytest.mark.slow
+def test_data_parallel_predictions_equal_one_process(tiny_folder, tmp_path):  # noqa: F811
+    """DP=2 (each rank half of every batch, gradients all-reduced) with mean pooling, layer-wise decay
+    and test predictions gives one process's losses and the same submission lines on both ranks."""
+    from tests.multiproc import run_on_ranks
+
+    data = tmp_path / "glue"
+    shutil.copytree(GLUE, data)
+    one = _predict_on_ranks(tiny_folder, data)["seeds"][3]
+    two = [result["seeds"][3] for result in run_on_ranks(_predict_on_ranks, 2, tiny_folder, data)]
+    assert two[0]["test"] == two[1]["test"] and len(one["test"]["STS-B"]) == 6  # header + 5 rows
+    for x, y in zip(one["epochs"], two[0]["epochs"]):
+        assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-5)
+    scores = [[float(line.split("\t")[1]) for line in run["test"]["STS-B"][1:]] for run in (one, two[0])]
+    assert scores[0] == pytest.approx(scores[1], abs=2e-3)  # 3 decimals, float sums in another order
