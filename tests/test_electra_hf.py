@@ -93,7 +93,7 @@ def test_electra_is_transformers_generator_and_discriminator(world):
     torch.testing.assert_close(out.discriminator_logits[real], theirs[real], rtol=0, atol=2e-5)
 
 
-def save_electra(folder, heads: int = 4, seed: int = 0):
+def save_electra(folder, heads: int = 4, seed: int = 0, hidden_act: str = "gelu"):
     """A random ElectraForPreTraining (E = 32 != H = 48: embeddings_project; both token types) and its
     WordPiece tokenizer (BERT's vocabulary and specials)."""
     from transformers import BertTokenizer, ElectraConfig, ElectraForPreTraining
@@ -103,7 +103,7 @@ def save_electra(folder, heads: int = 4, seed: int = 0):
     torch.manual_seed(seed)
     config = ElectraConfig(vocab_size=len(VOCAB), embedding_size=32, hidden_size=48, num_hidden_layers=2,
                            num_attention_heads=heads, intermediate_size=96, max_position_embeddings=40,
-                           type_vocab_size=2, pad_token_id=0)
+                           type_vocab_size=2, pad_token_id=0, hidden_act=hidden_act)
     model = ElectraForPreTraining(config)
     with torch.no_grad():
         for param in model.parameters():
@@ -114,8 +114,8 @@ def save_electra(folder, heads: int = 4, seed: int = 0):
     return folder
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_an_electra_discriminator_imports_with_transformers_logits(world, tmp_path, tp, capsys):
+@pytest.mark.parametrize("tp,hidden_act", [(1, "gelu"), (2, "gelu_new")])  # the head's activation is hidden_act
+def test_an_electra_discriminator_imports_with_transformers_logits(world, tmp_path, tp, hidden_act, capsys):
     from transformers import AutoTokenizer, ElectraForPreTraining
 
     from megamlm.cli import main as cli
@@ -130,7 +130,7 @@ def test_an_electra_discriminator_imports_with_transformers_logits(world, tmp_pa
     from tests.faults_common import one_line
     from tests.test_modernbert import QUIET
 
-    source = save_electra(tmp_path / "hf")
+    source = save_electra(tmp_path / "hf", hidden_act=hidden_act)
     report = convert("hf", "megamlm", source, tmp_path / "megamlm", tp=tp, **QUIET)
     assert report["max_diff"]["hf source"] < 1e-5
     saved = read_model_folder(tmp_path / "megamlm")

@@ -33,6 +33,7 @@ from torch import nn
 from megamlm.config import Config, ConfigError, ModelConfig
 from megamlm.data.batch import Batch
 from megamlm.model import names
+from megamlm.model.activation import activation_function
 from megamlm.model.encoder import Encoder, encoder_flops_per_token, encoder_parameter_count
 from megamlm.model.heads import RobertaLMHead, vocab_padding_bias
 from megamlm.objectives.base import LossOutput, register_objective
@@ -57,17 +58,19 @@ def generator_config(model: ModelConfig, size: float) -> ModelConfig:
 
 
 class ReplacedTokenHead(nn.Module):
-    """The discriminator's head (HF ElectraDiscriminatorPredictions): dense -> GELU -> one logit."""
+    """The discriminator's head (HF ElectraDiscriminatorPredictions): dense -> model.activation (its
+    hidden_act; GELU in ELECTRA) -> one logit."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, model: ModelConfig):
         super().__init__()
-        self.dense = nn.Linear(hidden_size, hidden_size)
-        self.prediction = nn.Linear(hidden_size, 1)
+        self.dense = nn.Linear(model.hidden_size, model.hidden_size)
+        self.activation = activation_function(model)
+        self.prediction = nn.Linear(model.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> [b, s] logits of "replaced"."""
         # [s, b, 1] -> [b, s]
-        return self.prediction(F.gelu(self.dense(hidden))).squeeze(-1).transpose(0, 1).contiguous()
+        return self.prediction(self.activation(self.dense(hidden))).squeeze(-1).transpose(0, 1).contiguous()
 
 
 class ElectraOutput(NamedTuple):
@@ -121,7 +124,7 @@ class ElectraModel(Encoder):
     def __init__(self, model: ModelConfig, generator: ModelConfig | None, ctx: ParallelContext,
                  seed: int = 1, params_dtype: torch.dtype = torch.float32):
         super().__init__(model, ctx, seed, params_dtype, initialize=False)
-        self.discriminator_head = ReplacedTokenHead(model.hidden_size)
+        self.discriminator_head = ReplacedTokenHead(model)
         vocab_local = self.padded_vocab_size // ctx.tp_size
         self.generator = None
         if generator is not None:
