@@ -285,3 +285,17 @@ def test_layerwise_lr_decay_scales_each_depth_and_zero_freezes_the_body(world):
         epochs=1, batch_size=4, lr=1e-3, layerwise_lr_decay=0.0), seed=1, ctx=world, log=lambda *a: None)
     for name, param in model.named_parameters():  # lr 0 below the head: AdamW leaves those weights as they were
         assert torch.equal(param, before[name]) != name.startswith("head."), name
+
+
+@pytest.mark.parametrize("classifier", ["pooler", "mlm_head", "linear"])
+def test_classifier_dropout_drops_the_classification_layers_input_while_training(world, classifier):
+    cfg = variant_config("bert", [f"model.classifier={classifier}"])
+    sequences = [[0, 5, 6, 7, 2], [0, 8, 9, 2, 10, 2]]
+    model = SentenceClassifier(Encoder(cfg.model, world, seed=1), 3, seed=1, dropout=1.0)
+    with torch.no_grad():
+        model.head.out_proj.bias.copy_(torch.tensor([1.0, 2.0, 3.0]))
+        dropped = classify(model.train(), sequences, 1, "padded", world.device)  # p = 1: the input is all zeros
+        kept = classify(model.eval(), sequences, 1, "padded", world.device)
+    assert torch.equal(dropped, torch.tensor([[1.0, 2.0, 3.0]] * 2))
+    assert not torch.allclose(kept, dropped)
+    assert isinstance(SentenceClassifier(Encoder(cfg.model, world, seed=1), 3, seed=1).head.drop, torch.nn.Identity)

@@ -134,7 +134,8 @@ def cmd_glue(args) -> int:
     options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, packing=args.packing,
                               layerwise_lr_decay=args.layerwise_lr_decay, predict=args.predict,
                               overrides=tuple(args.overrides),
-                              **({} if args.dropout is None else {"dropout": args.dropout}))
+                              **{key: getattr(args, key) for key in ("dropout", "classifier_dropout")
+                                 if getattr(args, key) is not None})  # unset: the recipe's
     if args.merge:
         merge_reports(args.merge)
         print((Path(args.merge) / "results.md").read_text())
@@ -168,6 +169,9 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
                                                                 "for the table (megamlm eval ppl)")
     parser.add_argument("--dropout", type=float, default=None,
                         help="hidden and attention dropout while fine-tuning (default: the recipe's)")
+    parser.add_argument("--classifier-dropout", type=float, default=None,
+                        help="dropout on the classification layer's input (default: the recipe's; BERT and "
+                             "ELECTRA fine-tune with 0.1)")
     parser.add_argument("--layerwise-lr-decay", type=float, default=None, metavar="DECAY",
                         help="ELECTRA's layer-wise learning-rate decay (e.g. 0.8): each layer at DECAY times "
                              "the lr of the one above, the head at the lr")

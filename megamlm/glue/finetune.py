@@ -51,6 +51,9 @@ class FinetuneOptions:
     weight_decay: float = 0.1
     dropout: float = 0.1
     """Hidden and attention dropout while fine-tuning (the recipe: 0.1), whatever the folder trained with."""
+    classifier_dropout: float = 0.0
+    """Dropout on the classification layer's input (fairseq's pooler_dropout: 0; BERT's and ELECTRA's code:
+    0.1)."""
     packing: Literal["packed", "padded"] = "packed"
     """packed: a batch's sequences end to end in rows as wide as its longest one (best-fit
     decreasing), positions and attention per sequence, the head on each sequence's <s>, so the linear
@@ -72,12 +75,14 @@ class SentenceClassifier(nn.Module):
     """The pretrained Encoder (without its objective's heads) + the classification head its config names
     (model.classifier, reading model.classifier_pooling's features)."""
 
-    def __init__(self, body: nn.Module, num_classes: int, seed: int, pretrained: dict[str, torch.Tensor] | None = None):
-        """`pretrained`: the model folder's full tensors, for a head that starts from some of them."""
+    def __init__(self, body: nn.Module, num_classes: int, seed: int, pretrained: dict[str, torch.Tensor] | None = None,
+                 dropout: float = 0.0):
+        """`pretrained`: the model folder's full tensors, for a head that starts from some of them;
+        `dropout`: on the head's classification layer's input while training."""
         super().__init__()
         self.body = body
         model = body.config
-        self.head = CLASSIFIER_HEADS[model.classifier](model, num_classes)
+        self.head = CLASSIFIER_HEADS[model.classifier](model, num_classes, dropout)
         # identical on every rank: a generator seeded by the fine-tuning seed, not the global RNG
         self.pretrained = self.head.initialize(model, torch.Generator().manual_seed(seed), pretrained or {})
         """The folder's tensors the head started from (none: drawn)."""

@@ -90,7 +90,17 @@ def _take(module: nn.Module, sources: dict[str, list[str]], pretrained: dict[str
     return taken
 
 
-class PoolerHead(nn.Module):
+class ClassificationHead(nn.Module):
+    """What every head shares: dropout on the classification layer's input (fine-tuning's
+    classifier_dropout: BERT's and ModernBERT's classifier, ELECTRA's dense layer, fairseq's out_proj)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        # Identity at 0: no random draws, so runs without it are what they were
+        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+
+class PoolerHead(ClassificationHead):
     """fairseq's RobertaClassificationHead (= BERT's pooler + classifier); parameter names match fairseq's
     `classification_heads.<name>.*`. Its dense layer starts from the folder's pretrained pooler when it
     has one, as BertForSequenceClassification and AlbertForSequenceClassification start from the
@@ -101,8 +111,8 @@ class PoolerHead(nn.Module):
                                    *(f"{HEADS_PREFIX}{kind}.dense.{{kind}}" for kind in pair_kinds())]}
     """This head's parameter -> the folder tensors it starts from, the first found."""
 
-    def __init__(self, model: ModelConfig, num_classes: int):
-        super().__init__()
+    def __init__(self, model: ModelConfig, num_classes: int, dropout: float = 0.0):
+        super().__init__(dropout)
         self.dense = nn.Linear(model.hidden_size, model.hidden_size)
         self.out_proj = nn.Linear(model.hidden_size, num_classes)
 
@@ -113,18 +123,18 @@ class PoolerHead(nn.Module):
         return _take(self, self.PRETRAINED, pretrained)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.tanh(self.dense(features)))
+        return self.out_proj(self.drop(torch.tanh(self.dense(features))))
 
 
-class MLMHeadClassifier(nn.Module):
+class MLMHeadClassifier(ClassificationHead):
     """The MLM head's transform (dense -> model.activation -> norm, RobertaLMHead's names) and a linear
     classifier over the embedding width (ModernBERT: the hidden width)."""
 
     PRETRAINED = {"dense.{kind}": [names.LM_HEAD_DENSE], "layernorm.{kind}": [names.LM_HEAD_NORM]}
     """This head's parameter -> the folder's MLM-head parameter it starts from."""
 
-    def __init__(self, model: ModelConfig, num_classes: int):
-        super().__init__()
+    def __init__(self, model: ModelConfig, num_classes: int, dropout: float = 0.0):
+        super().__init__(dropout)
         self.dense = nn.Linear(model.hidden_size, model.embedding_dim, bias=model.bias)
         self.activation = activation_function(model)
         self.layernorm = norm(model, model.embedding_dim)
@@ -138,16 +148,16 @@ class MLMHeadClassifier(nn.Module):
         return _take(self, self.PRETRAINED, pretrained)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(self.layernorm(self.activation(self.dense(features))))
+        return self.out_proj(self.drop(self.layernorm(self.activation(self.dense(features)))))
 
 
-class LinearHead(nn.Module):
+class LinearHead(ClassificationHead):
     """One linear layer on the features: ELECTRA's classifier (its finetune/classification code reads
     `sequence_output[:, 0]` and applies `tf.layers.dense`; transformers' ElectraForSequenceClassification
     adds a dense + GELU layer the paper's code does not have)."""
 
-    def __init__(self, model: ModelConfig, num_classes: int):
-        super().__init__()
+    def __init__(self, model: ModelConfig, num_classes: int, dropout: float = 0.0):
+        super().__init__(dropout)
         self.out_proj = nn.Linear(model.hidden_size, num_classes)
 
     @torch.no_grad()
@@ -158,9 +168,9 @@ class LinearHead(nn.Module):
         return []
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(features)
+        return self.out_proj(self.drop(features))
 
 
-CLASSIFIER_HEADS: dict[str, type[nn.Module]] = {"pooler": PoolerHead, "mlm_head": MLMHeadClassifier,
+CLASSIFIER_HEADS: dict[str, type[ClassificationHead]] = {"pooler": PoolerHead, "mlm_head": MLMHeadClassifier,
                                                 "linear": LinearHead}
 """model.classifier -> its head (the names of ModelConfig.classifier)."""

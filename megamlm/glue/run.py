@@ -57,7 +57,8 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
         seed_everything(seed, ctx)
         cfg, body = encoder_from(saved, checkpoint, ctx, config_overrides(options))
         tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
-        model = SentenceClassifier(body, task.num_classes, seed, pretrained=pretrained)
+        model = SentenceClassifier(body, task.num_classes, seed, pretrained=pretrained,
+                                   dropout=options.classifier_dropout)
         if seed == seeds[0]:
             log(f"{name}: classifier {cfg.model.classifier} on {cfg.model.classifier_pooling} features, "
                 + (f"started from {', '.join(model.pretrained)}" if model.pretrained else "drawn fresh"))
