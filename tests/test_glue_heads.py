@@ -209,8 +209,9 @@ def test_the_glue_command_takes_overrides_of_the_folders_config(tiny_folder, tmp
     assert "RTE: classifier pooler on mean features, drawn fresh" in capsys.readouterr().out
     report = json.loads((tmp_path / "out/results.json").read_text())
     assert report["options"]["overrides"] == ["model.classifier_pooling=mean"]
-    assert cli([*args, "--dropout", "0.2", "model.attention_dropout=0"]) == 0
+    assert cli([*args, "--dropout", "0.2", "--weight-decay", "0.01", "model.attention_dropout=0"]) == 0
     options = FinetuneOptions(**json.loads((tmp_path / "out/results.json").read_text())["options"])
+    assert (options.weight_decay, options.classifier_dropout) == (0.01, 0.0)  # set / the recipe's
     _, body = load_encoder(tiny_folder, overrides=config_overrides(options))
     assert (body.config.hidden_dropout, body.config.attention_dropout) == (0.2, 0.0)  # the override wins
     assert cli([*args, "model.classifier_pooling=max"]) == 2

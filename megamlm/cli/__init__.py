@@ -134,7 +134,7 @@ def cmd_glue(args) -> int:
     options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, packing=args.packing,
                               layerwise_lr_decay=args.layerwise_lr_decay, predict=args.predict,
                               overrides=tuple(args.overrides),
-                              **{key: getattr(args, key) for key in ("dropout", "classifier_dropout")
+                              **{key: getattr(args, key) for key in ("dropout", "classifier_dropout", "weight_decay")
                                  if getattr(args, key) is not None})  # unset: the recipe's
     if args.merge:
         merge_reports(args.merge)
@@ -169,6 +169,8 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
                                                                 "for the table (megamlm eval ppl)")
     parser.add_argument("--dropout", type=float, default=None,
                         help="hidden and attention dropout while fine-tuning (default: the recipe's)")
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help="AdamW's decoupled weight decay (default: the recipe's; ELECTRA's is 0.01)")
     parser.add_argument("--classifier-dropout", type=float, default=None,
                         help="dropout on the classification layer's input (default: the recipe's; BERT and "
                              "ELECTRA fine-tune with 0.1)")

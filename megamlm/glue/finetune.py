@@ -49,6 +49,7 @@ class FinetuneOptions:
     """Tokens per input (fairseq task.max_positions 512, at most a learned position table's size);
     longer pairs are truncated, the longer sentence first."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay (the recipe: 0.1)."""
     dropout: float = 0.1
     """Hidden and attention dropout while fine-tuning (the recipe: 0.1), whatever the folder trained with."""
     classifier_dropout: float = 0.0
