@@ -96,22 +96,15 @@ def test_electra_is_transformers_generator_and_discriminator(world):
 def save_electra(folder, heads: int = 4, seed: int = 0, hidden_act: str = "gelu"):
     """A random ElectraForPreTraining (E = 32 != H = 48: embeddings_project; both token types) and its
     WordPiece tokenizer (BERT's vocabulary and specials)."""
-    from transformers import BertTokenizer, ElectraConfig, ElectraForPreTraining
+    from transformers import ElectraConfig, ElectraForPreTraining
 
-    from tests.test_hf_bert_albert import VOCAB
+    from tests.test_hf_bert_albert import VOCAB, save_with_wordpiece
 
     torch.manual_seed(seed)
     config = ElectraConfig(vocab_size=len(VOCAB), embedding_size=32, hidden_size=48, num_hidden_layers=2,
                            num_attention_heads=heads, intermediate_size=96, max_position_embeddings=40,
                            type_vocab_size=2, pad_token_id=0, hidden_act=hidden_act)
-    model = ElectraForPreTraining(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    (folder / "vocab.txt").write_text("".join(f"{piece}\n" for piece in VOCAB))
-    BertTokenizer(vocab=str(folder / "vocab.txt"), do_lower_case=True).save_pretrained(folder)
-    return folder
+    return save_with_wordpiece(ElectraForPreTraining(config), folder)
 
 
 @pytest.mark.parametrize("tp,hidden_act", [(1, "gelu"), (2, "gelu_new")])  # the head's activation is hidden_act

@@ -43,12 +43,20 @@ def save_bert(folder: Path, heads: int = 3, seed: int = 0, pretraining: bool = F
     """A random BertForMaskedLM (every weight nonzero, both token types) and its BertTokenizer;
     `pretraining`: a BertForPreTraining (+ the pooler and the next-sentence classifier)."""
     import transformers
-    from transformers import BertConfig, BertTokenizer
+    from transformers import BertConfig
 
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=48, num_hidden_layers=2, num_attention_heads=heads,
                      intermediate_size=96, max_position_embeddings=40, type_vocab_size=2, layer_norm_eps=1e-12)
-    model = getattr(transformers, "BertForPreTraining" if pretraining else "BertForMaskedLM")(cfg)
+    return save_with_wordpiece(getattr(transformers, "BertForPreTraining" if pretraining else "BertForMaskedLM")(cfg),
+                               folder)
+
+
+def save_with_wordpiece(model, folder: Path) -> Path:
+    """`model` with every weight drawn from N(0, 0.2) (nonzero biases and norms too), saved with VOCAB as
+    its BertTokenizer's vocab.txt."""
+    from transformers import BertTokenizer
+
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

@@ -220,7 +220,10 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     generator = torch.Generator().manual_seed(seed)
     history, update = [], 0
     key = task.metrics[0]
-    better = HIGHER_IS_BETTER[key]
+    sign = 1 if HIGHER_IS_BETTER[key] else -1
+
+    def best_epoch() -> dict:
+        return max(history, key=lambda e: sign * e[key])  # the first best one
     model.train()
     for epoch in range(1, options.epochs + 1):
         # summed on the device in float64 (what adding Python floats did), read once per epoch: a read
@@ -250,10 +253,9 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
                         **metrics})
         log(f"{task.name} seed {seed} epoch {epoch}/{options.epochs}: train loss {train_loss:.4f} | "
             + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" | {history[-1]['seconds']:.0f}s")
-        if test and max(history, key=lambda e: e[key] if better else -e[key]) is history[-1]:
+        if test and best_epoch() is history[-1]:
             best_weights = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
-    best = max(history, key=lambda e: e[key] if better else -e[key])  # the first best epoch
-    result = {"epochs": history, "best": best, "updates": update, "schedule_updates": total}
+    result = {"epochs": history, "best": best_epoch(), "updates": update, "schedule_updates": total}
     if test:
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from megamlm.config import ModelConfig
+from megamlm.data.pairs import PAIR_KINDS
 from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
 from megamlm.model import names
 from megamlm.model.activation import activation_function
 from megamlm.model.init import init_head_linear
 from megamlm.model.norm import norm
-from megamlm.objectives.sentence_pairs import pair_kinds
 from megamlm.parallel import host_to_device
 
 
@@ -92,12 +92,23 @@ def _take(module: nn.Module, sources: dict[str, list[str]], pretrained: dict[str
 
 class ClassificationHead(nn.Module):
     """What every head shares: dropout on the classification layer's input (fine-tuning's
-    classifier_dropout: BERT's and ModernBERT's classifier, ELECTRA's dense layer, fairseq's out_proj)."""
+    classifier_dropout: BERT's and ModernBERT's classifier, ELECTRA's dense layer, fairseq's out_proj),
+    and the initialization of a head with a `dense` layer and an `out_proj`."""
+
+    PRETRAINED: dict[str, list[str]] = {}
+    """This head's parameter -> the folder tensors it starts from, the first found."""
 
     def __init__(self, dropout: float):
         super().__init__()
         # Identity at 0: no random draws, so runs without it are what they were
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
+        """Draw dense as the MLM head's dense layer and out_proj as a classification layer (model.init's
+        scheme), then take the folder's tensors `PRETRAINED` names; returns the names taken."""
+        init_head_linear(self.dense, model, names.LM_HEAD_DENSE.format(kind="weight"), generator)
+        init_head_linear(self.out_proj, model, None, generator)
+        return _take(self, self.PRETRAINED, pretrained)
 
 
 class PoolerHead(ClassificationHead):
@@ -108,19 +119,12 @@ class PoolerHead(ClassificationHead):
     classification head of its objective (`classification_heads.nsp.dense`, `...sop.dense`)."""
 
     PRETRAINED = {"dense.{kind}": ["pair_head.pooler.{kind}",
-                                   *(f"{HEADS_PREFIX}{kind}.dense.{{kind}}" for kind in pair_kinds())]}
-    """This head's parameter -> the folder tensors it starts from, the first found."""
+                                   *(f"{HEADS_PREFIX}{kind}.dense.{{kind}}" for kind in PAIR_KINDS)]}
 
     def __init__(self, model: ModelConfig, num_classes: int, dropout: float = 0.0):
         super().__init__(dropout)
         self.dense = nn.Linear(model.hidden_size, model.hidden_size)
         self.out_proj = nn.Linear(model.hidden_size, num_classes)
-
-    def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
-        """Draw the weights, then take the pretrained pooler's; returns the names taken."""
-        init_head_linear(self.dense, model, names.LM_HEAD_DENSE.format(kind="weight"), generator)
-        init_head_linear(self.out_proj, model, None, generator)
-        return _take(self, self.PRETRAINED, pretrained)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.drop(torch.tanh(self.dense(features))))
@@ -131,7 +135,7 @@ class MLMHeadClassifier(ClassificationHead):
     classifier over the embedding width (ModernBERT: the hidden width)."""
 
     PRETRAINED = {"dense.{kind}": [names.LM_HEAD_DENSE], "layernorm.{kind}": [names.LM_HEAD_NORM]}
-    """This head's parameter -> the folder's MLM-head parameter it starts from."""
+    """The MLM head's transform; a CLAP-head or ELECTRA folder has none, and the transform stays drawn."""
 
     def __init__(self, model: ModelConfig, num_classes: int, dropout: float = 0.0):
         super().__init__(dropout)
@@ -139,13 +143,6 @@ class MLMHeadClassifier(ClassificationHead):
         self.activation = activation_function(model)
         self.layernorm = norm(model, model.embedding_dim)
         self.out_proj = nn.Linear(model.embedding_dim, num_classes)
-
-    def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
-        """Draw the weights, then take the MLM head's where the folder has them (a CLAP-head or ELECTRA
-        folder has none: the transform stays drawn); returns the names taken."""
-        init_head_linear(self.dense, model, names.LM_HEAD_DENSE.format(kind="weight"), generator)
-        init_head_linear(self.out_proj, model, None, generator)
-        return _take(self, self.PRETRAINED, pretrained)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.drop(self.layernorm(self.activation(self.dense(features)))))

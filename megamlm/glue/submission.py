@@ -12,11 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from megamlm.glue.metrics import HIGHER_IS_BETTER
-from megamlm.glue.tasks import Example, Task
+from megamlm.glue.tasks import STSB_SCALE, Example, Task
 
 HEADER = "index\tprediction"
-STSB_SCALE = 5.0
-"""STS-B is fine-tuned on score / 5 (tasks.py): predictions go back to 0-5."""
 
 
 def prediction_lines(task: Task, rows: list[Example], predictions: list[float | int]) -> list[str]:

@@ -16,6 +16,10 @@ from pathlib import Path
 from megamlm.errors import MegamlmError
 
 
+STSB_SCALE = 5.0
+"""STS-B's similarity scores are 0-5; fine-tuning regresses score / STSB_SCALE (fairseq's preprocessing)."""
+
+
 class GlueDataError(MegamlmError):
     """A GLUE file that does not have its task's layout; the message names file and line."""
 
@@ -113,7 +117,7 @@ def read_examples(task: Task, path: str | Path) -> list[Example]:
         raw = row[label_column].strip()
         if task.labels is None:
             try:
-                label = float(raw) / 5.0  # STS-B: 0-5 similarity -> [0, 1] (fairseq preprocessing)
+                label = float(raw) / STSB_SCALE
             except ValueError:
                 raise GlueDataError(f"{path}:{number}: score {raw!r} is not a number") from None
         else:

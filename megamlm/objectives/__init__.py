@@ -7,4 +7,4 @@ from megamlm.objectives import electra, sentence_pairs  # noqa: F401  (register 
 from megamlm.objectives.pretrained import encoder_from, from_pretrained, load_encoder, load_pretrained
 
 __all__ = ["OBJECTIVES", "LossOutput", "LossTotals", "MaskedLM", "Objective", "encoder_from", "from_pretrained",
-           "get_objective", "load_encoder", "objective_class", "load_pretrained", "perplexity", "register_objective"]
+           "get_objective", "load_encoder", "load_pretrained", "objective_class", "perplexity", "register_objective"]

@@ -21,7 +21,7 @@ from torch import nn
 
 from megamlm.data.batch import Batch
 from megamlm.data.pairs import Pairing
-from megamlm.objectives.base import OBJECTIVES, LossOutput, register_objective
+from megamlm.objectives.base import LossOutput, register_objective
 from megamlm.objectives.mlm import MaskedLanguageModeling, MaskedLM, perplexity, select
 from megamlm.parallel import ParallelContext
 
@@ -134,11 +134,6 @@ class SentenceOrderPrediction(SentencePairObjective):
     name = "sop"
     kind = "sop"
     loss_terms = ("mlm", "sop")
-
-
-def pair_kinds() -> list[str]:
-    """The sentence-pair objectives' kinds (the names their heads are kept under in model folders)."""
-    return [cls.kind for cls in OBJECTIVES.values() if issubclass(cls, SentencePairObjective)]
 
 
 def as_classification_head(full: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
