@@ -16,6 +16,7 @@ from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
 from megamlm.errors import MegamlmError
 from megamlm.files import check_writable
+from megamlm.glue.recipes import RECIPES
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -128,14 +129,12 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_glue(args) -> int:
-    from megamlm.glue.finetune import FinetuneOptions
+    from megamlm.glue.finetune import RECIPE_OPTIONS, FinetuneOptions
     from megamlm.glue.run import merge_reports, run_glue
 
-    options = FinetuneOptions(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, packing=args.packing,
-                              layerwise_lr_decay=args.layerwise_lr_decay, predict=args.predict,
+    options = FinetuneOptions(recipe=args.recipe, packing=args.packing, predict=args.predict,
                               overrides=tuple(args.overrides),
-                              **{key: getattr(args, key) for key in ("dropout", "classifier_dropout", "weight_decay")
-                                 if getattr(args, key) is not None})  # unset: the recipe's
+                              **{key: getattr(args, key) for key in RECIPE_OPTIONS})  # None: the recipe's
     if args.merge:
         merge_reports(args.merge)
         print((Path(args.merge) / "results.md").read_text())
@@ -156,9 +155,14 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default="MNLI,QNLI,QQP,RTE,SST-2,MRPC,CoLA,STS-B")
     parser.add_argument("--seeds", default="1", help="comma-separated; several give median and spread")
     parser.add_argument("--out", default="glue-results")
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--recipe", choices=tuple(RECIPES), default=next(iter(RECIPES)),
+                        help="the hyper-parameters every unset option takes: fairseq (RoBERTa's, the reference's) "
+                             "or electra (ELECTRA's); their values: megamlm/glue/recipes.py")
+    parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's per task")
     parser.add_argument("--lr", type=float, default=None, help="default: the recipe's per task")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per input, longer pairs truncated (default: the recipe's)")
     parser.add_argument("--packing", choices=("packed", "padded"), default="packed",
                         help="packed: a batch's sequences end to end in rows, no compute on padding; "
                              "padded: one row per sequence (fairseq's layout)")
@@ -170,13 +174,12 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=None,
                         help="hidden and attention dropout while fine-tuning (default: the recipe's)")
     parser.add_argument("--weight-decay", type=float, default=None,
-                        help="AdamW's decoupled weight decay (default: the recipe's; ELECTRA's is 0.01)")
+                        help="decoupled weight decay (default: the recipe's)")
     parser.add_argument("--classifier-dropout", type=float, default=None,
-                        help="dropout on the classification layer's input (default: the recipe's; BERT and "
-                             "ELECTRA fine-tune with 0.1)")
+                        help="dropout on the classification layer's input (default: the recipe's)")
     parser.add_argument("--layerwise-lr-decay", type=float, default=None, metavar="DECAY",
                         help="ELECTRA's layer-wise learning-rate decay (e.g. 0.8): each layer at DECAY times "
-                             "the lr of the one above, the head at the lr")
+                             "the lr of the one above, the head at the lr (default: the recipe's; 1: off)")
     parser.add_argument("--predict", action="store_true",
                         help="also predict each task's test files with the best epoch's weights: "
                              "<out>/test/<TASK>.tsv in GLUE's submission format (the best seed's)")
@@ -323,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     fill.add_argument("--topk", type=int, default=5)
     _add_convert_args(sub.add_parser("convert", help="convert checkpoints: fairseq, megamlm, ZeRO, "
                                                      "Hugging Face (checked on a probe batch)", parents=[debug]))
-    _add_glue_args(sub.add_parser("glue", help="fine-tune and evaluate on GLUE tasks (reference recipe)",
+    _add_glue_args(sub.add_parser("glue", help="fine-tune and evaluate on GLUE tasks (fairseq's or ELECTRA's recipe)",
                                   parents=[debug]))
     _add_eval_args(sub.add_parser("eval", help="MLM perplexity (fixed masking) and length extrapolation",
                                   parents=[debug]))

@@ -107,9 +107,10 @@ class OptimConfig:
     """Peak learning rate."""
     min_lr: float = 6e-5
     """Cosine floor; warm-up starts here (fairseq warmup_init_lr = min_lr)."""
-    schedule: Literal["cosine", "polynomial", "constant"] = "cosine"
+    schedule: Literal["cosine", "polynomial", "warmup_times_polynomial", "constant"] = "cosine"
     """cosine (pretraining, fairseq cosine), polynomial (fine-tuning, fairseq polynomial_decay),
-    constant (after warm-up)."""
+    warmup_times_polynomial (TF BERT/ELECTRA: the decay from update 0 times the warm-up ramp),
+    constant (after warm-up); formulas in train/schedule.py."""
     warmup_steps: int = 10000
     """Linear warm-up updates."""
     period_steps: int | None = None

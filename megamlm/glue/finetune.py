@@ -1,13 +1,12 @@
-"""GLUE fine-tuning with the reference recipe (fairseq sentence_prediction, section 6 of the spec).
+"""GLUE fine-tuning: a pretrained encoder + a classification head, trained with a named recipe.
 
-    input     <s> A </s></s> B </s>        (fairseq ids; right-padded with 1)
-    head      <s> features -> dense -> tanh -> out_proj  (RobertaClassificationHead, pooler dropout 0;
-              the folder's model.classifier / classifier_pooling may name another, glue/heads.py)
+    input     <s> A </s></s> B </s>        (fairseq ids; right-padded with 1, or packed)
+    head      <s> features -> dense -> tanh -> out_proj  (RobertaClassificationHead; the folder's
+              model.classifier / classifier_pooling may name another, glue/heads.py)
     loss      cross-entropy, or MSE for STS-B (labels / 5)
-    optimizer AdamW (0.9, 0.98), eps 1e-6, weight decay 0.1, dropout 0.1 / 0.1, no clipping
-    schedule  polynomial decay (power 1) to 0 after linear warm-up: the recipe's max_update and
-              warm-up for GLUE's full training set and 10 epochs, proportionally fewer otherwise
-    epochs    10, validation after each
+    recipe    glue/recipes.py: fairseq's RoBERTa recipe (the reference's: AdamW (0.9, 0.98), weight decay
+              0.1, dropout 0.1, polynomial decay after a ~6% warm-up, 10 epochs) or ELECTRA's
+    epochs    validation after each
 
 The pretrained variant's model options come from its folder's config.yaml. Data parallel over
 the running world (gradients all-reduced over the DP group); a world of one on CPU.
@@ -15,6 +14,7 @@ the running world (gradients all-reduced over the DP group); a world of one on C
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -26,12 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megamlm.config import OptimConfig
+from megamlm.config import ModelConfig, OptimConfig
 from megamlm.data.packing import best_fit_decreasing
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError
 from megamlm.glue.heads import CLASSIFIER_HEADS, Pooling
 from megamlm.glue.metrics import HIGHER_IS_BETTER, compute_metrics
+from megamlm.glue.recipes import RECIPES, Recipe, build_optimizer
 from megamlm.glue.tasks import Example, Task
 from megamlm.parallel import ParallelContext, host_to_device
 from megamlm.train.schedule import lr_at
@@ -39,37 +40,59 @@ from megamlm.train.schedule import lr_at
 
 @dataclass
 class FinetuneOptions:
-    epochs: int = 10
-    """Passes over the training rows (the recipe: 10)."""
+    """What a user sets; every None is the recipe's value (glue/recipes.py, per task and model size)."""
+
+    recipe: str = "fairseq"
+    """The fine-tuning recipe (RECIPES: fairseq, the reference's; electra)."""
+    epochs: int | None = None
+    """Passes over the training rows."""
     batch_size: int | None = None
-    """Sequences per update; None = the recipe's (16 or 32)."""
+    """Sequences per update."""
     lr: float | None = None
-    """Peak learning rate; None = the recipe's."""
-    max_length: int = 512
-    """Tokens per input (fairseq task.max_positions 512, at most a learned position table's size);
-    longer pairs are truncated, the longer sentence first."""
-    weight_decay: float = 0.1
-    """AdamW's decoupled weight decay (the recipe: 0.1)."""
-    dropout: float = 0.1
-    """Hidden and attention dropout while fine-tuning (the recipe: 0.1), whatever the folder trained with."""
-    classifier_dropout: float = 0.0
+    """Peak learning rate."""
+    max_length: int | None = None
+    """Tokens per input (at most a learned position table's size); longer pairs are truncated, the
+    longer sentence first."""
+    weight_decay: float | None = None
+    """AdamW's decoupled weight decay."""
+    dropout: float | None = None
+    """Hidden and attention dropout while fine-tuning, whatever the folder trained with."""
+    classifier_dropout: float | None = None
     """Dropout on the classification layer's input (fairseq's pooler_dropout: 0; BERT's and ELECTRA's code:
     0.1)."""
+    layerwise_lr_decay: float | None = None
+    """ELECTRA's layer-wise learning-rate decay: the head trains at the learning rate, each layer below at
+    `decay` times the one above, the embedding lowest (`layer_lr_scales`); 1: one learning rate."""
     packing: Literal["packed", "padded"] = "packed"
     """packed: a batch's sequences end to end in rows as wide as its longest one (best-fit
     decreasing), positions and attention per sequence, the head on each sequence's <s>, so the linear
     layers compute no padding (SST-2 1.5x, RTE 1.4x faster on CPU, BENCHMARKS.md); padded: one
     right-padded row per sequence (fairseq's layout; the recorded GLUE runs before session 8)."""
-    layerwise_lr_decay: float | None = None
-    """ELECTRA's layer-wise learning-rate decay (its recipe: 0.8; 0.9 for large): the head trains at the
-    learning rate, each layer below at `decay` times the one above, the embedding lowest
-    (`layer_lr_scales`); None: one learning rate (the reference's recipe)."""
     predict: bool = False
     """Also predict each task's test files with the best epoch's weights (glue/submission.py)."""
     overrides: tuple[str, ...] = ()
     """Dotted overrides of the folder's config, e.g. model.classifier_pooling=mean (`megamlm glue
     --checkpoint DIR ... model.classifier=mlm_head`), applied after `dropout` (so they may set one of
     the two dropouts alone)."""
+
+    def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise MegamlmError(f"unknown fine-tuning recipe {self.recipe!r}; allowed: {', '.join(RECIPES)}")
+
+    def recipe_for(self, task: Task, model: ModelConfig) -> Recipe:
+        """The recipe resolved for `task` and `model`, with what this user set."""
+        return RECIPES[self.recipe].for_task(task, model, {f: getattr(self, f) for f in RECIPE_OPTIONS})
+
+    def with_recipe(self) -> FinetuneOptions:
+        """These options with the recipe's values filled in where they do not vary per task or model."""
+        shared = RECIPES[self.recipe].shared()
+        return dataclasses.replace(self, **{f: shared[f] for f in RECIPE_OPTIONS
+                                            if getattr(self, f) is None and f in shared})
+
+
+RECIPE_OPTIONS = tuple(f.name for f in dataclasses.fields(FinetuneOptions)
+                       if f.name in {r.name for r in dataclasses.fields(Recipe)})
+"""The options that override a recipe's field of the same name."""
 
 
 class SentenceClassifier(nn.Module):
@@ -115,6 +138,18 @@ def layer_lr_scales(model: SentenceClassifier, decay: float | None) -> dict[str,
             depth = 0
         scales[name] = 1.0 if decay is None else decay ** (top - depth)
     return scales
+
+
+def param_groups(model: SentenceClassifier, recipe: Recipe) -> list[dict]:
+    """One optimizer group per (learning-rate scale, weight decay), highest scale first; 1-dimensional
+    parameters (norm weights, biases) without weight decay unless the recipe decays them."""
+    scales = layer_lr_scales(model, recipe.layerwise_lr_decay)
+    groups: dict[tuple[float, float], list] = {}
+    for name, param in model.named_parameters():
+        decay = recipe.weight_decay if recipe.decay_norms_and_biases or param.dim() > 1 else 0.0
+        groups.setdefault((scales[name], decay), []).append(param)
+    return [{"params": params, "lr_scale": scale, "weight_decay": decay}
+            for (scale, decay), params in sorted(groups.items(), key=lambda item: -item[0][0])]
 
 
 def encode(examples: list[Example], tokenizer: Tokenizer, max_length: int) -> list[list[int]]:
@@ -200,23 +235,20 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     """Train with the recipe; returns {"epochs": [...], "best": {...}, "updates": n}, and with `test`
     ({submission name: a test file's rows}) "test": {name: predictions of the best epoch's weights}."""
     pad = model.body.config.pad_token_id
-    batch_size = options.batch_size or task.batch_size
+    body = model.body.config
+    recipe = options.recipe_for(task, body)
+    batch_size = recipe.batch_size
     if batch_size % ctx.dp_size:
         raise MegamlmError(f"batch size {batch_size} is not divisible by data parallel {ctx.dp_size}")
-    body = model.body.config
-    max_length = min(options.max_length, body.max_positions) if body.position == "learned" else options.max_length
+    max_length = min(recipe.max_length, body.max_positions) if body.position == "learned" else recipe.max_length
     train_ids, dev_ids = (encode(x, tokenizer, max_length) for x in (train, dev))
     train_labels = torch.tensor([x.label for x in train])
     dev_labels = np.array([x.label for x in dev])
     per_epoch = math.ceil(len(train) / batch_size)
-    total, warmup = task.schedule(options.epochs, per_epoch)
-    schedule = OptimConfig(lr=options.lr or task.lr, min_lr=0.0, schedule="polynomial", end_lr=0.0, power=1.0,
-                           warmup_steps=warmup, betas=(0.9, 0.98), eps=1e-6)
-    scales = layer_lr_scales(model, options.layerwise_lr_decay)
-    groups = [{"params": [p for name, p in model.named_parameters() if scales[name] == scale], "lr_scale": scale}
-              for scale in sorted(set(scales.values()), reverse=True)]
-    optimizer = torch.optim.AdamW(groups, lr=schedule.lr, betas=schedule.betas, eps=schedule.eps,
-                                  weight_decay=options.weight_decay, fused=True)
+    total, warmup = recipe.updates(task, per_epoch)
+    schedule = OptimConfig(lr=recipe.lr, min_lr=0.0, schedule=recipe.schedule, end_lr=0.0, power=1.0,
+                           warmup_steps=warmup, betas=recipe.betas, eps=recipe.eps)
+    optimizer = build_optimizer(param_groups(model, recipe), recipe)
     generator = torch.Generator().manual_seed(seed)
     history, update = [], 0
     key = task.metrics[0]
@@ -225,7 +257,7 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     def best_epoch() -> dict:
         return max(history, key=lambda e: sign * e[key])  # the first best one
     model.train()
-    for epoch in range(1, options.epochs + 1):
+    for epoch in range(1, recipe.epochs + 1):
         # summed on the device in float64 (what adding Python floats did), read once per epoch: a read
         # per update would make the host wait for every step's kernels before queuing the next
         start, loss_sum = time.perf_counter(), torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -243,6 +275,8 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
             if ctx.dp_size > 1:  # each rank's loss is its share of the global batch mean: sum them
                 for tensor in [value] + [p.grad for p in model.parameters() if p.grad is not None]:
                     dist.all_reduce(tensor, group=ctx.dp_group)
+            if recipe.clip_grad:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad)
             optimizer.step()
             loss_sum += value.double()
             update += 1
@@ -251,11 +285,12 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
         metrics = compute_metrics(task.metrics, predictions, dev_labels)
         history.append({"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - start,
                         **metrics})
-        log(f"{task.name} seed {seed} epoch {epoch}/{options.epochs}: train loss {train_loss:.4f} | "
+        log(f"{task.name} seed {seed} epoch {epoch}/{recipe.epochs}: train loss {train_loss:.4f} | "
             + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" | {history[-1]['seconds']:.0f}s")
         if test and best_epoch() is history[-1]:
             best_weights = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
-    result = {"epochs": history, "best": best_epoch(), "updates": update, "schedule_updates": total}
+    result = {"epochs": history, "best": best_epoch(), "updates": update, "schedule_updates": total,
+              "recipe": dataclasses.asdict(recipe)}
     if test:
         with torch.no_grad():
             for name, param in model.named_parameters():

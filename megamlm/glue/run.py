@@ -14,7 +14,7 @@ import random
 import shutil
 import statistics
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -53,12 +53,13 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev), "seeds": {}}
     saved = read_model_folder(checkpoint)
     pretrained = folder_tensors(saved)
+    recipe = options.recipe_for(task, saved.cfg.model)
     for seed in seeds:
         seed_everything(seed, ctx)
-        cfg, body = encoder_from(saved, checkpoint, ctx, config_overrides(options))
+        cfg, body = encoder_from(saved, checkpoint, ctx, config_overrides(replace(options, dropout=recipe.dropout)))
         tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
         model = SentenceClassifier(body, task.num_classes, seed, pretrained=pretrained,
-                                   dropout=options.classifier_dropout)
+                                   dropout=recipe.classifier_dropout)
         if seed == seeds[0]:
             log(f"{name}: classifier {cfg.model.classifier} on {cfg.model.classifier_pooling} features, "
                 + (f"started from {', '.join(model.pretrained)}" if model.pretrained else "drawn fresh"))
@@ -70,7 +71,8 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
 
 
 def config_overrides(options: FinetuneOptions) -> list[str]:
-    """What fine-tuning changes in the folder's config: the dropout, then the user's overrides."""
+    """What fine-tuning changes in the folder's config: the dropout (set: the recipe's is filled in by
+    the caller), then the user's overrides."""
     return [f"model.hidden_dropout={options.dropout}", f"model.attention_dropout={options.dropout}",
             *options.overrides]
 
@@ -98,7 +100,7 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
             results = dict(zip(tasks, pool.map(_spawned, jobs)))
     else:
         results = {t: run_task(*job, log=log) for t, job in zip(tasks, jobs)}
-    report = {"checkpoint": checkpoint, "options": asdict(options), "max_train": max_train,
+    report = {"checkpoint": checkpoint, "options": asdict(options.with_recipe()), "max_train": max_train,
               "max_eval": max_eval, "ppl": ppl, "tasks": results}
     for name, result in results.items():
         if "skipped" in result:
@@ -158,8 +160,9 @@ def _cell(result: dict | None, metric: str, percent: bool) -> str:
 def markdown(report: dict) -> str:
     tasks = report["tasks"]
     seeds = {len(r["seeds"]) for r in tasks.values() if "seeds" in r}
-    lines = [f"GLUE dev results of `{report['checkpoint']}` (median over {max(seeds, default=0)} seed(s), "
-             f"± half the range)", "",
+    recipe = report.get("options", {}).get("recipe", "fairseq")  # reports before recipes: fairseq's
+    lines = [f"GLUE dev results of `{report['checkpoint']}` ({recipe} recipe, median over {max(seeds, default=0)} "
+             f"seed(s), ± half the range)", "",
              "| PPL↓ | " + " | ".join(t if t != "STS-B" else "STS-B↓" for t in TABLE_ORDER) + " |",
              "|" + "---|" * (len(TABLE_ORDER) + 1),
              f"| {report['ppl']:.2f} |" if report.get("ppl") else "| – |"]

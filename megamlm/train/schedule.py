@@ -7,6 +7,9 @@ cosine (fairseq cosine_lr_scheduler, t_mult 1, lr_shrink 1):
   before the floor; period defaults to 1.1 × steps here.
 polynomial (fairseq polynomial_decay, fine-tuning): warm-up from 0, then
     lr = end + (max - end) · (1 - (t - warmup) / (total - warmup))^power
+warmup_times_polynomial (TF BERT/ELECTRA's create_optimizer): the decay counted from update 0, times
+the warm-up ramp:
+    lr = (end + (max - end) · (1 - t / total)^power) · min(1, t / warmup)
 constant: warm-up from 0, then max.
 """
 
@@ -26,6 +29,10 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
         period = optim.period_steps or round(1.1 * total_steps)
         progress = ((step - warmup) % period) / period
         return optim.min_lr + 0.5 * (peak - optim.min_lr) * (1 + math.cos(math.pi * progress))
+    if optim.schedule == "warmup_times_polynomial":
+        fraction = min(step, total_steps) / max(total_steps, 1)
+        ramp = min(1.0, step / warmup) if warmup else 1.0
+        return (optim.end_lr + (peak - optim.end_lr) * (1 - fraction) ** optim.power) * ramp
     if step < warmup:
         return peak * step / warmup
     if optim.schedule == "constant":
