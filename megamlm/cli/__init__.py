@@ -15,13 +15,17 @@ from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
 from megamlm.errors import MegamlmError
-from megamlm.files import check_writable
+from megamlm.files import check_output_folder, check_writable
 from megamlm.glue.recipes import RECIPES
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", action="append", default=[], metavar="FILE",
                         help="YAML experiment file (repeatable; later files win)")
+    parser.add_argument("--save", action="store_true",
+                        help="write each task's best seed at its best epoch to <out>/models/<TASK>: a model folder "
+                             "with the fine-tuned encoder and the classification head <task> (fairseq's "
+                             "classification_heads; `megamlm glue --checkpoint` it with --epochs 0 to predict)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="dotted overrides applied after the files, e.g. model.position=alibi")
 
@@ -132,7 +136,7 @@ def cmd_glue(args) -> int:
     from megamlm.glue.finetune import RECIPE_OPTIONS, FinetuneOptions
     from megamlm.glue.run import merge_reports, run_glue
 
-    options = FinetuneOptions(recipe=args.recipe, packing=args.packing, predict=args.predict,
+    options = FinetuneOptions(recipe=args.recipe, packing=args.packing, predict=args.predict, save=args.save,
                               overrides=tuple(args.overrides),
                               **{key: getattr(args, key) for key in RECIPE_OPTIONS})  # None: the recipe's
     if args.merge:
@@ -140,6 +144,8 @@ def cmd_glue(args) -> int:
         print((Path(args.merge) / "results.md").read_text())
         return 0
     check_writable(args.out, "--out")  # before hours of fine-tuning
+    for task in args.tasks.split(",") if args.save else ():
+        check_output_folder(Path(args.out) / "models" / task, overwrite=True, what="--save folder")
     report = run_glue(args.checkpoint, args.data_dir, args.tasks.split(","),
                       [int(s) for s in args.seeds.split(",")], args.out, options, args.max_train_samples,
                       args.max_eval_samples, args.parallel, args.ppl)
@@ -158,7 +164,9 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", choices=tuple(RECIPES), default=next(iter(RECIPES)),
                         help="the hyper-parameters every unset option takes: fairseq (RoBERTa's, the reference's) "
                              "or electra (ELECTRA's); their values: megamlm/glue/recipes.py")
-    parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="default: the recipe's; 0: only score the dev rows (and --predict) with the folder's "
+                             "weights, e.g. a model --save wrote")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's per task")
     parser.add_argument("--lr", type=float, default=None, help="default: the recipe's per task")
     parser.add_argument("--max-length", type=int, default=None,
@@ -183,6 +191,10 @@ def _add_glue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predict", action="store_true",
                         help="also predict each task's test files with the best epoch's weights: "
                              "<out>/test/<TASK>.tsv in GLUE's submission format (the best seed's)")
+    parser.add_argument("--save", action="store_true",
+                        help="write each task's best seed at its best epoch to <out>/models/<TASK>: a model folder "
+                             "with the fine-tuned encoder and the classification head <task> (fairseq's "
+                             "classification_heads; `megamlm glue --checkpoint` it with --epochs 0 to predict)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="overrides of the folder's config, e.g. model.classifier_pooling=mean")
 

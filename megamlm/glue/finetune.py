@@ -31,7 +31,7 @@ from megamlm.data.packing import best_fit_decreasing
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError
 from megamlm.glue.heads import CLASSIFIER_HEADS, Pooling
-from megamlm.glue.metrics import HIGHER_IS_BETTER, compute_metrics
+from megamlm.glue.metrics import best_of, compute_metrics
 from megamlm.glue.recipes import RECIPES, Recipe, build_optimizer
 from megamlm.glue.tasks import Example, Task
 from megamlm.parallel import ParallelContext, host_to_device
@@ -70,6 +70,8 @@ class FinetuneOptions:
     right-padded row per sequence (fairseq's layout; the recorded GLUE runs before session 8)."""
     predict: bool = False
     """Also predict each task's test files with the best epoch's weights (glue/submission.py)."""
+    save: bool = False
+    """Write each task's best seed at its best epoch as a model folder (<out>/models/<TASK>, run.py)."""
     overrides: tuple[str, ...] = ()
     """Dotted overrides of the folder's config, e.g. model.classifier_pooling=mean (`megamlm glue
     --checkpoint DIR ... model.classifier=mlm_head`), applied after `dropout` (so they may set one of
@@ -78,6 +80,8 @@ class FinetuneOptions:
     def __post_init__(self):
         if self.recipe not in RECIPES:
             raise MegamlmError(f"unknown fine-tuning recipe {self.recipe!r}; allowed: {', '.join(RECIPES)}")
+        if self.epochs is not None and self.epochs < 0:
+            raise MegamlmError(f"epochs {self.epochs}: must be >= 0 (0: score the dev rows with the folder's weights)")
 
     def recipe_for(self, task: Task, model: ModelConfig) -> Recipe:
         """The recipe resolved for `task` and `model`, with what this user set."""
@@ -100,15 +104,17 @@ class SentenceClassifier(nn.Module):
     (model.classifier, reading model.classifier_pooling's features)."""
 
     def __init__(self, body: nn.Module, num_classes: int, seed: int, pretrained: dict[str, torch.Tensor] | None = None,
-                 dropout: float = 0.0):
-        """`pretrained`: the model folder's full tensors, for a head that starts from some of them;
-        `dropout`: on the head's classification layer's input while training."""
+                 dropout: float = 0.0, name: str = ""):
+        """`pretrained`: the model folder's full tensors, for a head that starts from some of them (all of
+        them when the folder has a classification head `name`); `dropout`: on the head's classification
+        layer's input while training."""
         super().__init__()
         self.body = body
         model = body.config
         self.head = CLASSIFIER_HEADS[model.classifier](model, num_classes, dropout)
         # identical on every rank: a generator seeded by the fine-tuning seed, not the global RNG
-        self.pretrained = self.head.initialize(model, torch.Generator().manual_seed(seed), pretrained or {})
+        self.pretrained = (self.head.restore(name, pretrained or {}) if name else []) or self.head.initialize(
+            model, torch.Generator().manual_seed(seed), pretrained or {})
         """The folder's tensors the head started from (none: drawn)."""
         self.head.to(body.ctx.device)
 
@@ -233,7 +239,9 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
              tokenizer: Tokenizer, options: FinetuneOptions, seed: int, ctx: ParallelContext,
              log=print, test: dict[str, list[Example]] | None = None) -> dict:
     """Train with the recipe; returns {"epochs": [...], "best": {...}, "updates": n}, and with `test`
-    ({submission name: a test file's rows}) "test": {name: predictions of the best epoch's weights}."""
+    ({submission name: a test file's rows}) "test": {name: predictions of the best epoch's weights}.
+    With `test` or options.save the model ends at the best epoch's weights. 0 epochs: the dev rows are
+    scored once with the weights as loaded (epoch 0)."""
     pad = model.body.config.pad_token_id
     body = model.body.config
     recipe = options.recipe_for(task, body)
@@ -251,11 +259,25 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     optimizer = build_optimizer(param_groups(model, recipe), recipe)
     generator = torch.Generator().manual_seed(seed)
     history, update = [], 0
-    key = task.metrics[0]
-    sign = 1 if HIGHER_IS_BETTER[key] else -1
 
-    def best_epoch() -> dict:
-        return max(history, key=lambda e: sign * e[key])  # the first best one
+    restore = bool(test) or options.save  # then the model ends at its best epoch's weights
+
+    def validate(epoch: int, start: float, train_loss: float | None) -> None:
+        """Score the dev rows; keep the weights of the best epoch so far (when they are restored)."""
+        nonlocal best_weights
+        metrics = compute_metrics(task.metrics, predict(model, dev_ids, task, batch_size * 2, pad, ctx,
+                                                        options.packing), dev_labels)
+        history.append({"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - start,
+                        **metrics})
+        log(f"{task.name} seed {seed} epoch {epoch}/{recipe.epochs}: "
+            + ("" if train_loss is None else f"train loss {train_loss:.4f} | ")
+            + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" | {history[-1]['seconds']:.0f}s")
+        if restore and best_of(task.metrics[0], history, lambda e: e) is history[-1]:
+            best_weights = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+
+    best_weights = None
+    if not recipe.epochs:  # evaluation only: the folder's weights (e.g. a model `--save` wrote), as epoch 0
+        validate(0, time.perf_counter(), None)
     model.train()
     for epoch in range(1, recipe.epochs + 1):
         # summed on the device in float64 (what adding Python floats did), read once per epoch: a read
@@ -280,21 +302,14 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
             optimizer.step()
             loss_sum += value.double()
             update += 1
-        predictions = predict(model, dev_ids, task, batch_size * 2, pad, ctx, options.packing)
-        train_loss = loss_sum.item() / per_epoch
-        metrics = compute_metrics(task.metrics, predictions, dev_labels)
-        history.append({"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - start,
-                        **metrics})
-        log(f"{task.name} seed {seed} epoch {epoch}/{recipe.epochs}: train loss {train_loss:.4f} | "
-            + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" | {history[-1]['seconds']:.0f}s")
-        if test and best_epoch() is history[-1]:
-            best_weights = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
-    result = {"epochs": history, "best": best_epoch(), "updates": update, "schedule_updates": total,
-              "recipe": dataclasses.asdict(recipe)}
-    if test:
+        validate(epoch, start, loss_sum.item() / per_epoch)
+    result = {"epochs": history, "best": best_of(task.metrics[0], history, lambda e: e), "updates": update,
+              "schedule_updates": total, "recipe": dataclasses.asdict(recipe)}
+    if restore:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(best_weights[name])
+    if test:
         result["test"] = {name: predict(model, encode(rows, tokenizer, max_length), task, batch_size * 2, pad, ctx,
                                         options.packing).tolist() for name, rows in test.items()}
     return result

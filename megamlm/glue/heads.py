@@ -14,7 +14,8 @@ head's dense layer and norm; `mlm_head` does the same from a model folder. Likew
 sequence classifiers start from the checkpoint's pooler, and `pooler` from the folder's (a sentence-pair
 model's, or the one conversion keeps as a classification head). The new weights are drawn by
 model.init's scheme (model/init.py), from a generator seeded by the fine-tuning seed, identical on
-every data-parallel rank.
+every data-parallel rank. A folder that holds a head named for the task (`megamlm glue --save`) starts
+the whole head from it instead.
 
 Pooling reads the encoder's output [s, b, h] at indices made on the host (`Pooling`), the same code for
 one sequence per row and for packed rows: `cls` the first token of each sequence, `mean` the average
@@ -31,6 +32,7 @@ from torch import nn
 from megamlm.config import ModelConfig
 from megamlm.data.pairs import PAIR_KINDS
 from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
+from megamlm.errors import MegamlmError
 from megamlm.model import names
 from megamlm.model.activation import activation_function
 from megamlm.model.init import init_head_linear
@@ -102,6 +104,24 @@ class ClassificationHead(nn.Module):
         super().__init__()
         # Identity at 0: no random draws, so runs without it are what they were
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    @torch.no_grad()
+    def restore(self, name: str, pretrained: dict[str, torch.Tensor]) -> list[str]:
+        """Load the folder's classification head `name` (a fine-tuned model `megamlm glue --save` wrote),
+        every parameter; returns the names taken (none: the folder has no such head)."""
+        prefix = f"{HEADS_PREFIX}{name}."
+        saved = {key[len(prefix):]: tensor for key, tensor in pretrained.items() if key.startswith(prefix)}
+        if not saved:
+            return []
+        ours = dict(self.named_parameters())
+        unfit = sorted(set(saved) ^ set(ours) | {key for key in saved.keys() & ours.keys()
+                                                 if saved[key].shape != ours[key].shape})
+        if unfit:
+            raise MegamlmError(f"the folder's classification head {name!r} does not fit this {type(self).__name__} "
+                               f"(model.classifier) with {self.out_proj.out_features} output(s): {', '.join(unfit)}")
+        for key, param in ours.items():
+            param.copy_(saved[key])
+        return [prefix + key for key in ours]
 
     def initialize(self, model: ModelConfig, generator: torch.Generator, pretrained: dict) -> list[str]:
         """Draw dense as the MLM head's dense layer and out_proj as a classification layer (model.init's

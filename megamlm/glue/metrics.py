@@ -3,7 +3,12 @@ GLUE's standard ones (Matthews correlation, F1 of the positive class, Pearson / 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
 import numpy as np
+
+T = TypeVar("T")
 
 
 def compute_metrics(names: tuple[str, ...], predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -32,3 +37,9 @@ def compute_metrics(names: tuple[str, ...], predictions: np.ndarray, labels: np.
 
 
 HIGHER_IS_BETTER = {"accuracy": True, "f1": True, "mcc": True, "pearson": True, "spearman": True, "mse": False}
+
+
+def best_of(metric: str, candidates: Iterable[T], scores: Callable[[T], dict[str, float]]) -> T:
+    """The first candidate whose `metric` (in `scores(candidate)`) is best: an epoch, a seed."""
+    sign = 1 if HIGHER_IS_BETTER[metric] else -1
+    return max(candidates, key=lambda candidate: sign * scores(candidate)[metric])

@@ -20,13 +20,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamlm.config import ParallelConfig
+from megamlm.config import Config, ParallelConfig
 from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.submission import prediction_lines, write_submission
 from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, read_test_examples, task_files, task_test_files
-from megamlm.model.folder import ModelFolder, read_model_folder
+from megamlm.glue.metrics import best_of
+from megamlm.model.folder import ModelFolder, read_model_folder, write_model_folder
+from megamlm.model.reshard import full_state_dict
 from megamlm.objectives import encoder_from
 from megamlm.parallel import init_distributed, seed_everything
 
@@ -34,8 +36,9 @@ TABLE_ORDER = ("MNLI", "QNLI", "QQP", "RTE", "SST-2", "MRPC", "CoLA", "STS-B")
 
 
 def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], options: FinetuneOptions,
-             max_train: int | None, max_eval: int | None, ctx=None, log=print) -> dict:
-    """All seeds of one task; returns {"seeds": {seed: result}, "train_rows": n, "dev_rows": n}."""
+             max_train: int | None, max_eval: int | None, out: str | None = None, ctx=None, log=print) -> dict:
+    """All seeds of one task; returns {"seeds": {seed: result}, "train_rows": n, "dev_rows": n}. With
+    options.save, the best seed's model at its best epoch goes to <out>/models/<TASK> ("saved": the path)."""
     task = TASKS[name]
     files = task_files(task, data_dir)
     if isinstance(files, str):
@@ -59,7 +62,7 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
         cfg, body = encoder_from(saved, checkpoint, ctx, config_overrides(replace(options, dropout=recipe.dropout)))
         tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
         model = SentenceClassifier(body, task.num_classes, seed, pretrained=pretrained,
-                                   dropout=recipe.classifier_dropout)
+                                   dropout=recipe.classifier_dropout, name=task.head_name)
         if seed == seeds[0]:
             log(f"{name}: classifier {cfg.model.classifier} on {cfg.model.classifier_pooling} features, "
                 + (f"started from {', '.join(model.pretrained)}" if model.pretrained else "drawn fresh"))
@@ -67,7 +70,21 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
         predicted = result["seeds"][seed].get("test", {})
         for submission, predictions in predicted.items():
             predicted[submission] = prediction_lines(task, tests[submission], predictions)
+        if options.save and best_of(task.metrics[0], result["seeds"], lambda k: result["seeds"][k]["best"]) == seed:
+            kept, fine_tuned = seed, fine_tuned_folder(saved, cfg, model, task.head_name)  # at its best epoch
+    if options.save and (not dist.is_initialized() or dist.get_rank() == 0):
+        result["saved"] = str(write_model_folder(Path(out) / "models" / name, *fine_tuned, overwrite=True))
+        log(f"{name}: saved seed {kept} at epoch {result['seeds'][kept]['best']['epoch']} to {result['saved']}")
     return result
+
+
+def fine_tuned_folder(saved: ModelFolder, cfg: Config, model: SentenceClassifier, head_name: str) -> tuple:
+    """write_model_folder's (cfg, full, tp, heads, source) for a fine-tuned model: the folder's tensors with
+    the fine-tuned encoder's, and its classification heads with `head_name`'s, on the CPU."""
+    body = {key: tensor.detach().to("cpu", copy=True) for key, tensor in full_state_dict(model.body).items()
+            if key in saved.full}
+    head = {f"{head_name}.{key}": param.detach().to("cpu", copy=True) for key, param in model.head.named_parameters()}
+    return cfg, {**saved.full, **body}, 1, {**saved.heads, **head}, saved.source
 
 
 def config_overrides(options: FinetuneOptions) -> list[str]:
@@ -94,7 +111,7 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise GlueDataError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
-    jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval) for t in tasks]
+    jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval, out) for t in tasks]
     if parallel > 1:
         with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
             results = dict(zip(tasks, pool.map(_spawned, jobs)))

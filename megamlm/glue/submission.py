@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megamlm.glue.metrics import HIGHER_IS_BETTER
+from megamlm.glue.metrics import best_of
 from megamlm.glue.tasks import STSB_SCALE, Example, Task
 
 HEADER = "index\tprediction"
@@ -29,12 +29,10 @@ def prediction_lines(task: Task, rows: list[Example], predictions: list[float | 
 def write_submission(folder: str | Path, task: Task, result: dict) -> dict[str, str]:
     """Write each seed's predictions (result["seeds"][seed]["test"]: {name: lines}, moved out of the
     result, which keeps the row counts) and the best seed's as the submission; returns {name: path}."""
-    key = task.metrics[0]
-    sign = 1 if HIGHER_IS_BETTER[key] else -1
     seeds = {seed: run for seed, run in result["seeds"].items() if "test" in run}
     if not seeds:
         return {}
-    best = max(seeds, key=lambda seed: sign * seeds[seed]["best"][key])
+    best = best_of(task.metrics[0], seeds, lambda seed: seeds[seed]["best"])
     written = {}
     for seed, run in seeds.items():
         files = run.pop("test")

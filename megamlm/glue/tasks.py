@@ -51,6 +51,11 @@ class Task:
     def num_classes(self) -> int:
         return 1 if self.labels is None else len(self.labels)
 
+    @property
+    def head_name(self) -> str:
+        """The name of this task's classification head in a model folder (fairseq's classification_heads)."""
+        return self.name.lower()
+
     def schedule(self, epochs: int, updates_per_epoch: int) -> tuple[int, int]:
         """(total, warm-up) updates of the polynomial schedule for this run: the recipe's numbers
         at its 10 epochs of GLUE's full training set, proportionally fewer for shorter runs."""
