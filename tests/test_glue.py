@@ -214,3 +214,33 @@ def test_packed_batches_give_each_sequence_its_padded_logits(world, variant):
         packed = classify(model, sequences, 1, "packed", world.device)
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
 
+
+
+
+@pytest.mark.parametrize("mismatched_rows", [3, None])
+def test_mnli_scores_its_mismatched_dev_set_too(tiny_folder, tmp_path, mismatched_rows):
+    """MNLI with both dev sets (3-column copies): each epoch scores both, the matched one chooses the best
+    epoch, and the report lists accuracy_mm beside accuracy."""
+    import shutil
+
+    data = tmp_path / "glue"
+    shutil.copytree(GLUE / "MNLI", data / "MNLI")
+    matched = (data / "MNLI/dev_matched_3col.tsv").read_text().splitlines()
+    labels = dict(zip("012", ("entailment", "neutral", "contradiction")))
+    (data / "MNLI/train.tsv").write_text("sentence1\tsentence2\tgold_label\n" + "".join(
+        f"{a}\t{b}\t{labels[y]}\n" for a, b, y in (line.split("\t") for line in matched)))
+    mismatched = matched[:mismatched_rows]
+    (data / "MNLI/dev_mismatched_3col.tsv").write_text("".join(f"{line}\n" for line in mismatched))
+    report = run_glue(str(tiny_folder), str(data), ["MNLI"], [1], str(tmp_path / "out"),
+                      FinetuneOptions(epochs=3, batch_size=4, lr=1e-2, dropout=0.0), log=lambda *a: None)
+    mnli = report["tasks"]["MNLI"]
+    assert (mnli["dev_rows"], mnli["dev_rows_mm"]) == (len(matched), len(mismatched))
+    epochs = mnli["seeds"][1]["epochs"]
+    assert all(set(epoch) == {"epoch", "train_loss", "seconds", "accuracy", "accuracy_mm"} for epoch in epochs)
+    assert mnli["seeds"][1]["best"] == max(epochs, key=lambda epoch: epoch["accuracy"])
+    if mismatched_rows is None:  # the same rows: the same scores
+        assert all(epoch["accuracy_mm"] == epoch["accuracy"] for epoch in epochs)
+    else:  # the accuracy on those 3 rows: a multiple of 1/3
+        assert all(round(epoch["accuracy_mm"] * 3, 9).is_integer() for epoch in epochs)
+    table = (tmp_path / "out/results.md").read_text()
+    assert "| MNLI | accuracy |" in table and "| MNLI | accuracy_mm |" in table

@@ -237,11 +237,13 @@ def predict(model: SentenceClassifier, sequences: list[list[int]], task: Task, b
 
 def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: list[Example],
              tokenizer: Tokenizer, options: FinetuneOptions, seed: int, ctx: ParallelContext,
-             log=print, test: dict[str, list[Example]] | None = None) -> dict:
+             log=print, test: dict[str, list[Example]] | None = None,
+             extra_dev: dict[str, list[Example]] | None = None) -> dict:
     """Train with the recipe; returns {"epochs": [...], "best": {...}, "updates": n}, and with `test`
     ({submission name: a test file's rows}) "test": {name: predictions of the best epoch's weights}.
     With `test` or options.save the model ends at the best epoch's weights. 0 epochs: the dev rows are
-    scored once with the weights as loaded (epoch 0)."""
+    scored once with the weights as loaded (epoch 0). `extra_dev` ({suffix: rows}, Task.extra_dev) is
+    scored each epoch too, as `<metric>_<suffix>`."""
     pad = model.body.config.pad_token_id
     body = model.body.config
     recipe = options.recipe_for(task, body)
@@ -249,9 +251,11 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     if batch_size % ctx.dp_size:
         raise MegamlmError(f"batch size {batch_size} is not divisible by data parallel {ctx.dp_size}")
     max_length = min(recipe.max_length, body.max_positions) if body.position == "learned" else recipe.max_length
-    train_ids, dev_ids = (encode(x, tokenizer, max_length) for x in (train, dev))
+    train_ids = encode(train, tokenizer, max_length)
     train_labels = torch.tensor([x.label for x in train])
-    dev_labels = np.array([x.label for x in dev])
+    # suffix ("": the dev set) -> its rows' ids and labels
+    dev_sets = {suffix: (encode(rows, tokenizer, max_length), np.array([x.label for x in rows]))
+                for suffix, rows in {"": dev, **(extra_dev or {})}.items()}
     per_epoch = math.ceil(len(train) / batch_size)
     total, warmup = recipe.updates(task, per_epoch)
     schedule = OptimConfig(lr=recipe.lr, min_lr=0.0, schedule=recipe.schedule, end_lr=0.0, power=1.0,
@@ -265,8 +269,11 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
     def validate(epoch: int, start: float, train_loss: float | None) -> None:
         """Score the dev rows; keep the weights of the best epoch so far (when they are restored)."""
         nonlocal best_weights
-        metrics = compute_metrics(task.metrics, predict(model, dev_ids, task, batch_size * 2, pad, ctx,
-                                                        options.packing), dev_labels)
+        metrics = {}
+        for suffix, (ids, labels) in dev_sets.items():
+            scores = compute_metrics(task.metrics, predict(model, ids, task, batch_size * 2, pad, ctx,
+                                                           options.packing), labels)
+            metrics.update({f"{key}_{suffix}" if suffix else key: value for key, value in scores.items()})
         history.append({"epoch": epoch, "train_loss": train_loss, "seconds": time.perf_counter() - start,
                         **metrics})
         log(f"{task.name} seed {seed} epoch {epoch}/{recipe.epochs}: "

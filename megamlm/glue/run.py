@@ -25,7 +25,8 @@ from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.submission import prediction_lines, write_submission
-from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, read_test_examples, task_files, task_test_files
+from megamlm.glue.tasks import (TASKS, GlueDataError, read_examples, read_test_examples, task_extra_dev_files,
+                                task_files, task_test_files)
 from megamlm.glue.metrics import best_of
 from megamlm.model.folder import ModelFolder, read_model_folder, write_model_folder
 from megamlm.model.reshard import full_state_dict
@@ -44,6 +45,7 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
     if isinstance(files, str):
         return {"skipped": files}
     train_all, dev = read_examples(task, files[0]), read_examples(task, files[1])
+    extra_dev = {suffix: read_examples(task, path) for suffix, path in task_extra_dev_files(task, data_dir).items()}
     tests = {}  # submission name -> the test file's rows
     if options.predict:
         tests = {submission: read_test_examples(task, path) for path, submission in task_test_files(task, data_dir)}
@@ -51,9 +53,12 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
             log(f"{name}: no test file ({', '.join(file for file, _ in task.test_files)}) in {Path(data_dir) / name}")
     rng = random.Random(0)  # the same subsample for every seed and variant
     train = rng.sample(train_all, max_train) if max_train and max_train < len(train_all) else train_all
-    dev = rng.sample(dev, max_eval) if max_eval and max_eval < len(dev) else dev
+    dev, *extra = [rng.sample(rows, max_eval) if max_eval and max_eval < len(rows) else rows
+                   for rows in (dev, *extra_dev.values())]
+    extra_dev = dict(zip(extra_dev, extra))
     ctx = ctx or init_distributed(ParallelConfig())
-    result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev), "seeds": {}}
+    result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev),
+              **{f"dev_rows_{suffix}": len(rows) for suffix, rows in extra_dev.items()}, "seeds": {}}
     saved = read_model_folder(checkpoint)
     pretrained = folder_tensors(saved)
     recipe = options.recipe_for(task, saved.cfg.model)
@@ -66,7 +71,8 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
         if seed == seeds[0]:
             log(f"{name}: classifier {cfg.model.classifier} on {cfg.model.classifier_pooling} features, "
                 + (f"started from {', '.join(model.pretrained)}" if model.pretrained else "drawn fresh"))
-        result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log, test=tests)
+        result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log, test=tests,
+                                         extra_dev=extra_dev)
         predicted = result["seeds"][seed].get("test", {})
         for submission, predictions in predicted.items():
             predicted[submission] = prediction_lines(task, tests[submission], predictions)
@@ -190,7 +196,7 @@ def markdown(report: dict) -> str:
     for name in TABLE_ORDER:
         result = tasks.get(name)
         if result and "summary" in result:
-            for metric in TASKS[name].metrics:
+            for metric in TASKS[name].reported_metrics:
                 lines.append(f"| {name} | {metric} | {_cell(result, metric, metric != 'mse')} |")
         elif result:
             lines.append(f"| {name} | skipped | {result['skipped']} |")

@@ -3,7 +3,8 @@
 Column quirks handled here: CoLA has no header (source, label, original label, sentence); MRPC's
 header starts with a byte-order mark and has quality/ID columns; STS-B scores are floats (0-5,
 divided by 5 as fairseq's preprocessing does); RTE/QNLI labels are words; MNLI's dev files are
-dev_matched.tsv (GLUE layout) or a reduced 3-column copy (premise, hypothesis, label id). Test files
+dev_matched.tsv (GLUE layout) or a reduced 3-column copy (premise, hypothesis, label id), and likewise
+its mismatched set, scored as well (accuracy_mm). Test files
 have a header, an `index` column and no label (CoLA's too); MNLI has a matched and a mismatched one.
 """
 
@@ -46,10 +47,19 @@ class Task:
     """(test file, its predictions' name in a GLUE submission; "" = the task's name)."""
     test_text_columns: tuple[str, ...] | None = None
     """Header names of the test file's texts, where they differ from text_columns (CoLA)."""
+    extra_dev: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(suffix, its files: the first present) of further dev sets scored each epoch with the task's
+    metrics, reported as `<metric>_<suffix>` (MNLI's mismatched set: accuracy_mm); the first dev set
+    alone chooses the best epoch."""
 
     @property
     def num_classes(self) -> int:
         return 1 if self.labels is None else len(self.labels)
+
+    @property
+    def reported_metrics(self) -> tuple[str, ...]:
+        """The metrics of the dev set, then of each extra one."""
+        return (*self.metrics, *(f"{metric}_{suffix}" for suffix, _ in self.extra_dev for metric in self.metrics))
 
     @property
     def head_name(self) -> str:
@@ -67,7 +77,8 @@ class Task:
 TASKS: dict[str, Task] = {t.name: t for t in [
     Task("MNLI", ("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"),
          1e-5, 32, 123873, 7432, ("accuracy",), 392702, ("dev_matched.tsv", "dev_matched_3col.tsv"),
-         test_files=(("test_matched.tsv", "MNLI-m"), ("test_mismatched.tsv", "MNLI-mm"))),
+         test_files=(("test_matched.tsv", "MNLI-m"), ("test_mismatched.tsv", "MNLI-mm")),
+         extra_dev=(("mm", ("dev_mismatched.tsv", "dev_mismatched_3col.tsv")),)),
     Task("QNLI", ("question", "sentence"), "label", ("entailment", "not_entailment"),
          1e-5, 32, 33112, 1986, ("accuracy",), 104743),
     Task("QQP", ("question1", "question2"), "is_duplicate", ("0", "1"),
@@ -160,6 +171,14 @@ def task_test_files(task: Task, data_dir: str | Path) -> list[tuple[Path, str]]:
     """(test file, submission name) of each of the task's test files present in `data_dir`."""
     folder = Path(data_dir) / task.name
     return [(folder / file, name or task.name) for file, name in task.test_files if (folder / file).is_file()]
+
+
+def task_extra_dev_files(task: Task, data_dir: str | Path) -> dict[str, Path]:
+    """suffix -> the file of each of the task's extra dev sets present in `data_dir`."""
+    folder = Path(data_dir) / task.name
+    found = {suffix: next((folder / name for name in files if (folder / name).is_file()), None)
+             for suffix, files in task.extra_dev}
+    return {suffix: path for suffix, path in found.items() if path is not None}
 
 
 def task_files(task: Task, data_dir: str | Path) -> tuple[Path, Path] | str:
