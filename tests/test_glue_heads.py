@@ -1,4 +1,4 @@
-"""Fine-tuning heads (glue/heads.py) against transformers: a ModernBERT folder fine-tunes with
+"""Fine-tuning heads (objectives/classification.py) against transformers: a ModernBERT folder fine-tunes with
 ModernBertForSequenceClassification's head (the pretrained MLM head's transform + a classifier), on the
 first token's or the mean features, with its logits in one-row-per-sequence and packed batches, and
 its fresh classifier drawn as transformers draws it; BERT and ALBERT pretraining checkpoints keep their
@@ -13,7 +13,7 @@ import torch
 from megamlm.convert.pipeline import convert
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, classify
-from megamlm.glue.heads import Pooling
+from megamlm.objectives.classification import Pooling
 from megamlm.glue.run import config_overrides, folder_tensors
 from megamlm.model.embedding import token_types
 from megamlm.model.encoder import Encoder

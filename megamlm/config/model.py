@@ -183,7 +183,7 @@ class ModelConfig:
     MLM head's dense layer. Biases 0 and norms 1 in both."""
     classifier: Literal["pooler", "mlm_head", "linear"] = "pooler"
     """The sentence-classification head fine-tuning puts on the encoder (`megamlm glue`;
-    glue/heads.py CLASSIFIER_HEADS). pooler: dense -> tanh -> out_proj (fairseq's
+    objectives/classification.py CLASSIFIER_HEADS). pooler: dense -> tanh -> out_proj (fairseq's
     RobertaClassificationHead; BERT's pooler + classifier, dense started from the folder's pretrained
     pooler when it has one, else drawn); mlm_head: the MLM head's transform (dense ->
     activation -> norm), started from the folder's pretrained MLM head, -> out_proj (transformers'

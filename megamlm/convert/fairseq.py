@@ -52,7 +52,7 @@ FAIRSEQ_KEYS: list[tuple[str, str | None]] = [
 FAIRSEQ_QKV = "sentence_encoder.layers.{i}.self_attn.{part}_proj.{kind}"
 SCALARS = {names.CLAP_BETA}
 """0-dim in fairseq, shape [1] in megamlm (see ClapHead)."""
-CLASSIFICATION_PREFIX = "classification_heads."
+CLASSIFICATION_PREFIX = names.CLASSIFICATION_HEADS
 
 
 def _pattern(template: str) -> re.Pattern:

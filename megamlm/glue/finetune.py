@@ -2,7 +2,7 @@
 
     input     <s> A </s></s> B </s>        (fairseq ids; right-padded with 1, or packed)
     head      <s> features -> dense -> tanh -> out_proj  (RobertaClassificationHead; the folder's
-              model.classifier / classifier_pooling may name another, glue/heads.py)
+              model.classifier / classifier_pooling may name another, objectives/classification.py)
     loss      cross-entropy, or MSE for STS-B (labels / 5)
     recipe    glue/recipes.py: fairseq's RoBERTa recipe (the reference's: AdamW (0.9, 0.98), weight decay
               0.1, dropout 0.1, polynomial decay after a ~6% warm-up, 10 epochs) or ELECTRA's
@@ -30,7 +30,7 @@ from megamlm.config import ModelConfig, OptimConfig
 from megamlm.data.packing import best_fit_decreasing
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError
-from megamlm.glue.heads import CLASSIFIER_HEADS, Pooling
+from megamlm.objectives.classification import CLASSIFIER_HEADS, Pooling
 from megamlm.glue.metrics import best_of, compute_metrics
 from megamlm.glue.recipes import RECIPES, Recipe, build_optimizer
 from megamlm.glue.tasks import Example, Task

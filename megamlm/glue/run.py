@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from megamlm.config import Config, ParallelConfig
-from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.submission import prediction_lines, write_submission
 from megamlm.glue.tasks import (TASKS, GlueDataError, read_examples, read_test_examples, task_extra_dev_files,
                                 task_files, task_test_files)
 from megamlm.glue.metrics import best_of
+from megamlm.model import names
 from megamlm.model.folder import ModelFolder, read_model_folder, write_model_folder
 from megamlm.model.reshard import full_state_dict
 from megamlm.objectives import encoder_from
@@ -103,7 +103,7 @@ def config_overrides(options: FinetuneOptions) -> list[str]:
 def folder_tensors(saved: ModelFolder) -> dict:
     """A model folder's tensors a classification head may start from: the model's, and its classification
     heads' as `classification_heads.<name>.*` (fairseq's names)."""
-    return {**saved.full, **{HEADS_PREFIX + name: tensor for name, tensor in saved.heads.items()}}
+    return {**saved.full, **{names.CLASSIFICATION_HEADS + name: tensor for name, tensor in saved.heads.items()}}
 
 
 def _spawned(args) -> dict:

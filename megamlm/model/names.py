@@ -30,6 +30,9 @@ LM_HEAD_NORM = "lm_head.layernorm.{kind}"
 CLAP_BETA = "lm_head.beta"
 DISCRIMINATOR_DENSE = "discriminator_head.dense.{kind}"
 DISCRIMINATOR_PREDICTION = "discriminator_head.prediction.{kind}"
+CLASSIFICATION_HEADS = "classification_heads."
+"""fairseq's prefix of its named classification heads (`classification_heads.<name>.dense.weight`); a
+model folder keeps them in their own file, and fine-tuning reads them under this prefix."""
 GENERATOR_PREFIX = "generator."
 """ELECTRA's generator: an encoder's names (and its head's lm_head.*) under this prefix."""
 

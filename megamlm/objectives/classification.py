@@ -31,7 +31,6 @@ from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.data.pairs import PAIR_KINDS
-from megamlm.convert.fairseq import CLASSIFICATION_PREFIX as HEADS_PREFIX
 from megamlm.errors import MegamlmError
 from megamlm.model import names
 from megamlm.model.activation import activation_function
@@ -109,7 +108,7 @@ class ClassificationHead(nn.Module):
     def restore(self, name: str, pretrained: dict[str, torch.Tensor]) -> list[str]:
         """Load the folder's classification head `name` (a fine-tuned model `megamlm glue --save` wrote),
         every parameter; returns the names taken (none: the folder has no such head)."""
-        prefix = f"{HEADS_PREFIX}{name}."
+        prefix = f"{names.CLASSIFICATION_HEADS}{name}."
         saved = {key[len(prefix):]: tensor for key, tensor in pretrained.items() if key.startswith(prefix)}
         if not saved:
             return []
@@ -139,7 +138,7 @@ class PoolerHead(ClassificationHead):
     classification head of its objective (`classification_heads.nsp.dense`, `...sop.dense`)."""
 
     PRETRAINED = {"dense.{kind}": ["pair_head.pooler.{kind}",
-                                   *(f"{HEADS_PREFIX}{kind}.dense.{{kind}}" for kind in PAIR_KINDS)]}
+                                   *(f"{names.CLASSIFICATION_HEADS}{kind}.dense.{{kind}}" for kind in PAIR_KINDS)]}
 
     def __init__(self, model: ModelConfig, num_classes: int, dropout: float = 0.0):
         super().__init__(dropout)
