@@ -106,11 +106,17 @@ def cmd_fill_mask(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from megamlm.convert.hf_export import SequenceClassifier
     from megamlm.convert.pipeline import convert
+    from megamlm.glue.tasks import TASKS
 
+    classifier = None
+    if args.classification_head:  # a GLUE task's head (megamlm glue --save) gets the task's class names
+        task = next((t for t in TASKS.values() if t.head_name == args.classification_head), None)
+        classifier = SequenceClassifier(args.classification_head, task.labels if task else None)
     # the world of one it sets up is left as is: converting is the whole process (or a caller's step)
     convert(args.source, args.target, args.src, args.out, dict_path=args.dict, tp=args.tp,
-            tolerance=args.tolerance, overwrite=args.overwrite)
+            tolerance=args.tolerance, overwrite=args.overwrite, classifier=classifier)
     return 0
 
 
@@ -125,6 +131,9 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="where to write (nothing is written unless the logits agree)")
     parser.add_argument("--dict", default=None, help="the fairseq dict.txt (default: bundled GPT-2)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards of a megamlm output")
+    parser.add_argument("--classification-head", metavar="NAME", default=None,
+                        help="--to hf: write the folder's classification head NAME (e.g. `rte` from megamlm glue "
+                             "--save) as the model's *ForSequenceClassification, with a GLUE task's label names")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="max |logit difference| allowed, relative to max(1, |logit|)")
     parser.add_argument("--overwrite", action="store_true",

@@ -21,6 +21,9 @@ non-renaming steps are written next to it:
 - BERT's / ALBERT's pretraining checkpoints also hold a sentence-pair head (pooler + NSP / SOP classifier):
   it is the model folder's classification head `nsp` / `sop` (`pair_head`), written back as the
   pretraining class (`HFFormat.pretraining`);
+- a fine-tuned folder's classification head (`megamlm glue --save`) exports as the format's
+  *ForSequenceClassification (`sequence_head`: RoBERTa's classifier.dense/out_proj, BERT's and ALBERT's
+  pooler + classifier for the `pooler` head; ModernBERT's head + classifier for `mlm_head`);
 - vocabulary rows: RoBERTa's ids are fairseq's; BERT's WordPiece and ALBERT's SentencePiece ids are
   permuted into megamlm's (data/pieces.py: vocab_order) by the importer / exporter, which hold the vocab.
 """
@@ -92,6 +95,9 @@ class HFFormat:
     pair_head: tuple[str, str, str] | None = None
     """(objective, pooler, classifier) of a pretraining checkpoint's sentence-pair head ({kind}: weight |
     bias): BERT's pooler + next-sentence classifier, ALBERT's + sentence-order classifier; None: none."""
+    sequence_head: tuple[str, tuple[tuple[str, str], ...]] | None = None
+    """(model.classifier, (our head's parameter, the *ForSequenceClassification key) pairs, {kind}: weight |
+    bias) of the format's sequence classifier, the same function as that megamlm head; None: none that is."""
 
     @property
     def positions(self) -> str:
@@ -114,15 +120,20 @@ class HFFormat:
         """The pretraining class (masked LM + the sentence-pair head) of a format with a pair head."""
         return self.architecture.replace("ForMaskedLM", "ForPreTraining")
 
-    def build(self, values: dict, pretraining: bool = False, **config_options):
-        """The transformers model of this class (`pretraining`: its pretraining class) for config.json
-        `values` (hf_config_values), freshly initialized; `config_options` go to its config class (e.g.
-        attn_implementation)."""
+    @property
+    def sequence_classification(self) -> str:
+        """The sequence-classification class of a format with a `sequence_head`."""
+        return self.architecture.replace("ForMaskedLM", "ForSequenceClassification")
+
+    def build(self, values: dict, pretraining: bool = False, classifier: bool = False, **config_options):
+        """The transformers model of this class (`pretraining`: its pretraining class; `classifier`: its
+        sequence-classification class) for config.json `values` (hf_config_values), freshly initialized;
+        `config_options` go to its config class (e.g. attn_implementation)."""
         import transformers
 
         config_class = getattr(transformers, self.architecture.split("For")[0] + "Config")
-        model_class = getattr(transformers, self.pretraining if pretraining else self.architecture)
-        return model_class(config_class(**values, **config_options))
+        name = self.sequence_classification if classifier else self.pretraining if pretraining else self.architecture
+        return getattr(transformers, name)(config_class(**values, **config_options))
 
 
 ALBERT_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.{i}"
@@ -134,7 +145,9 @@ ROBERTA = HFFormat(
                         *weight_and_bias("lm_head.layer_norm.{kind}", names.LM_HEAD_NORM),
                         ("lm_head.bias", names.LM_HEAD_BIAS)],
     qkv="roberta.encoder.layer.{i}.attention.self.{part}.{kind}", head="lm_head", position_rows_dropped=0,
-    fixed={"type_vocab_size": 1, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": True})
+    fixed={"type_vocab_size": 1, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": True},
+    sequence_head=("pooler", (("dense.{kind}", "classifier.dense.{kind}"),
+                              ("out_proj.{kind}", "classifier.out_proj.{kind}"))))
 BERT = HFFormat(
     "BertForMaskedLM", "bert",
     _body("bert") + [*weight_and_bias("cls.predictions.transform.dense.{kind}", names.LM_HEAD_DENSE),
@@ -142,7 +155,8 @@ BERT = HFFormat(
                      ("cls.predictions.bias", names.LM_HEAD_BIAS)],
     qkv="bert.encoder.layer.{i}.attention.self.{part}.{kind}", head="cls.predictions",
     position_rows_dropped=POSITION_OFFSET, fixed={"tie_word_embeddings": True},
-    pair_head=("nsp", "bert.pooler.dense.{kind}", "cls.seq_relationship.{kind}"))
+    pair_head=("nsp", "bert.pooler.dense.{kind}", "cls.seq_relationship.{kind}"),
+    sequence_head=("pooler", (("dense.{kind}", "bert.pooler.dense.{kind}"), ("out_proj.{kind}", "classifier.{kind}"))))
 ALBERT = HFFormat(
     "AlbertForMaskedLM", "albert",
     [("albert.embeddings.word_embeddings.weight", names.WORD_EMBEDDINGS),
@@ -159,7 +173,8 @@ ALBERT = HFFormat(
     qkv=f"{ALBERT_LAYER}.attention.{{part}}.{{kind}}", head="predictions", position_rows_dropped=POSITION_OFFSET,
     fixed={"num_hidden_groups": 1, "inner_group_num": 1, "tie_word_embeddings": True},
     config=(("embedding_size", "embedding_size"),), variant={"share_layers": True},
-    pair_head=("sop", "albert.pooler.{kind}", "sop_classifier.classifier.{kind}"))
+    pair_head=("sop", "albert.pooler.{kind}", "sop_classifier.classifier.{kind}"),
+    sequence_head=("pooler", (("dense.{kind}", "albert.pooler.{kind}"), ("out_proj.{kind}", "classifier.{kind}"))))
 MODERNBERT_LAYER = "model.layers.{i}"
 MODERNBERT = HFFormat(
     "ModernBertForMaskedLM", "model",
@@ -175,7 +190,9 @@ MODERNBERT = HFFormat(
      *weight_and_bias("head.norm.{kind}", names.LM_HEAD_NORM),
      ("decoder.bias", names.LM_HEAD_BIAS)],
     qkv=f"{MODERNBERT_LAYER}.attn.Wqkv.{{kind}}", head="", position_rows_dropped=0,
-    fixed={"tie_word_embeddings": True}, fused_qkv=True, position_table=False)
+    fixed={"tie_word_embeddings": True}, fused_qkv=True, position_table=False,
+    sequence_head=("mlm_head", (("dense.{kind}", "head.dense.{kind}"), ("layernorm.{kind}", "head.norm.{kind}"),
+                                ("out_proj.{kind}", "classifier.{kind}"))))
 ELECTRA = HFFormat(
     "ElectraForPreTraining", "electra",
     _body("electra") + [*weight_and_bias("electra.embeddings_project.{kind}", names.EMBEDDING_PROJECTION),
@@ -326,6 +343,14 @@ def pair_head_to_hf(heads: dict[str, torch.Tensor], fmt: HFFormat) -> dict[str, 
     if not keys or not all(ours in heads for ours in keys):
         return {}
     return {theirs: heads[ours] for ours, theirs in keys.items()}
+
+
+def sequence_head_to_hf(heads: dict[str, torch.Tensor], name: str, fmt: HFFormat) -> dict[str, torch.Tensor]:
+    """A folder's classification head `name` (`<name>.dense.weight`, ...) -> the format's sequence-classification
+    keys (a head without biases: those keys are absent)."""
+    return {theirs.format(kind=kind): heads[f"{name}.{ours.format(kind=kind)}"]
+            for ours, theirs in fmt.sequence_head[1] for kind in ("weight", "bias")
+            if f"{name}.{ours.format(kind=kind)}" in heads}
 
 
 VOCAB_ROWS = (names.WORD_EMBEDDINGS, names.LM_HEAD_BIAS, names.LM_HEAD_WEIGHT)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import (ALBERT, BERT, ELECTRA, MODERNBERT, ROBERTA, HFFormat, hf_config_values,
-                                megamlm_to_hf, pair_head_to_hf, permute_vocab)
+                                megamlm_to_hf, pair_head_to_hf, permute_vocab, sequence_head_to_hf)
 from megamlm.convert.parity import compare
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import JsonTokenizer, WordPieceTokenizer
@@ -58,6 +59,41 @@ def hf_format(model: ModelConfig, objective: str = "mlm") -> HFFormat | None:
     if model.token_types:
         return BERT if bert_tokens else None
     return ROBERTA
+
+
+@dataclass(frozen=True)
+class SequenceClassifier:
+    """What `convert --classification-head` exports: the folder's head `name` and its classes' names."""
+
+    name: str
+    labels: tuple[str, ...] | None = None
+    """The classes in output order (a GLUE task's labels); None: transformers' LABEL_<i> (1 output: a
+    regression)."""
+
+    def config_values(self, outputs: int) -> dict:
+        """config.json's num_labels, id2label / label2id and problem_type for a head of `outputs` logits."""
+        if self.labels is not None and len(self.labels) != outputs:
+            raise ConversionError(f"classification head {self.name!r} has {outputs} output(s), not the "
+                                  f"{len(self.labels)} labels {', '.join(self.labels)}")
+        values = {"num_labels": outputs, "finetuning_task": self.name,
+                  "problem_type": "regression" if outputs == 1 else "single_label_classification"}
+        if self.labels is not None and outputs > 1:
+            values["id2label"] = dict(enumerate(self.labels))
+            values["label2id"] = {label: i for i, label in enumerate(self.labels)}
+        return values
+
+
+def _check_sequence_head(fmt: HFFormat | None, model: ModelConfig, name: str) -> None:
+    """Refuse, in one line, a classification head no transformers class computes the same way."""
+    if fmt is None or fmt.sequence_head is None:
+        what = "this model has no transformers class" if fmt is None else f"{fmt.architecture} has none"
+        raise ConversionError(f"--classification-head {name}: exports as a *ForSequenceClassification with the "
+                              f"same function, and {what} for model.classifier={model.classifier} (RoBERTa, BERT and "
+                              f"ALBERT shapes with `pooler`, ModernBERT's with `mlm_head`); nothing was written")
+    if fmt.sequence_head[0] != model.classifier:
+        raise ConversionError(f"--classification-head {name}: {fmt.sequence_classification} computes "
+                              f"model.classifier={fmt.sequence_head[0]}, this folder's head is "
+                              f"{model.classifier}; nothing was written")
 
 
 def _load_tokenizer(spec: str, zero_mask: bool):
@@ -109,14 +145,17 @@ def write_tokenizer(tokenizer, folder: Path, wordpiece_order: bool = True) -> bo
 
 
 def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, tolerance: float, report: dict,
-             overwrite: bool = False) -> None:
-    """Write `model` (a pipeline.Model) as a transformers folder, load it back, compare logits."""
+             overwrite: bool = False, classifier: SequenceClassifier | None = None) -> None:
+    """Write `model` (a pipeline.Model) as a transformers folder, load it back, compare logits (with
+    `classifier`: its classification head as the format's *ForSequenceClassification, `ours` its logits)."""
     import transformers
     from safetensors.torch import save_file
 
     cfg = model.cfg.model
     objective = model.cfg.objective.name
     fmt = hf_format(cfg, objective)
+    if classifier is not None:
+        _check_sequence_head(fmt, cfg, classifier.name)
     if fmt is None and objective == ELECTRA.objective:
         raise ConversionError("objective.name=electra: conversion to hf writes the discriminator as "
                               "ElectraForPreTraining, which has BERT's shape (learned positions, token types, "
@@ -130,14 +169,22 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
     with staged_output(out, "hf", overwrite) as tmp:
         if fmt is not None:
             pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])
-            pair = pair_head_to_hf(model.heads, fmt)  # kept: the pretraining class, as bert-base's folder
-            hf = fmt.build(hf_config_values(cfg, fmt, pad), pretraining=bool(pair))
+            values = hf_config_values(cfg, fmt, pad)
             full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
-            missing, unexpected = hf.load_state_dict({**megamlm_to_hf(full, cfg, fmt), **pair}, strict=False)
+            state = megamlm_to_hf(full, cfg, fmt)
+            if classifier is not None:  # the classification head replaces the MLM head (unused keys: dropped)
+                hf = fmt.build({**values, **classifier.config_values(ours.shape[-1])}, classifier=True)
+                state = {**state, **sequence_head_to_hf(model.heads, classifier.name, fmt)}
+                state = {key: value for key, value in state.items() if key in hf.state_dict()}
+            else:
+                pair = pair_head_to_hf(model.heads, fmt)  # kept: the pretraining class, as bert-base's folder
+                hf = fmt.build(values, pretraining=bool(pair))
+                state = {**state, **pair}
+            missing, unexpected = hf.load_state_dict(state, strict=False)
             if unexpected or [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]:
                 raise ConversionError(f"{type(hf).__name__} keys: missing {missing}, unexpected {unexpected}")
             hf.save_pretrained(tmp)
-            kind, remote = fmt.architecture, False
+            kind, remote = fmt.sequence_classification if classifier else fmt.architecture, False
         else:
             config = {"model_type": "megamlm", "architectures": ["MegamlmForMaskedLM"],
                       "auto_map": {"AutoConfig": "modeling_megamlm.MegamlmConfig",
@@ -153,6 +200,8 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
             report["warning"] = "no tokenizer files: the model's tokenizer cannot be written for this model"
         masked_lm = fmt is None or fmt.mlm_head
         auto = transformers.AutoModelForMaskedLM if masked_lm else transformers.AutoModelForPreTraining
+        if classifier is not None:
+            auto, masked_lm = transformers.AutoModelForSequenceClassification, False
         loaded = auto.from_pretrained(tmp, trust_remote_code=remote).eval()
         inputs = dict(input_ids=tokens, attention_mask=tokens.ne(cfg.pad_token_id).long())
         if fmt in (BERT, ALBERT, ELECTRA):
@@ -161,7 +210,7 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
             inputs["input_ids"] = order[tokens]
         with torch.no_grad():
             theirs = loaded(**inputs).logits
-        if order is not None and fmt.mlm_head:
+        if order is not None and masked_lm:
             theirs = theirs[..., order]  # WordPiece columns -> megamlm's
         report["max_diff"][f"transformers {kind}"] = compare(ours, theirs, tokens, cfg.pad_token_id,
-                                                             f"transformers' {kind}", tolerance)
+                                                             f"transformers' {kind}", tolerance, classifier is not None)

@@ -8,8 +8,11 @@ import torch
 
 from megamlm.config import Config, ParallelConfig, replace_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.objectives import get_objective
+from megamlm.model import names
+from megamlm.model.encoder import Encoder
 from megamlm.model.reshard import load_full_state_dict
+from megamlm.objectives import get_objective
+from megamlm.objectives.classification import CLASSIFIER_HEADS, Pooling
 from megamlm.parallel import init_distributed
 
 
@@ -30,9 +33,10 @@ def probe_tokens(cfg: Config, seed: int = 0) -> torch.Tensor:
 
 
 def compare(ours: torch.Tensor, theirs: torch.Tensor, tokens: torch.Tensor, pad: int, what: str,
-            tolerance: float) -> float:
-    """Max |logit difference| over real positions; raises when above tolerance × max(1, |logit|)."""
-    real = tokens.ne(pad)
+            tolerance: float, per_sequence: bool = False) -> float:
+    """Max |logit difference| over real positions (`per_sequence` logits [b, labels]: over every row); raises
+    when above tolerance × max(1, |logit|)."""
+    real = torch.ones(len(tokens), dtype=torch.bool) if per_sequence else tokens.ne(pad)
     diff = (ours.float() - theirs.float())[real].abs().max().item()
     scale = max(1.0, theirs.float()[real].abs().max().item())
     if not diff <= tolerance * scale:
@@ -49,3 +53,24 @@ def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Ten
     load_full_state_dict(model, full)
     with torch.no_grad():
         return objective.probe(model.eval(), tokens)
+
+
+def classifier_logits(cfg: Config, full: dict[str, torch.Tensor], heads: dict[str, torch.Tensor], name: str,
+                      tokens: torch.Tensor) -> torch.Tensor:
+    """[b, labels]: the folder's classification head `name` (model.classifier, on model.classifier_pooling's
+    features) on each probe row, as `megamlm glue` computes it."""
+    model = replace_config(cfg, ["parallel.tensor_parallel=1"]).model
+    if f"{name}.out_proj.weight" not in heads:
+        raise ConversionError(f"no classification head {name!r} in the folder (it has: "
+                              f"{', '.join(sorted({key.split('.')[0] for key in heads})) or 'none'})")
+    encoder = Encoder(model, init_distributed(ParallelConfig()), seed=0)
+    ours = dict(encoder.named_parameters())
+    load_full_state_dict(encoder, {key: value for key, value in full.items() if key in ours})
+    head = CLASSIFIER_HEADS[model.classifier](model, heads[f"{name}.out_proj.weight"].shape[0])
+    head.restore(name, {names.CLASSIFICATION_HEADS + key: value for key, value in heads.items()})
+    b, s = tokens.shape
+    pooling = Pooling.of(torch.arange(b) * s, tokens.ne(model.pad_token_id).sum(1).tolist(), b * s,
+                         model.classifier_pooling)
+    with torch.no_grad():
+        hidden = encoder.eval()(tokens, host_layout=(tokens, None, None))  # [s, b, h]
+        return head.eval()(pooling(hidden))  # [b, h] -> [b, labels]

@@ -22,9 +22,9 @@ import torch
 from megamlm.config import Config, config_from_dict
 from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
-from megamlm.convert.hf_export import write_hf
+from megamlm.convert.hf_export import SequenceClassifier, write_hf
 from megamlm.convert.hf_import import read_hf
-from megamlm.convert.parity import compare, megamlm_logits, probe_tokens
+from megamlm.convert.parity import classifier_logits, compare, megamlm_logits, probe_tokens
 from megamlm.convert.safe_load import load_untrusted
 from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
@@ -116,12 +116,18 @@ def read_zero(path: str | Path) -> Model:
 
 
 def convert(source: str, target: str, src: str | Path, out: str | Path, dict_path=None, tp: int = 1,
-            tolerance: float = 1e-4, log=print, overwrite: bool = False) -> dict:
+            tolerance: float = 1e-4, log=print, overwrite: bool = False,
+            classifier: SequenceClassifier | None = None) -> dict:
     """Run one conversion; returns a report {max_diff: {check: value}, out: path}. An existing output
-    is replaced only with `overwrite` (and a folder only when megamlm wrote everything in it)."""
+    is replaced only with `overwrite` (and a folder only when megamlm wrote everything in it). With
+    `classifier` (--to hf only), the folder's classification head is written as the format's
+    *ForSequenceClassification instead of the masked LM, and its logits are what is compared."""
     if source not in SOURCES or target not in TARGETS:
         raise fs.ConversionError(f"--from {source} --to {target}: allowed --from {', '.join(SOURCES)}; "
                                  f"--to {', '.join(TARGETS)}")
+    if classifier is not None and target != "hf":
+        raise fs.ConversionError(f"--classification-head: for --to hf (a *ForSequenceClassification); --to "
+                                 f"{target} keeps every classification head as it is")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
              "zero": lambda: read_zero(src), "hf": lambda: read_hugging_face(src)}[source]()
@@ -130,11 +136,11 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
             for name, text in model.tokenizer_files.items():
                 (Path(shipped) / name).write_text(text, encoding="utf-8")
             model.cfg = config_from_dict(model.cfg.to_dict(), [f"data.tokenizer={shipped}"])
-        return _convert(model, source, target, src, Path(out), tp, tolerance, log, overwrite)
+        return _convert(model, source, target, src, Path(out), tp, tolerance, log, overwrite, classifier)
 
 
 def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
-             overwrite: bool) -> dict:
+             overwrite: bool, classifier: SequenceClassifier | None = None) -> dict:
     cfg = model.cfg
     if cfg.objective.name != "mlm" and objective_class(cfg).masked_lm_inside:
         model, cfg = _masked_lm_part(model, log)
@@ -146,7 +152,8 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             f"parity check) covers masked-LM models{also}; its folder already loads at any TP degree and "
             f"`megamlm glue` fine-tunes it; nothing was written")
     tokens = probe_tokens(cfg)
-    ours = megamlm_logits(cfg, model.full, tokens)
+    ours = (megamlm_logits(cfg, model.full, tokens) if classifier is None
+            else classifier_logits(cfg, model.full, model.heads, classifier.name, tokens))
     pad = cfg.model.pad_token_id
     report: dict = {"max_diff": {}, "out": str(out)}
     if model.reference is not None:
@@ -161,10 +168,12 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             import transformers  # noqa: F401
         except ImportError:
             raise fs.ConversionError("--to hf needs transformers: pip install 'megamlm[hf]'") from None
-        write_hf(model, out, tokens, ours, tolerance, report, overwrite)
+        write_hf(model, out, tokens, ours, tolerance, report, overwrite, classifier)
     for check, diff in report["max_diff"].items():
         per_position = f" × {ours.shape[-1]} symbols" if ours.dim() > 2 else ""  # ELECTRA: one logit each
-        log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {int(tokens.ne(pad).sum())} positions{per_position} "
+        where = (f"{int(tokens.ne(pad).sum())} positions{per_position}" if classifier is None
+                 else f"{len(tokens)} sequences × {ours.shape[-1]} outputs")
+        log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {where} "
             f"(tolerance {tolerance:g})")
     log(f"wrote {out}")
     return report
