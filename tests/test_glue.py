@@ -244,3 +244,17 @@ def test_mnli_scores_its_mismatched_dev_set_too(tiny_folder, tmp_path, mismatche
         assert all(round(epoch["accuracy_mm"] * 3, 9).is_integer() for epoch in epochs)
     table = (tmp_path / "out/results.md").read_text()
     assert "| MNLI | accuracy |" in table and "| MNLI | accuracy_mm |" in table
+
+
+def test_long_epochs_show_progress_with_the_running_loss(tiny_folder, tmp_path, monkeypatch):
+    import megamlm.glue.finetune as finetune
+
+    monkeypatch.setattr(finetune, "PROGRESS_SECONDS", 0.0)  # a line after every update
+    lines = []
+    report = run_glue(str(tiny_folder), str(GLUE), ["RTE"], [1], str(tmp_path), FinetuneOptions(epochs=1, batch_size=4),
+                      max_train=8, log=lines.append)
+    progress = [line for line in lines if "update " in line]
+    assert [line.split(" | ")[0] for line in progress] == [f"RTE seed 1 epoch 1/1: update {k}/2" for k in (1, 2)]
+    # after the last update the running mean is the epoch's train loss
+    epoch = report["tasks"]["RTE"]["seeds"][1]["epochs"][0]
+    assert progress[-1].split(" | ")[1] == f"train loss {epoch['train_loss']:.4f}"

@@ -38,6 +38,10 @@ from megamlm.parallel import ParallelContext, host_to_device
 from megamlm.train.schedule import lr_at
 
 
+PROGRESS_SECONDS = 60.0
+"""Seconds between progress lines within an epoch (each reads the loss from the device once)."""
+
+
 @dataclass
 class FinetuneOptions:
     """What a user sets; every None is the recipe's value (glue/recipes.py, per task and model size)."""
@@ -290,6 +294,7 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
         # summed on the device in float64 (what adding Python floats did), read once per epoch: a read
         # per update would make the host wait for every step's kernels before queuing the next
         start, loss_sum = time.perf_counter(), torch.zeros((), dtype=torch.float64, device=ctx.device)
+        shown = start
         order = torch.randperm(len(train), generator=generator).tolist()  # same on every rank
         for first in range(0, len(order), batch_size):
             batch = order[first:first + batch_size][ctx.dp_rank::ctx.dp_size]
@@ -309,6 +314,10 @@ def finetune(model: SentenceClassifier, task: Task, train: list[Example], dev: l
             optimizer.step()
             loss_sum += value.double()
             update += 1
+            if time.perf_counter() - shown >= PROGRESS_SECONDS:  # a long epoch shows it is moving (one read)
+                shown, done = time.perf_counter(), first // batch_size + 1
+                log(f"{task.name} seed {seed} epoch {epoch}/{recipe.epochs}: update {done}/{per_epoch} | train loss "
+                    f"{loss_sum.item() / done:.4f} | ETA {(shown - start) * (per_epoch - done) / done:.0f}s")
         validate(epoch, start, loss_sum.item() / per_epoch)
     result = {"epochs": history, "best": best_of(task.metrics[0], history, lambda e: e), "updates": update,
               "schedule_updates": total, "recipe": dataclasses.asdict(recipe)}
