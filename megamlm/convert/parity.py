@@ -9,10 +9,10 @@ import torch
 from megamlm.config import Config, ParallelConfig, replace_config
 from megamlm.convert.fairseq import ConversionError
 from megamlm.model import names
-from megamlm.model.encoder import Encoder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives import get_objective
 from megamlm.objectives.classification import CLASSIFIER_HEADS, Pooling
+from megamlm.objectives.pretrained import encoder_of
 from megamlm.parallel import init_distributed
 
 
@@ -63,14 +63,12 @@ def classifier_logits(cfg: Config, full: dict[str, torch.Tensor], heads: dict[st
     if f"{name}.out_proj.weight" not in heads:
         raise ConversionError(f"no classification head {name!r} in the folder (it has: "
                               f"{', '.join(sorted({key.split('.')[0] for key in heads})) or 'none'})")
-    encoder = Encoder(model, init_distributed(ParallelConfig()), seed=0)
-    ours = dict(encoder.named_parameters())
-    load_full_state_dict(encoder, {key: value for key, value in full.items() if key in ours})
+    encoder = encoder_of(model, full, init_distributed(ParallelConfig()))
     head = CLASSIFIER_HEADS[model.classifier](model, heads[f"{name}.out_proj.weight"].shape[0])
     head.restore(name, {names.CLASSIFICATION_HEADS + key: value for key, value in heads.items()})
     b, s = tokens.shape
     pooling = Pooling.of(torch.arange(b) * s, tokens.ne(model.pad_token_id).sum(1).tolist(), b * s,
                          model.classifier_pooling)
     with torch.no_grad():
-        hidden = encoder.eval()(tokens, host_layout=(tokens, None, None))  # [s, b, h]
+        hidden = encoder(tokens, host_layout=(tokens, None, None))  # [s, b, h]
         return head.eval()(pooling(hidden))  # [b, h] -> [b, labels]

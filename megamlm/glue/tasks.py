@@ -173,11 +173,14 @@ def task_test_files(task: Task, data_dir: str | Path) -> list[tuple[Path, str]]:
     return [(folder / file, name or task.name) for file, name in task.test_files if (folder / file).is_file()]
 
 
+def _first_present(folder: Path, files: tuple[str, ...]) -> Path | None:
+    """The first of `files` that `folder` holds."""
+    return next((folder / name for name in files if (folder / name).is_file()), None)
+
+
 def task_extra_dev_files(task: Task, data_dir: str | Path) -> dict[str, Path]:
     """suffix -> the file of each of the task's extra dev sets present in `data_dir`."""
-    folder = Path(data_dir) / task.name
-    found = {suffix: next((folder / name for name in files if (folder / name).is_file()), None)
-             for suffix, files in task.extra_dev}
+    found = {suffix: _first_present(Path(data_dir) / task.name, files) for suffix, files in task.extra_dev}
     return {suffix: path for suffix, path in found.items() if path is not None}
 
 
@@ -185,6 +188,6 @@ def task_files(task: Task, data_dir: str | Path) -> tuple[Path, Path] | str:
     """(train, dev) paths, or the reason the task cannot run from this directory."""
     folder = Path(data_dir) / task.name
     train = folder / "train.tsv"
-    dev = next((folder / name for name in task.dev_files if (folder / name).is_file()), None)
+    dev = _first_present(folder, task.dev_files)
     missing = [str(p) for p in (train,) if not p.is_file()] + ([] if dev else [str(folder / task.dev_files[0])])
     return f"missing {', '.join(missing)}" if missing else (train, dev)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from megamlm.config import Config, ParallelConfig, replace_config
+from megamlm.config import Config, ModelConfig, ParallelConfig, replace_config
 from megamlm.model.encoder import Encoder
 from megamlm.model.folder import ModelFolder, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
@@ -43,10 +44,16 @@ def encoder_from(saved: ModelFolder, folder: str | Path, ctx: ParallelContext | 
     """load_encoder of a folder read already (`saved`, read from `folder`): one read for several models."""
     ctx = ctx or init_distributed(ParallelConfig())
     cfg = _config(saved, folder, ctx, overrides)
-    encoder = Encoder(cfg.model, ctx, seed=cfg.train.seed)
+    return cfg, encoder_of(cfg.model, saved.full, ctx, seed=cfg.train.seed)
+
+
+def encoder_of(model: ModelConfig, full: dict[str, torch.Tensor], ctx: ParallelContext, seed: int = 1) -> Encoder:
+    """The bare Encoder of `model` holding the encoder's tensors of `full` (a model's full TP=1 tensors;
+    the objective's heads left out), in eval mode."""
+    encoder = Encoder(model, ctx, seed=seed)
     names = dict(encoder.named_parameters())
-    load_full_state_dict(encoder, {k: v for k, v in saved.full.items() if k in names})
-    return cfg, encoder.eval()
+    load_full_state_dict(encoder, {k: v for k, v in full.items() if k in names})
+    return encoder.eval()
 
 
 def from_pretrained(folder: str | Path, ctx: ParallelContext | None = None, overrides: list[str] = ()) -> nn.Module:
