@@ -116,7 +116,7 @@ def cmd_convert(args) -> int:
         classifier = SequenceClassifier(args.classification_head, task.labels if task else None)
     # the world of one it sets up is left as is: converting is the whole process (or a caller's step)
     convert(args.source, args.target, args.src, args.out, dict_path=args.dict, tp=args.tp,
-            tolerance=args.tolerance, overwrite=args.overwrite, classifier=classifier)
+            tolerance=args.tolerance, overwrite=args.overwrite, classifier=classifier, generator=args.generator)
     return 0
 
 
@@ -134,6 +134,10 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--classification-head", metavar="NAME", default=None,
                         help="--to hf: write the folder's classification head NAME (e.g. `rte` from megamlm glue "
                              "--save) as the model's *ForSequenceClassification, with a GLUE task's label names")
+    parser.add_argument("--generator", metavar="FOLDER", default=None,
+                        help="--from hf of an ELECTRA discriminator (ElectraForPreTraining): also read its generator, "
+                             "an ElectraForMaskedLM folder (e.g. google/electra-base-generator), so that continued "
+                             "pretraining starts from both")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="max |logit difference| allowed, relative to max(1, |logit|)")
     parser.add_argument("--overwrite", action="store_true",

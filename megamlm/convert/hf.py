@@ -98,6 +98,8 @@ class HFFormat:
     sequence_head: tuple[str, tuple[tuple[str, str], ...]] | None = None
     """(model.classifier, (our head's parameter, the *ForSequenceClassification key) pairs, {kind}: weight |
     bias) of the format's sequence classifier, the same function as that megamlm head; None: none that is."""
+    tied_decoder: str | None = None
+    """The tied decoder's key ({kind}) where it is not `{head}.decoder.{kind}` (ELECTRA's generator_lm_head)."""
 
     @property
     def positions(self) -> str:
@@ -113,6 +115,8 @@ class HFFormat:
 
     @property
     def decoder(self) -> str:
+        if self.tied_decoder:
+            return self.tied_decoder
         return f"{self.head}.decoder.{{kind}}" if self.head else "decoder.{kind}"
 
     @property
@@ -202,6 +206,17 @@ ELECTRA = HFFormat(
     qkv="electra.encoder.layer.{i}.attention.self.{part}.{kind}", head="", position_rows_dropped=POSITION_OFFSET,
     fixed={}, config=(("embedding_size", "embedding_size"),), variant={"classifier": "linear"}, mlm_head=False,
     objective="electra")
+ELECTRA_GENERATOR = HFFormat(
+    "ElectraForMaskedLM", "electra",
+    _body("electra") + [*weight_and_bias("electra.embeddings_project.{kind}", names.EMBEDDING_PROJECTION),
+                        *weight_and_bias("generator_predictions.dense.{kind}", names.LM_HEAD_DENSE),
+                        *weight_and_bias("generator_predictions.LayerNorm.{kind}", names.LM_HEAD_NORM),
+                        ("generator_lm_head.bias", names.LM_HEAD_BIAS)],
+    qkv=ELECTRA.qkv, head="generator_predictions", position_rows_dropped=POSITION_OFFSET, fixed={},
+    config=ELECTRA.config, tied_decoder="generator_lm_head.{kind}", objective="electra")
+"""ELECTRA's generator (`megamlm convert --from hf --generator`): BERT's encoder reading the discriminator's
+embedding module (the generator's `electra.embeddings.*` are the same tensors), its own projection and an MLM
+head whose dense maps to the embedding width (ALBERT's), tied to the word embeddings; megamlm's `generator.*`."""
 HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT, ELECTRA)}
 PRETRAINING = {f.pretraining: f for f in (BERT, ALBERT)}
 """The pretraining classes, read as their masked-LM class plus the sentence-pair head (Hub folders of
@@ -353,7 +368,8 @@ def sequence_head_to_hf(heads: dict[str, torch.Tensor], name: str, fmt: HFFormat
             if f"{name}.{ours.format(kind=kind)}" in heads}
 
 
-VOCAB_ROWS = (names.WORD_EMBEDDINGS, names.LM_HEAD_BIAS, names.LM_HEAD_WEIGHT)
+VOCAB_ROWS = (names.WORD_EMBEDDINGS, names.LM_HEAD_BIAS, names.LM_HEAD_WEIGHT,
+              names.GENERATOR_PREFIX + names.LM_HEAD_BIAS)
 """The full tensors whose rows are vocabulary ids."""
 
 

@@ -24,8 +24,9 @@ import torch
 
 from megamlm.config import Config, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ACTIVATIONS, BERT, ELECTRA, HF_FORMATS, MODERNBERT, PRETRAINING, ROBERTA,
-                                HFFormat, hf_to_megamlm, model_values, pair_head, permute_vocab)
+from megamlm.convert.hf import (ACTIVATIONS, BERT, ELECTRA, ELECTRA_GENERATOR, HF_FORMATS, MODERNBERT, PRETRAINING,
+                                ROBERTA, HFFormat, hf_to_megamlm, model_values, pair_head, permute_vocab)
+from megamlm.convert.hf_electra import check_generator_config, generator_size, generator_weights
 from megamlm.convert.hf_modernbert import modernbert_problems
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
@@ -54,10 +55,15 @@ class HFSource:
     heads: dict[str, torch.Tensor] = field(default_factory=dict)
     """A pretraining checkpoint's sentence-pair head as a classification head (hf.pair_head): kept in the
     folder's classification_heads.pt, where fine-tuning's pooler starts from it."""
+    generator_reference: object = None
+    """ELECTRA with --generator: tokens [b, s] -> transformers' ElectraForMaskedLM logits [b, s, V] (megamlm
+    columns); None: no generator read."""
 
 
-def _read_config(folder: Path) -> tuple[dict, HFFormat | None]:
-    """config.json's values and their format (None: megamlm's own export)."""
+def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
+                 flag: str = "--from hf") -> tuple[dict, HFFormat | None]:
+    """config.json's values and their format (None: megamlm's own export); `accept`: the architectures
+    `flag` reads."""
     path = folder / "config.json"
     if not path.is_file():
         raise ConversionError(f"{folder}: no config.json: not a Hugging Face model folder")
@@ -66,12 +72,12 @@ def _read_config(folder: Path) -> tuple[dict, HFFormat | None]:
     except json.JSONDecodeError as err:
         raise ConversionError(f"{path}: not valid JSON ({err})") from None
     architectures = values.get("architectures") or [values.get("model_type", "unknown")]
-    if architectures[0] not in SUPPORTED:
+    if architectures[0] not in accept:
         raise ConversionError(f"{path}: architecture {architectures[0]} is not supported; "
-                              f"--from hf reads {', '.join(SUPPORTED)}")
+                              f"{flag} reads {', '.join(accept)}")
     if architectures[0] == MEGAMLM_EXPORT:
         return values, None
-    fmt = HF_FORMATS.get(architectures[0]) or PRETRAINING[architectures[0]]
+    fmt = {**HF_FORMATS, **PRETRAINING, ELECTRA_GENERATOR.architecture: ELECTRA_GENERATOR}[architectures[0]]
     differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
     if fmt is MODERNBERT:
@@ -166,18 +172,28 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
     return files, tokenizer
 
 
-def read_hf(folder: str | Path) -> HFSource:
-    """A RobertaForMaskedLM / BertForMaskedLM / AlbertForMaskedLM / ModernBertForMaskedLM folder in megamlm
-    terms (checked: architecture, weights, keys, shapes, vocabulary)."""
+def read_hf(folder: str | Path, generator: str | Path | None = None) -> HFSource:
+    """A RobertaForMaskedLM / BertForMaskedLM / AlbertForMaskedLM / ModernBertForMaskedLM / ElectraForPreTraining
+    folder in megamlm terms (checked: architecture, weights, keys, shapes, vocabulary); an ELECTRA discriminator
+    with its `generator` folder (ElectraForMaskedLM: hf_electra.py) when given."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise ConversionError(f"{folder}: not a folder (--from hf reads a save_pretrained folder)")
+    for path in (folder, generator):
+        if path is not None and not Path(path).is_dir():
+            raise ConversionError(f"{path}: not a folder (--from hf reads a save_pretrained folder)")
     values, fmt = _read_config(folder)
+    if generator is not None and fmt is not ELECTRA:
+        raise ConversionError(f"--generator {generator}: for an ELECTRA discriminator (ElectraForPreTraining); "
+                              f"{folder} holds {fmt.architecture if fmt else MEGAMLM_EXPORT}")
     if fmt is None:
         return _read_megamlm_export(folder, values)
     model = model_values(values, fmt)
     overrides = [f"model.{key}={value}" for key, value in model.items()]
     overrides += [f"data.seq_length={model['max_positions']}", f"objective.name={fmt.objective}"]
+    if generator is not None:
+        generator = Path(generator)
+        generator_values, _ = _read_config(generator, (ELECTRA_GENERATOR.architecture,), "--generator")
+        overrides += [f"objective.generator_size={generator_size(generator_values, values)}",
+                      "objective.export_generator=true"]
     files, order = None, None
     if fmt is not ROBERTA:
         files, tokenizer = _vocabulary(folder, fmt, values["vocab_size"])
@@ -194,24 +210,32 @@ def read_hf(folder: str | Path) -> HFSource:
                               f"(an untied decoder): megamlm's {fmt.prefix} ties them")
     full = hf_to_megamlm(state, cfg.model, fmt)
     heads = pair_head(state, fmt)
+    if generator is not None:
+        generator_model = check_generator_config(generator / "config.json", generator_values, values, cfg.model)
+        generator_path, generator_state = _read_weights(generator)
+        _check_keys(generator_path, generator_state, _expected_shapes(generator_values, ELECTRA_GENERATOR),
+                    ELECTRA_GENERATOR)
+        full.update(generator_weights(generator_model, generator_path, generator_state, state))
     if order is not None:
         full = permute_vocab(full, order)
 
-    def reference(tokens: torch.Tensor) -> torch.Tensor:
+    def reference(tokens: torch.Tensor, source: Path = folder, of: HFFormat = fmt) -> torch.Tensor:
         import transformers
 
-        model = getattr(transformers, fmt.architecture).from_pretrained(folder, attn_implementation="eager")
+        model = getattr(transformers, of.architecture).from_pretrained(source, attn_implementation="eager")
         inputs = dict(attention_mask=tokens.ne(cfg.model.pad_token_id).long())
         inputs.update(input_ids=tokens if order is None else order[tokens])  # megamlm ids -> the vocabulary's
         if cfg.model.token_types:  # by the same rule as megamlm's
             inputs.update(token_type_ids=token_types(tokens, cfg.model))
         with torch.no_grad():
             logits = model.float().eval()(**inputs).logits
-        if order is None or not fmt.mlm_head:
+        if order is None or not of.mlm_head:
             return logits
         return logits[..., order]  # the vocabulary's columns -> megamlm's
 
-    return HFSource(cfg, full, reference, files, heads)
+    generator_reference = None if generator is None else \
+        (lambda tokens: reference(tokens, generator, ELECTRA_GENERATOR))
+    return HFSource(cfg, full, reference, files, heads, generator_reference)
 
 
 def _check_gpt2(folder: Path, vocab_size: int, zero_mask: bool) -> str:

@@ -45,14 +45,23 @@ def compare(ours: torch.Tensor, theirs: torch.Tensor, tokens: torch.Tensor, pad:
     return diff
 
 
-def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    """The objective's probe output (masked LM: logits [b, s, V]) of the model `full` holds."""
+def megamlm_logits(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Tensor,
+                   generator: bool = False) -> torch.Tensor:
+    """The objective's probe output (masked LM: logits [b, s, V]) of the model `full` holds; `generator`:
+    ELECTRA's generator's logits [b, s, V] instead, padding's column left out (megamlm's is -inf)."""
     ctx = init_distributed(ParallelConfig())
     objective = get_objective(replace_config(cfg, ["parallel.tensor_parallel=1"]))  # a world of one runs it
     model = objective.build_pretrained(ctx, set(full))
     load_full_state_dict(model, full)
     with torch.no_grad():
-        return objective.probe(model.eval(), tokens)
+        if not generator:
+            return objective.probe(model.eval(), tokens)
+        return without_padding_column(objective.probe_generator(model.eval(), tokens), cfg.model.pad_token_id)
+
+
+def without_padding_column(logits: torch.Tensor, pad: int) -> torch.Tensor:
+    """[..., V] -> [..., V - 1]: the logits of every symbol but padding."""
+    return torch.cat([logits[..., :pad], logits[..., pad + 1:]], dim=-1)
 
 
 def classifier_logits(cfg: Config, full: dict[str, torch.Tensor], heads: dict[str, torch.Tensor], name: str,

@@ -24,7 +24,8 @@ from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
 from megamlm.convert.hf_export import SequenceClassifier, write_hf
 from megamlm.convert.hf_import import read_hf
-from megamlm.convert.parity import classifier_logits, compare, megamlm_logits, probe_tokens
+from megamlm.convert.parity import (classifier_logits, compare, megamlm_logits, probe_tokens,
+                                    without_padding_column)
 from megamlm.convert.safe_load import load_untrusted
 from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
@@ -50,6 +51,8 @@ class Model:
     tokenizer_files: dict[str, str] | None = None
     """Files of a tokenizer folder to ship with the model (`<out>/tokenizer/`) when it is not the
     bundled GPT-2 one: a fairseq source's dict.txt, an imported BERT's WordPiece vocab.txt."""
+    generator_reference: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """ELECTRA's generator's logits [b, s, V] computed from the source (an imported ElectraForMaskedLM)."""
 
 
 def read_fairseq(path: str | Path, dict_path: str | Path | None = None) -> Model:
@@ -104,10 +107,10 @@ def read_megamlm(path: str | Path) -> Model:
     return Model(saved.cfg, saved.full, saved.heads, fs.FairseqSource(**saved.source) if saved.source else None)
 
 
-def read_hugging_face(path: str | Path) -> Model:
-    source = read_hf(path)
+def read_hugging_face(path: str | Path, generator: str | Path | None = None) -> Model:
+    source = read_hf(path, generator)
     return Model(source.cfg, source.full, source.heads, reference=source.reference,
-                 tokenizer_files=source.tokenizer_files)
+                 tokenizer_files=source.tokenizer_files, generator_reference=source.generator_reference)
 
 
 def read_zero(path: str | Path) -> Model:
@@ -117,20 +120,25 @@ def read_zero(path: str | Path) -> Model:
 
 def convert(source: str, target: str, src: str | Path, out: str | Path, dict_path=None, tp: int = 1,
             tolerance: float = 1e-4, log=print, overwrite: bool = False,
-            classifier: SequenceClassifier | None = None) -> dict:
+            classifier: SequenceClassifier | None = None, generator: str | Path | None = None) -> dict:
     """Run one conversion; returns a report {max_diff: {check: value}, out: path}. An existing output
     is replaced only with `overwrite` (and a folder only when megamlm wrote everything in it). With
     `classifier` (--to hf only), the folder's classification head is written as the format's
-    *ForSequenceClassification instead of the masked LM, and its logits are what is compared."""
+    *ForSequenceClassification instead of the masked LM, and its logits are what is compared. With
+    `generator` (--from hf of an ELECTRA discriminator), that ElectraForMaskedLM folder is read along as
+    the model's generator, and its logits are compared too."""
     if source not in SOURCES or target not in TARGETS:
         raise fs.ConversionError(f"--from {source} --to {target}: allowed --from {', '.join(SOURCES)}; "
                                  f"--to {', '.join(TARGETS)}")
+    if generator is not None and source != "hf":
+        raise fs.ConversionError(f"--generator: for --from hf (an ElectraForMaskedLM folder read along with "
+                                 f"its ElectraForPreTraining); a {source} source keeps its generator, if any")
     if classifier is not None and target != "hf":
         raise fs.ConversionError(f"--classification-head: for --to hf (a *ForSequenceClassification); --to "
                                  f"{target} keeps every classification head as it is")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
-             "zero": lambda: read_zero(src), "hf": lambda: read_hugging_face(src)}[source]()
+             "zero": lambda: read_zero(src), "hf": lambda: read_hugging_face(src, generator)}[source]()
     with tempfile.TemporaryDirectory() as shipped:
         if model.tokenizer_files is not None:  # the targets read the tokenizer from data.tokenizer
             for name, text in model.tokenizer_files.items():
@@ -159,6 +167,14 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
     if model.reference is not None:
         report["max_diff"][f"{source} source"] = compare(ours, model.reference(tokens), tokens, pad,
                                                          f"the {source} source (reference forward)", tolerance)
+    symbols = {}  # check -> symbols compared per position, where not the probe's
+    if model.generator_reference is not None:
+        check = f"{source} generator"
+        generator_logits = megamlm_logits(cfg, model.full, tokens, generator=True)
+        symbols[check] = generator_logits.shape[-1]
+        report["max_diff"][check] = compare(generator_logits, without_padding_column(model.generator_reference(tokens),
+                                                                                     pad),
+                                            tokens, pad, f"the {source} generator (reference forward)", tolerance)
     if target == "megamlm":
         _write_megamlm(model, out, tp, tokens, ours, tolerance, report, overwrite)
     elif target == "fairseq":
@@ -170,7 +186,8 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             raise fs.ConversionError("--to hf needs transformers: pip install 'megamlm[hf]'") from None
         write_hf(model, out, tokens, ours, tolerance, report, overwrite, classifier)
     for check, diff in report["max_diff"].items():
-        per_position = f" × {ours.shape[-1]} symbols" if ours.dim() > 2 else ""  # ELECTRA: one logit each
+        width = symbols.get(check, ours.shape[-1] if ours.dim() > 2 else None)  # ELECTRA: one logit each
+        per_position = f" × {width} symbols" if width else ""
         where = (f"{int(tokens.ne(pad).sum())} positions{per_position}" if classifier is None
                  else f"{len(tokens)} sequences × {ours.shape[-1]} outputs")
         log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {where} "

@@ -128,6 +128,11 @@ class Objective(ABC):
         mode (the masked-LM objectives: the logits at every position)."""
         return model(tokens)
 
+    def architecture_differences(self, source: Config, saved: set[str]) -> list[str]:
+        """Why a folder written with config `source`, holding the parameters `saved`, cannot start this run's
+        model beyond model.* (train.init_from checks those): `key: run X vs Y` per setting; none by default."""
+        return []
+
     def heads_from_folder(self, heads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This objective's head parameters among a folder's classification heads (train.init_from
         starts them from there): none by default."""

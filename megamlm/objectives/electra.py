@@ -149,6 +149,18 @@ class ElectraModel(Encoder):
         """inputs (masked) and original [b, s], target_index [n] flat masked positions -> ElectraOutput.
         host_layout: of `inputs` (Encoder.hidden_states'); the corrupted text has the same padding (the
         generator never samples it)."""
+        logits = self.generator_logits(inputs, target_index, documents, segments, host_layout)
+        samples = sample_vocab_parallel(logits.detach(), self.embedding.word_embeddings.vocab_start_index,
+                                        self.config.vocab_size, sampling_seed, self.ctx.tp_group)
+        corrupted = original.flatten().index_copy(0, target_index, samples).view_as(original)
+        hidden = self.hidden_states(corrupted, documents, segments, host_layout=host_layout)  # [s, b, h]
+        return ElectraOutput(logits, self.discriminator_head(hidden), corrupted)
+
+
+    def generator_logits(self, inputs: torch.Tensor, index: torch.Tensor, documents: torch.Tensor | None = None,
+                         segments: torch.Tensor | None = None, host_layout: tuple | None = None) -> torch.Tensor:
+        """[n, V_local] the generator's logits at the flat positions `index` [n] (b · s + position) of
+        inputs [b, s]; padding's column is -inf."""
         if self.generator is None:
             raise ConfigError("this ELECTRA model has no generator (an exported discriminator): training and "
                               "MLM scoring need one (export with objective.export_generator=true)")
@@ -157,13 +169,8 @@ class ElectraModel(Encoder):
         embedded = self.embedding(inputs, padding, segments)  # [s, b, h], shared with the discriminator
         hidden = self.generator.hidden_states(inputs, documents, segments, embedded=embedded,
                                               host_layout=host_layout)  # [s, b, h_g]
-        features = hidden[target_index % s, target_index // s]  # [n, h_g]
-        logits = self.generator.lm_head(features, self.embedding.word_embeddings.weight, self.column_bias)
-        samples = sample_vocab_parallel(logits.detach(), self.embedding.word_embeddings.vocab_start_index,
-                                        self.config.vocab_size, sampling_seed, self.ctx.tp_group)
-        corrupted = original.flatten().index_copy(0, target_index, samples).view_as(original)
-        hidden = self.hidden_states(corrupted, documents, segments, host_layout=host_layout)  # [s, b, h]
-        return ElectraOutput(logits, self.discriminator_head(hidden), corrupted)
+        features = hidden[index % s, index // s]  # [n, h_g]
+        return self.generator.lm_head(features, self.embedding.word_embeddings.weight, self.column_bias)
 
 
 def roc_auc(histogram: torch.Tensor) -> float:
@@ -272,6 +279,21 @@ class Electra(MaskedLanguageModeling):
     def probe(self, model: ElectraModel, tokens: torch.Tensor) -> torch.Tensor:
         """The discriminator's logits [b, s] on the tokens as they are (ElectraForPreTraining's)."""
         return model.discriminator_head(model.hidden_states(tokens))
+
+    def probe_generator(self, model: ElectraModel, tokens: torch.Tensor) -> torch.Tensor:
+        """The generator's logits [b, s, V] at every position of the tokens as they are (ElectraForMaskedLM's,
+        but for padding's column: -inf)."""
+        b, s = tokens.shape
+        logits = model.generator_logits(tokens, torch.arange(b * s, device=tokens.device))
+        # [b · s, V_padded] -> [b, s, V]: the vocabulary's padding rows left out
+        return logits.view(b, s, -1)[..., :self.cfg.model.vocab_size]
+
+    def architecture_differences(self, source: Config, saved: set[str]) -> list[str]:
+        """A folder's generator has its objective.generator_size: the run's must be the same to load it."""
+        if not any(n.startswith(names.GENERATOR_PREFIX) for n in saved):
+            return []
+        ours, theirs = self.cfg.objective.generator_size, source.objective.generator_size
+        return [] if ours == theirs else [f"objective.generator_size: run {ours} vs {theirs}"]
 
     def fresh_head(self, name: str) -> bool:
         """The generator: continued pretraining from a discriminator alone (an exported folder, an imported

@@ -124,6 +124,7 @@ def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> N
     source = read_model_folder(folder)
     differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
               for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
+    differ += objective.architecture_differences(source.cfg, set(source.full))
     if differ:
         raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
                           f"(start from its config.yaml: --config {folder}/config.yaml)")
