@@ -1,11 +1,13 @@
-"""ELECTRA's generator from transformers (`megamlm convert --from hf DISC OUT --generator GEN`): the Hub's
-two folders (ElectraForPreTraining + ElectraForMaskedLM, one embedding between them) become one megamlm
-ELECTRA folder whose generator gives transformers' logits, and continued pretraining starts from both."""
+"""ELECTRA's generator and transformers (`megamlm convert --from hf DISC OUT --generator GEN`, and `--to hf
+... --generator GEN_OUT`): the Hub's two folders (ElectraForPreTraining + ElectraForMaskedLM, one embedding
+between them) become one megamlm ELECTRA folder whose generator gives transformers' logits, continued
+pretraining starts from both, and both go back."""
 
 import pytest
 import torch
 
 from megamlm.config import ConfigError, replace_config
+from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.pipeline import convert
 from megamlm.model.embedding import token_types
 from megamlm.model.folder import read_model_folder
@@ -137,7 +139,31 @@ def test_generator_needs_an_electra_discriminator_from_hf(world, tmp_path, capsy
     code, line = run_cli(capsys, "convert", "--from", "hf", "--to", "megamlm", bert, tmp_path / "out",
                          "--generator", generator)
     assert code == 2 and "for an ELECTRA discriminator (ElectraForPreTraining)" in line and "BertForMaskedLM" in line
-    code, line = run_cli(capsys, "convert", "--from", "megamlm", "--to", "hf", tmp_path / "any", tmp_path / "out",
+    code, line = run_cli(capsys, "convert", "--from", "megamlm", "--to", "megamlm", tmp_path / "any", tmp_path / "out",
                          "--generator", generator)
-    assert code == 2 and "--generator: for --from hf" in line
+    assert code == 2 and "read along with --from hf or written along with --to hf" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_generator_goes_back_to_transformers(world, tmp_path, pair):
+    from transformers import AutoTokenizer, ElectraForMaskedLM, ElectraForPreTraining
+
+    discriminator, generator = pair
+    convert("hf", "megamlm", discriminator, tmp_path / "megamlm", generator=generator, **QUIET)
+    report = convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back", generator=tmp_path / "back-generator",
+                     **QUIET)
+    assert report["max_diff"]["transformers ElectraForPreTraining"] < 1e-5
+    assert report["max_diff"]["transformers ElectraForMaskedLM"] < 1e-5
+    # the written pair is the Hub's pair: the same logits through transformers' own tokenizer
+    inputs = AutoTokenizer.from_pretrained(tmp_path / "back-generator")("the fox and the dog", "to the river",
+                                                                       return_tensors="pt")
+    with torch.no_grad():
+        for kind, original, written in ((ElectraForMaskedLM, generator, "back-generator"),
+                                        (ElectraForPreTraining, discriminator, "back")):
+            torch.testing.assert_close(kind.from_pretrained(tmp_path / written).eval()(**inputs).logits,
+                                       kind.from_pretrained(original).eval()(**inputs).logits, rtol=0, atol=1e-5)
+    # a discriminator alone has no generator to write: one line, nothing written
+    convert("hf", "megamlm", discriminator, tmp_path / "alone", **QUIET)
+    with pytest.raises(ConversionError, match="this folder has no generator"):
+        convert("megamlm", "hf", tmp_path / "alone", tmp_path / "out", generator=tmp_path / "out-generator", **QUIET)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out-generator").exists()

@@ -135,9 +135,9 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
                         help="--to hf: write the folder's classification head NAME (e.g. `rte` from megamlm glue "
                              "--save) as the model's *ForSequenceClassification, with a GLUE task's label names")
     parser.add_argument("--generator", metavar="FOLDER", default=None,
-                        help="--from hf of an ELECTRA discriminator (ElectraForPreTraining): also read its generator, "
-                             "an ElectraForMaskedLM folder (e.g. google/electra-base-generator), so that continued "
-                             "pretraining starts from both")
+                        help="ELECTRA's generator as transformers' ElectraForMaskedLM folder (e.g. "
+                             "google/electra-base-generator): --from hf reads it along with the discriminator, so "
+                             "that continued pretraining starts from both; --to hf writes an ELECTRA folder's there")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="max |logit difference| allowed, relative to max(1, |logit|)")
     parser.add_argument("--overwrite", action="store_true",

@@ -1,8 +1,8 @@
 """Hugging Face export: the RoBERTa-shaped variant as `RobertaForMaskedLM`, the BERT-shaped one (token
 types) as `BertForMaskedLM`, the ALBERT-shaped one (factorized embedding, shared layer) as
 `AlbertForMaskedLM`, the ModernBERT-shaped one (RoPE, GeGLU, pre-LN without layer 0's norm) as
-`ModernBertForMaskedLM`, a BERT-shaped ELECTRA discriminator as `ElectraForPreTraining` (its generator stays
-behind: transformers keeps it as a separate model), every other masked-LM variant as megamlm's own modeling
+`ModernBertForMaskedLM`, a BERT-shaped ELECTRA discriminator as `ElectraForPreTraining` (its generator, with
+--generator, as `ElectraForMaskedLM` in a folder of its own, as the Hub keeps the two), every other masked-LM variant as megamlm's own modeling
 file registered through `auto_map`
 (trust_remote_code; not for the ModernBERT parts, which are refused there), plus tokenizer files: GPT-2
 BPE whose ids are the fairseq dictionary's (as RoBERTa's vocab.json on the Hub), BERT's vocab.txt or
@@ -20,14 +20,17 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ALBERT, BERT, ELECTRA, MODERNBERT, ROBERTA, HFFormat, hf_config_values,
-                                megamlm_to_hf, pair_head_to_hf, permute_vocab, sequence_head_to_hf)
-from megamlm.convert.parity import compare
+from megamlm.convert.hf import (ACTIVATIONS, ALBERT, BERT, ELECTRA, ELECTRA_GENERATOR, MODERNBERT, ROBERTA, HFFormat,
+                                hf_config_values, megamlm_to_hf, pair_head_to_hf, permute_vocab, sequence_head_to_hf)
+from megamlm.convert.hf_electra import HEAD_ACTIVATION
+from megamlm.convert.parity import compare, megamlm_logits, without_padding_column
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import JsonTokenizer, WordPieceTokenizer
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import staged_output
+from megamlm.model import names
 from megamlm.model.embedding import token_types
+from megamlm.objectives.electra import generator_config
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_megamlm.py"
 
@@ -145,9 +148,11 @@ def write_tokenizer(tokenizer, folder: Path, wordpiece_order: bool = True) -> bo
 
 
 def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, tolerance: float, report: dict,
-             overwrite: bool = False, classifier: SequenceClassifier | None = None) -> None:
+             overwrite: bool = False, classifier: SequenceClassifier | None = None,
+             generator: Path | None = None) -> None:
     """Write `model` (a pipeline.Model) as a transformers folder, load it back, compare logits (with
-    `classifier`: its classification head as the format's *ForSequenceClassification, `ours` its logits)."""
+    `classifier`: its classification head as the format's *ForSequenceClassification, `ours` its logits;
+    with `generator`: an ELECTRA folder's generator also, as ElectraForMaskedLM there)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -203,14 +208,55 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
         if classifier is not None:
             auto, masked_lm = transformers.AutoModelForSequenceClassification, False
         loaded = auto.from_pretrained(tmp, trust_remote_code=remote).eval()
-        inputs = dict(input_ids=tokens, attention_mask=tokens.ne(cfg.pad_token_id).long())
-        if fmt in (BERT, ALBERT, ELECTRA):
-            inputs["token_type_ids"] = token_types(tokens, cfg)
-        if order is not None:
-            inputs["input_ids"] = order[tokens]
-        with torch.no_grad():
-            theirs = loaded(**inputs).logits
-        if order is not None and masked_lm:
-            theirs = theirs[..., order]  # WordPiece columns -> megamlm's
+        theirs = _transformers_logits(loaded, cfg, tokens, order, fmt is not None and cfg.token_types, masked_lm)
         report["max_diff"][f"transformers {kind}"] = compare(ours, theirs, tokens, cfg.pad_token_id,
                                                              f"transformers' {kind}", tolerance, classifier is not None)
+        if generator is not None:  # inside: a generator that fails its check leaves nothing written
+            _write_generator(model, generator, tokenizer, order, tokens, tolerance, report, overwrite)
+
+
+def _transformers_logits(loaded, cfg: ModelConfig, tokens: torch.Tensor, order: torch.Tensor | None,
+                         with_token_types: bool, vocabulary_columns: bool) -> torch.Tensor:
+    """A transformers model's logits on megamlm's probe tokens [b, s] (`order`: megamlm id -> the exported
+    vocabulary's row; `vocabulary_columns`: the logits have a column per symbol, put back in megamlm's order)."""
+    inputs = dict(input_ids=tokens if order is None else order[tokens],
+                  attention_mask=tokens.ne(cfg.pad_token_id).long())
+    if with_token_types:
+        inputs["token_type_ids"] = token_types(tokens, cfg)
+    with torch.no_grad():
+        theirs = loaded(**inputs).logits
+    return theirs[..., order] if order is not None and vocabulary_columns else theirs  # their columns -> ours
+
+
+def _write_generator(model, out: Path, tokenizer, order: torch.Tensor | None, tokens: torch.Tensor,
+                     tolerance: float, report: dict, overwrite: bool) -> None:
+    """An ELECTRA folder's generator as transformers' ElectraForMaskedLM in `out` (the embedding module
+    copied from the discriminator's, as the Hub's generator folders hold it), loaded back and compared."""
+    import transformers
+
+    cfg = model.cfg.model
+    if not any(key.startswith(names.GENERATOR_PREFIX) for key in model.full):
+        raise ConversionError("--generator: this folder has no generator (exported with "
+                              "objective.export_generator=false); nothing was written")
+    if cfg.activation != ACTIVATIONS[HEAD_ACTIVATION]:
+        raise ConversionError(f"--generator: model.activation={cfg.activation}, and transformers' ElectraForMaskedLM "
+                              f"head applies {HEAD_ACTIVATION!r} whatever hidden_act says; nothing was written")
+    generator = generator_config(cfg, model.cfg.objective.generator_size)
+    pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])
+    values = {**hf_config_values(generator, ELECTRA_GENERATOR, pad), "embedding_size": cfg.embedding_dim}
+    full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
+    own = {key.removeprefix(names.GENERATOR_PREFIX): value for key, value in full.items()
+           if key.startswith(names.GENERATOR_PREFIX) or key.startswith("embedding.")}
+    hf = ELECTRA_GENERATOR.build(values)
+    missing, unexpected = hf.load_state_dict(megamlm_to_hf(own, generator, ELECTRA_GENERATOR), strict=False)
+    if unexpected or [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]:
+        raise ConversionError(f"ElectraForMaskedLM keys: missing {missing}, unexpected {unexpected}")
+    with staged_output(out, "hf", overwrite) as tmp:
+        hf.save_pretrained(tmp)
+        write_tokenizer(tokenizer, tmp, wordpiece_order=order is not None)
+        loaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp).eval()
+        ours = megamlm_logits(model.cfg, model.full, tokens, generator=True)
+        theirs = _transformers_logits(loaded, cfg, tokens, order, True, True)
+        report["max_diff"]["transformers ElectraForMaskedLM"] = compare(
+            ours, without_padding_column(theirs, cfg.pad_token_id), tokens, cfg.pad_token_id,
+            "transformers' ElectraForMaskedLM (the generator)", tolerance)

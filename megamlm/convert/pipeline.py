@@ -126,29 +126,32 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
     `classifier` (--to hf only), the folder's classification head is written as the format's
     *ForSequenceClassification instead of the masked LM, and its logits are what is compared. With
     `generator` (--from hf of an ELECTRA discriminator), that ElectraForMaskedLM folder is read along as
-    the model's generator, and its logits are compared too."""
+    the model's generator, and its logits are compared too; with --to hf, an ELECTRA folder's generator is
+    written there as ElectraForMaskedLM."""
     if source not in SOURCES or target not in TARGETS:
         raise fs.ConversionError(f"--from {source} --to {target}: allowed --from {', '.join(SOURCES)}; "
                                  f"--to {', '.join(TARGETS)}")
-    if generator is not None and source != "hf":
-        raise fs.ConversionError(f"--generator: for --from hf (an ElectraForMaskedLM folder read along with "
-                                 f"its ElectraForPreTraining); a {source} source keeps its generator, if any")
+    if generator is not None and (source == "hf") == (target == "hf"):
+        raise fs.ConversionError("--generator: the ELECTRA generator's transformers folder (ElectraForMaskedLM), "
+                                 "read along with --from hf or written along with --to hf (not both)")
     if classifier is not None and target != "hf":
         raise fs.ConversionError(f"--classification-head: for --to hf (a *ForSequenceClassification); --to "
                                  f"{target} keeps every classification head as it is")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
              "zero": lambda: read_zero(src), "hf": lambda: read_hugging_face(src, generator)}[source]()
+    generator_out = None if generator is None or target != "hf" else Path(generator)
     with tempfile.TemporaryDirectory() as shipped:
         if model.tokenizer_files is not None:  # the targets read the tokenizer from data.tokenizer
             for name, text in model.tokenizer_files.items():
                 (Path(shipped) / name).write_text(text, encoding="utf-8")
             model.cfg = config_from_dict(model.cfg.to_dict(), [f"data.tokenizer={shipped}"])
-        return _convert(model, source, target, src, Path(out), tp, tolerance, log, overwrite, classifier)
+        return _convert(model, source, target, src, Path(out), tp, tolerance, log, overwrite, classifier,
+                        generator_out)
 
 
 def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
-             overwrite: bool, classifier: SequenceClassifier | None = None) -> dict:
+             overwrite: bool, classifier: SequenceClassifier | None = None, generator_out: Path | None = None) -> dict:
     cfg = model.cfg
     if cfg.objective.name != "mlm" and objective_class(cfg).masked_lm_inside:
         model, cfg = _masked_lm_part(model, log)
@@ -184,7 +187,7 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             import transformers  # noqa: F401
         except ImportError:
             raise fs.ConversionError("--to hf needs transformers: pip install 'megamlm[hf]'") from None
-        write_hf(model, out, tokens, ours, tolerance, report, overwrite, classifier)
+        write_hf(model, out, tokens, ours, tolerance, report, overwrite, classifier, generator_out)
     for check, diff in report["max_diff"].items():
         width = symbols.get(check, ours.shape[-1] if ours.dim() > 2 else None)  # ELECTRA: one logit each
         per_position = f" × {width} symbols" if width else ""
