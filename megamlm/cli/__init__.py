@@ -133,7 +133,9 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards of a megamlm output")
     parser.add_argument("--classification-head", metavar="NAME", default=None,
                         help="--to hf: write the folder's classification head NAME (e.g. `rte` from megamlm glue "
-                             "--save) as the model's *ForSequenceClassification, with a GLUE task's label names")
+                             "--save) as the model's *ForSequenceClassification, with a GLUE task's label names; "
+                             "--from hf of a *ForSequenceClassification: the head it becomes (default: config.json's "
+                             "finetuning_task), its rows in the GLUE task's label order where id2label names them")
     parser.add_argument("--generator", metavar="FOLDER", default=None,
                         help="ELECTRA's generator as transformers' ElectraForMaskedLM folder (e.g. "
                              "google/electra-base-generator): --from hf reads it along with the discriminator, so "

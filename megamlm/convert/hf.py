@@ -218,6 +218,9 @@ ELECTRA_GENERATOR = HFFormat(
 embedding module (the generator's `electra.embeddings.*` are the same tensors), its own projection and an MLM
 head whose dense maps to the embedding width (ALBERT's), tied to the word embeddings; megamlm's `generator.*`."""
 HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT, ELECTRA)}
+SEQUENCE_CLASSIFIERS = {f.sequence_classification: f for f in HF_FORMATS.values() if f.sequence_head}
+"""The *ForSequenceClassification classes `--from hf` reads: the encoder and its classification head, no
+masked-LM head."""
 PRETRAINING = {f.pretraining: f for f in (BERT, ALBERT)}
 """The pretraining classes, read as their masked-LM class plus the sentence-pair head (Hub folders of
 bert-base / albert-base name the masked-LM class but hold the pretraining weights)."""
@@ -328,7 +331,7 @@ def megamlm_to_hf(full: dict[str, torch.Tensor], model: ModelConfig,
     if fmt.position_table:
         out[fmt.positions] = full[names.POSITION_TABLE][fmt.position_rows_dropped:]
         out[fmt.token_types] = full.get(names.TOKEN_TYPES, torch.zeros(1, model.embedding_dim))
-    if fmt.mlm_head:
+    if fmt.mlm_head and names.LM_HEAD_BIAS in full:  # (a folder read from a sequence classifier has none)
         out[fmt.decoder.format(kind="weight")] = full[names.WORD_EMBEDDINGS]
         out[fmt.decoder.format(kind="bias")] = full[names.LM_HEAD_BIAS]
     return out
@@ -366,6 +369,13 @@ def sequence_head_to_hf(heads: dict[str, torch.Tensor], name: str, fmt: HFFormat
     return {theirs.format(kind=kind): heads[f"{name}.{ours.format(kind=kind)}"]
             for ours, theirs in fmt.sequence_head[1] for kind in ("weight", "bias")
             if f"{name}.{ours.format(kind=kind)}" in heads}
+
+
+def hf_to_sequence_head(hf_state: dict[str, torch.Tensor], name: str, fmt: HFFormat) -> dict[str, torch.Tensor]:
+    """The inverse of sequence_head_to_hf: a *ForSequenceClassification's head -> the classification head `name`."""
+    return {f"{name}.{ours.format(kind=kind)}": hf_state[theirs.format(kind=kind)]
+            for ours, theirs in fmt.sequence_head[1] for kind in ("weight", "bias")
+            if theirs.format(kind=kind) in hf_state}
 
 
 VOCAB_ROWS = (names.WORD_EMBEDDINGS, names.LM_HEAD_BIAS, names.LM_HEAD_WEIGHT,

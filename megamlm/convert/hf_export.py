@@ -1,9 +1,9 @@
 """Hugging Face export: the RoBERTa-shaped variant as `RobertaForMaskedLM`, the BERT-shaped one (token
 types) as `BertForMaskedLM`, the ALBERT-shaped one (factorized embedding, shared layer) as
 `AlbertForMaskedLM`, the ModernBERT-shaped one (RoPE, GeGLU, pre-LN without layer 0's norm) as
-`ModernBertForMaskedLM`, a BERT-shaped ELECTRA discriminator as `ElectraForPreTraining` (its generator, with
---generator, as `ElectraForMaskedLM` in a folder of its own, as the Hub keeps the two), every other masked-LM variant as megamlm's own modeling
-file registered through `auto_map`
+`ModernBertForMaskedLM`, a BERT-shaped ELECTRA discriminator as `ElectraForPreTraining` (its generator,
+with --generator, as `ElectraForMaskedLM` in a folder of its own, as the Hub keeps the two), every other
+masked-LM variant as megamlm's own modeling file registered through `auto_map`
 (trust_remote_code; not for the ModernBERT parts, which are refused there), plus tokenizer files: GPT-2
 BPE whose ids are the fairseq dictionary's (as RoBERTa's vocab.json on the Hub), BERT's vocab.txt or
 ALBERT's / ModernBERT's tokenizer.json in their own id order (the model's vocabulary rows permuted

@@ -25,17 +25,20 @@ import torch
 from megamlm.config import Config, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import (ACTIVATIONS, BERT, ELECTRA, ELECTRA_GENERATOR, HF_FORMATS, MODERNBERT, PRETRAINING,
-                                ROBERTA, HFFormat, hf_to_megamlm, model_values, pair_head, permute_vocab)
+                                ROBERTA, SEQUENCE_CLASSIFIERS, HFFormat, hf_to_megamlm, hf_to_sequence_head,
+                                model_values, pair_head, permute_vocab)
 from megamlm.convert.hf_electra import check_generator_config, generator_size, generator_weights
+from megamlm.convert.hf_export import SequenceClassifier
 from megamlm.convert.hf_modernbert import modernbert_problems
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
 from megamlm.data.tokenizer import Tokenizer
+from megamlm.model import names
 from megamlm.model.embedding import token_types
 
 MEGAMLM_EXPORT = "MegamlmForMaskedLM"
 """megamlm's own export of the other variants (hf_export.py: modeling_megamlm.py through auto_map)."""
-SUPPORTED = (*HF_FORMATS, *PRETRAINING, MEGAMLM_EXPORT)
+SUPPORTED = (*HF_FORMATS, *PRETRAINING, *SEQUENCE_CLASSIFIERS, MEGAMLM_EXPORT)
 """Architectures `convert --from hf` reads."""
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
@@ -58,6 +61,11 @@ class HFSource:
     generator_reference: object = None
     """ELECTRA with --generator: tokens [b, s] -> transformers' ElectraForMaskedLM logits [b, s, V] (megamlm
     columns); None: no generator read."""
+    classifier: SequenceClassifier | None = None
+    """A *ForSequenceClassification read: its head (the folder's classification head of that name, `reference`
+    its logits [b, labels]); None: a masked LM."""
+    notes: list[str] = field(default_factory=list)
+    """What the conversion should say (e.g. classifier rows kept in an order no label name confirms)."""
 
 
 def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
@@ -77,7 +85,8 @@ def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
                               f"{flag} reads {', '.join(accept)}")
     if architectures[0] == MEGAMLM_EXPORT:
         return values, None
-    fmt = {**HF_FORMATS, **PRETRAINING, ELECTRA_GENERATOR.architecture: ELECTRA_GENERATOR}[architectures[0]]
+    fmt = {**HF_FORMATS, **PRETRAINING, **SEQUENCE_CLASSIFIERS,
+           ELECTRA_GENERATOR.architecture: ELECTRA_GENERATOR}[architectures[0]]
     differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
     if fmt is MODERNBERT:
@@ -172,23 +181,33 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
     return files, tokenizer
 
 
-def read_hf(folder: str | Path, generator: str | Path | None = None) -> HFSource:
+def read_hf(folder: str | Path, generator: str | Path | None = None,
+            classifier: SequenceClassifier | None = None) -> HFSource:
     """A RobertaForMaskedLM / BertForMaskedLM / AlbertForMaskedLM / ModernBertForMaskedLM / ElectraForPreTraining
     folder in megamlm terms (checked: architecture, weights, keys, shapes, vocabulary); an ELECTRA discriminator
-    with its `generator` folder (ElectraForMaskedLM: hf_electra.py) when given."""
+    with its `generator` folder (ElectraForMaskedLM: hf_electra.py) when given; a *ForSequenceClassification
+    as the encoder and the classification head `classifier` names (its labels: the rows' order), no MLM head."""
     folder = Path(folder)
     for path in (folder, generator):
         if path is not None and not Path(path).is_dir():
             raise ConversionError(f"{path}: not a folder (--from hf reads a save_pretrained folder)")
     values, fmt = _read_config(folder)
+    architecture = fmt.architecture if fmt else MEGAMLM_EXPORT
     if generator is not None and fmt is not ELECTRA:
         raise ConversionError(f"--generator {generator}: for an ELECTRA discriminator (ElectraForPreTraining); "
-                              f"{folder} holds {fmt.architecture if fmt else MEGAMLM_EXPORT}")
+                              f"{folder} holds {architecture}")
+    sequence = (values.get("architectures") or [""])[0] in SEQUENCE_CLASSIFIERS
+    if classifier is not None and not sequence:
+        raise ConversionError(f"--classification-head with --from hf: for a *ForSequenceClassification folder "
+                              f"({', '.join(SEQUENCE_CLASSIFIERS)}); {folder} holds {architecture}")
     if fmt is None:
         return _read_megamlm_export(folder, values)
     model = model_values(values, fmt)
     overrides = [f"model.{key}={value}" for key, value in model.items()]
     overrides += [f"data.seq_length={model['max_positions']}", f"objective.name={fmt.objective}"]
+    if sequence:
+        classifier = _sequence_classifier(folder, values, classifier)
+        overrides.append(f"model.classifier={fmt.sequence_head[0]}")
     if generator is not None:
         generator = Path(generator)
         generator_values, _ = _read_config(generator, (ELECTRA_GENERATOR.architecture,), "--generator")
@@ -202,7 +221,7 @@ def read_hf(folder: str | Path, generator: str | Path | None = None) -> HFSource
         _check_gpt2(folder, values["vocab_size"], zero_mask=False)
     cfg = load_config(VARIANTS / VARIANT[fmt.architecture], overrides)
     weights, state = _read_weights(folder)
-    _check_keys(weights, state, _expected_shapes(values, fmt), fmt)
+    _check_keys(weights, state, _expected_shapes(values, fmt, sequence), fmt)
     state = {k: v.float() for k, v in state.items()}
     decoder = state.get(fmt.decoder.format(kind="weight"))
     if decoder is not None and not torch.equal(decoder, state[fmt.word_embeddings]):
@@ -210,6 +229,12 @@ def read_hf(folder: str | Path, generator: str | Path | None = None) -> HFSource
                               f"(an untied decoder): megamlm's {fmt.prefix} ties them")
     full = hf_to_megamlm(state, cfg.model, fmt)
     heads = pair_head(state, fmt)
+    rows, notes = None, []
+    if sequence:  # the encoder and its classification head (ModernBERT's `head` is the head's, not an MLM head's)
+        full = {key: value for key, value in full.items() if not key.startswith(names.LM_HEAD_PREFIX)}
+        rows, notes = _label_rows(folder, values, classifier)
+        heads = {key: value if rows is None or ".out_proj." not in key else value[rows]
+                 for key, value in hf_to_sequence_head(state, classifier.name, fmt).items()}
     if generator is not None:
         generator_model = check_generator_config(generator / "config.json", generator_values, values, cfg.model)
         generator_path, generator_state = _read_weights(generator)
@@ -222,20 +247,51 @@ def read_hf(folder: str | Path, generator: str | Path | None = None) -> HFSource
     def reference(tokens: torch.Tensor, source: Path = folder, of: HFFormat = fmt) -> torch.Tensor:
         import transformers
 
-        model = getattr(transformers, of.architecture).from_pretrained(source, attn_implementation="eager")
+        name = fmt.sequence_classification if sequence and of is fmt else of.architecture
+        model = getattr(transformers, name).from_pretrained(source, attn_implementation="eager")
         inputs = dict(attention_mask=tokens.ne(cfg.model.pad_token_id).long())
         inputs.update(input_ids=tokens if order is None else order[tokens])  # megamlm ids -> the vocabulary's
         if cfg.model.token_types:  # by the same rule as megamlm's
             inputs.update(token_type_ids=token_types(tokens, cfg.model))
         with torch.no_grad():
             logits = model.float().eval()(**inputs).logits
+        if sequence and of is fmt:
+            return logits if rows is None else logits[:, rows]  # their classes -> the head's rows
         if order is None or not of.mlm_head:
             return logits
         return logits[..., order]  # the vocabulary's columns -> megamlm's
 
     generator_reference = None if generator is None else \
         (lambda tokens: reference(tokens, generator, ELECTRA_GENERATOR))
-    return HFSource(cfg, full, reference, files, heads, generator_reference)
+    return HFSource(cfg, full, reference, files, heads, generator_reference, classifier, notes)
+
+
+def _sequence_classifier(folder: Path, values: dict, given: SequenceClassifier | None) -> SequenceClassifier:
+    """The classification head a *ForSequenceClassification becomes: `given` (--classification-head), or named
+    by config.json's finetuning_task (transformers' run_glue and megamlm's export write it)."""
+    if given is not None:
+        return given
+    if not values.get("finetuning_task"):
+        raise ConversionError(f"{folder}/config.json: a {values['architectures'][0]} without finetuning_task: name "
+                              f"its classification head with --classification-head NAME (e.g. rte, which `megamlm "
+                              f"glue --tasks RTE` starts from)")
+    return SequenceClassifier(str(values["finetuning_task"]).lower())
+
+
+def _label_rows(folder: Path, values: dict, classifier: SequenceClassifier) -> tuple[list[int] | None, list[str]]:
+    """The checkpoint's classifier rows in the order of `classifier.labels` (config.json's id2label names
+    them), None when already in that order or when no names match (then a note says the order is kept)."""
+    id2label = {int(i): str(name) for i, name in (values.get("id2label") or {}).items()}
+    labels = classifier.labels
+    if labels is None or values.get("num_labels", len(id2label)) == 1:
+        return None, []
+    if sorted(id2label.values()) != sorted(labels):
+        names_given = ", ".join(id2label[i] for i in sorted(id2label)) or "none: transformers' LABEL_<i>"
+        return None, [f"{folder}/config.json: id2label ({names_given}) does not name {classifier.name}'s labels "
+                      f"({', '.join(labels)}): the classifier's rows are kept in their order"]
+    row_of = {name: i for i, name in id2label.items()}
+    rows = [row_of[label] for label in labels]
+    return (None if rows == sorted(rows) else rows), []
 
 
 def _check_gpt2(folder: Path, vocab_size: int, zero_mask: bool) -> str:
@@ -275,8 +331,9 @@ def _read_megamlm_export(folder: Path, values: dict) -> HFSource:
     return HFSource(cfg, full, reference, files)
 
 
-def _expected_shapes(values: dict, fmt: HFFormat) -> dict[str, torch.Size]:
-    """The state dict's shapes transformers gives this config.json (a model on the meta device)."""
+def _expected_shapes(values: dict, fmt: HFFormat, classifier: bool = False) -> dict[str, torch.Size]:
+    """The state dict's shapes transformers gives this config.json (a model on the meta device; `classifier`:
+    of the format's *ForSequenceClassification)."""
     with torch.device("meta"):
-        model = fmt.build(values)
+        model = fmt.build(values, classifier=classifier)
     return {key: tensor.shape for key, tensor in model.state_dict().items()}

@@ -53,6 +53,10 @@ class Model:
     bundled GPT-2 one: a fairseq source's dict.txt, an imported BERT's WordPiece vocab.txt."""
     generator_reference: Callable[[torch.Tensor], torch.Tensor] | None = None
     """ELECTRA's generator's logits [b, s, V] computed from the source (an imported ElectraForMaskedLM)."""
+    classifier: SequenceClassifier | None = None
+    """The classification head the source is (a *ForSequenceClassification read): what the checks compare."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the conversion says before its checks (e.g. rows kept in an order no label name confirms)."""
 
 
 def read_fairseq(path: str | Path, dict_path: str | Path | None = None) -> Model:
@@ -107,10 +111,12 @@ def read_megamlm(path: str | Path) -> Model:
     return Model(saved.cfg, saved.full, saved.heads, fs.FairseqSource(**saved.source) if saved.source else None)
 
 
-def read_hugging_face(path: str | Path, generator: str | Path | None = None) -> Model:
-    source = read_hf(path, generator)
+def read_hugging_face(path: str | Path, generator: str | Path | None = None,
+                      classifier: SequenceClassifier | None = None) -> Model:
+    source = read_hf(path, generator, classifier)
     return Model(source.cfg, source.full, source.heads, reference=source.reference,
-                 tokenizer_files=source.tokenizer_files, generator_reference=source.generator_reference)
+                 tokenizer_files=source.tokenizer_files, generator_reference=source.generator_reference,
+                 classifier=source.classifier, notes=source.notes)
 
 
 def read_zero(path: str | Path) -> Model:
@@ -134,12 +140,14 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
     if generator is not None and (source == "hf") == (target == "hf"):
         raise fs.ConversionError("--generator: the ELECTRA generator's transformers folder (ElectraForMaskedLM), "
                                  "read along with --from hf or written along with --to hf (not both)")
-    if classifier is not None and target != "hf":
-        raise fs.ConversionError(f"--classification-head: for --to hf (a *ForSequenceClassification); --to "
-                                 f"{target} keeps every classification head as it is")
+    if classifier is not None and target != "hf" and (source, target) != ("hf", "megamlm"):
+        raise fs.ConversionError(f"--classification-head: for --to hf (writes that head as a "
+                                 f"*ForSequenceClassification) and --from hf (names a *ForSequenceClassification's "
+                                 f"head); --to {target} keeps every classification head as it is")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
-             "zero": lambda: read_zero(src), "hf": lambda: read_hugging_face(src, generator)}[source]()
+             "zero": lambda: read_zero(src),
+             "hf": lambda: read_hugging_face(src, generator, classifier if target == "megamlm" else None)}[source]()
     generator_out = None if generator is None or target != "hf" else Path(generator)
     with tempfile.TemporaryDirectory() as shipped:
         if model.tokenizer_files is not None:  # the targets read the tokenizer from data.tokenizer
@@ -153,6 +161,9 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
 def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
              overwrite: bool, classifier: SequenceClassifier | None = None, generator_out: Path | None = None) -> dict:
     cfg = model.cfg
+    classifier = classifier or model.classifier
+    for note in model.notes:
+        log(f"note: {note}")
     if cfg.objective.name != "mlm" and objective_class(cfg).masked_lm_inside:
         model, cfg = _masked_lm_part(model, log)
     targets = objective_class(cfg).conversion_targets
@@ -163,13 +174,19 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             f"parity check) covers masked-LM models{also}; its folder already loads at any TP degree and "
             f"`megamlm glue` fine-tunes it; nothing was written")
     tokens = probe_tokens(cfg)
-    ours = (megamlm_logits(cfg, model.full, tokens) if classifier is None
-            else classifier_logits(cfg, model.full, model.heads, classifier.name, tokens))
+
+    def probe(cfg: Config, full: dict, heads: dict) -> torch.Tensor:
+        """What is compared: the model's probe output, or the classification head's logits [b, labels]."""
+        return (megamlm_logits(cfg, full, tokens) if classifier is None
+                else classifier_logits(cfg, full, heads, classifier.name, tokens))
+
+    ours = probe(cfg, model.full, model.heads)
     pad = cfg.model.pad_token_id
     report: dict = {"max_diff": {}, "out": str(out)}
     if model.reference is not None:
         report["max_diff"][f"{source} source"] = compare(ours, model.reference(tokens), tokens, pad,
-                                                         f"the {source} source (reference forward)", tolerance)
+                                                         f"the {source} source (reference forward)", tolerance,
+                                                         per_sequence=classifier is not None)
     symbols = {}  # check -> symbols compared per position, where not the probe's
     if model.generator_reference is not None:
         check = f"{source} generator"
@@ -179,7 +196,7 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
                                                                                      pad),
                                             tokens, pad, f"the {source} generator (reference forward)", tolerance)
     if target == "megamlm":
-        _write_megamlm(model, out, tp, tokens, ours, tolerance, report, overwrite)
+        _write_megamlm(model, out, tp, tokens, ours, tolerance, report, overwrite, probe, classifier is not None)
     elif target == "fairseq":
         _write_fairseq(model, out, tokens, ours, tolerance, report, overwrite)
     else:
@@ -227,7 +244,8 @@ def check_output(target: str, out: Path, overwrite: bool) -> None:
     check_writable(out.parent)
 
 
-def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, report, overwrite) -> None:
+def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, report, overwrite, probe,
+                   per_sequence: bool) -> None:
     cfg = model.cfg
     if model.tokenizer_files is not None:
         cfg = config_from_dict(cfg.to_dict(), [f"data.tokenizer={out.resolve() / 'tokenizer'}"])
@@ -238,8 +256,8 @@ def _write_megamlm(model: Model, out: Path, tp: int, tokens, ours, tolerance, re
                 (tmp / "tokenizer" / name).write_text(text, encoding="utf-8")
         written = read_model_folder(tmp)
         report["max_diff"]["written megamlm folder"] = compare(
-            megamlm_logits(written.cfg, written.full, tokens), ours, tokens, cfg.model.pad_token_id,
-            f"the written folder {out}", tolerance)
+            probe(written.cfg, written.full, written.heads), ours, tokens, cfg.model.pad_token_id,
+            f"the written folder {out}", tolerance, per_sequence)
 
 
 def _write_fairseq(model: Model, out: Path, tokens, ours, tolerance, report, overwrite) -> None:

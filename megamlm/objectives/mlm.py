@@ -24,6 +24,7 @@ from megamlm.config import ConfigError, ModelConfig
 from megamlm.data.batch import Batch
 from megamlm.data.masking import Masker
 from megamlm.data.tokenizer import Tokenizer
+from megamlm.model import names
 from megamlm.model.encoder import Encoder, encoder_flops_per_token, encoder_parameter_count
 from megamlm.model.head_loss import fused_vocab_parallel_cross_entropy
 from megamlm.model.heads import ClapHead, RobertaLMHead, vocab_padding_bias
@@ -154,6 +155,14 @@ class MaskedLanguageModeling(Objective):
 
     def build_model(self, ctx: ParallelContext, params_dtype: torch.dtype = torch.float32) -> MaskedLM:
         return MaskedLM(self.cfg.model, ctx, seed=self.cfg.train.seed, params_dtype=params_dtype)
+
+    def build_pretrained(self, ctx: ParallelContext, saved: set[str]) -> MaskedLM:
+        """The MaskedLM; a folder without its head (read from a *ForSequenceClassification) is refused."""
+        if not any(name.startswith(names.LM_HEAD_PREFIX) for name in saved):
+            raise ConfigError("this model folder holds no masked-LM head (it was read from a "
+                              "*ForSequenceClassification): `megamlm glue` fine-tunes or scores it, `megamlm convert "
+                              "--to hf --classification-head NAME` writes it back")
+        return self.build_model(ctx)
 
     def corruption(self, tokenizer: Tokenizer, seed: int) -> Masker:
         d, dictionary = self.cfg.data, tokenizer.dictionary

@@ -1,0 +1,118 @@
+"""transformers' *ForSequenceClassification -> a megamlm folder (`megamlm convert --from hf CLS --to megamlm OUT
+[--classification-head NAME]`): the encoder and the classification head (no masked-LM head), for RoBERTa, BERT,
+ALBERT and ModernBERT. The conversion checks the head's logits against transformers'; a Hub classifier whose
+id2label names a GLUE task's labels in another order is reordered, and `megamlm glue --epochs 0` scores the
+dev set exactly as transformers classifies it."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from megamlm.config import ConfigError
+from megamlm.convert.fairseq import ConversionError
+from megamlm.convert.hf_export import SequenceClassifier
+from megamlm.convert.pipeline import convert
+from megamlm.glue.finetune import FinetuneOptions
+from megamlm.glue.run import run_glue
+from megamlm.glue.tasks import TASKS, read_examples
+from megamlm.model.folder import read_model_folder
+from megamlm.objectives import load_pretrained
+from tests.faults_common import run_cli
+from tests.test_glue import GLUE
+from tests.test_hf_classifier import QUIET, SOURCES
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def as_sequence_classifier(masked_lm, folder, id2label: dict[int, str], **config):
+    """A random *ForSequenceClassification of the masked-LM folder's shape and tokenizer (every weight drawn
+    nonzero), `id2label` its classes."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    values = AutoConfig.from_pretrained(masked_lm)
+    values.num_labels = len(id2label)
+    values.id2label, values.label2id = id2label, {name: i for i, name in id2label.items()}
+    for key, value in config.items():
+        setattr(values, key, value)
+    torch.manual_seed(3)
+    model = AutoModelForSequenceClassification.from_config(values)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (masked_lm / name).is_file():
+            shutil.copyfile(masked_lm / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("architecture", sorted(SOURCES))
+def test_a_sequence_classifier_imports_with_transformers_logits(world, tmp_path, architecture):
+    source = as_sequence_classifier(SOURCES[architecture](tmp_path / "mlm"), tmp_path / "cls",
+                                    {0: "a", 1: "b", 2: "c"}, finetuning_task="Task")
+    report = convert("hf", "megamlm", source, tmp_path / "megamlm", **QUIET)  # its head: finetuning_task's name
+    assert report["max_diff"]["hf source"] < 1e-5 and report["max_diff"]["written megamlm folder"] == 0
+    saved = read_model_folder(tmp_path / "megamlm")
+    assert saved.heads["task.out_proj.weight"].shape[0] == 3
+    assert not any(key.startswith("lm_head.") for key in saved.full)  # a classifier holds no masked-LM head
+    assert saved.cfg.model.classifier == ("mlm_head" if architecture == "ModernBert" else "pooler")
+    # and back: the same head as transformers' class again
+    back = convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back",
+                   classifier=SequenceClassifier("task", ("a", "b", "c")), **QUIET)
+    assert back["max_diff"][f"transformers {architecture}ForSequenceClassification"] < 1e-5
+    # what needs the masked-LM head refuses in one line
+    with pytest.raises(ConfigError, match="this model folder holds no masked-LM head"):
+        load_pretrained(tmp_path / "megamlm", world)
+
+
+def test_a_hub_rte_classifier_scores_the_dev_set_in_megamlm_glue_as_in_transformers(world, tmp_path, capsys):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    # the classes in the other order than megamlm's RTE (entailment, not_entailment)
+    source = as_sequence_classifier(SOURCES["Roberta"](tmp_path / "mlm"), tmp_path / "cls",
+                                    {0: "not_entailment", 1: "entailment"})
+    code, line = run_cli(capsys, "convert", "--from", "hf", "--to", "megamlm", source, tmp_path / "megamlm")
+    assert code == 2 and "without finetuning_task: name its classification head with --classification-head" in line
+    capsys.readouterr()
+    from megamlm.cli import main as cli
+
+    assert cli(["convert", "--from", "hf", "--to", "megamlm", str(source), str(tmp_path / "megamlm"),
+                "--classification-head", "rte"]) == 0
+    assert "parity vs hf source" in capsys.readouterr().out
+    saved = read_model_folder(tmp_path / "megamlm")
+    model = AutoModelForSequenceClassification.from_pretrained(source).eval()
+    torch.testing.assert_close(saved.heads["rte.out_proj.weight"], model.classifier.out_proj.weight.flip(0))
+
+    report = run_glue(str(tmp_path / "megamlm"), str(GLUE), ["RTE"], [1], str(tmp_path / "glue"),
+                      FinetuneOptions(epochs=0, dropout=0.0), log=lambda *a: None)
+    ours = report["tasks"]["RTE"]["seeds"][1]["best"]["accuracy"]
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    dev = read_examples(TASKS["RTE"], GLUE / "RTE/dev.tsv")
+    with torch.no_grad():
+        predicted = [model.config.id2label[int(model(**tokenizer(*e.texts, return_tensors="pt")).logits.argmax())]
+                     for e in dev]
+    theirs = np.mean([label == TASKS["RTE"].labels[e.label] for label, e in zip(predicted, dev)])
+    assert ours == pytest.approx(theirs) and 0.3 < theirs < 0.7  # the same predictions, not all one class
+
+
+def test_label_names_that_do_not_match_keep_the_rows_and_say_so(world, tmp_path):
+    source = as_sequence_classifier(SOURCES["Bert"](tmp_path / "mlm"), tmp_path / "cls", {0: "LABEL_0", 1: "LABEL_1"})
+    lines = []
+    convert("hf", "megamlm", source, tmp_path / "megamlm", tolerance=1e-5, log=lines.append,
+            classifier=SequenceClassifier("rte", ("entailment", "not_entailment")))
+    assert any("does not name rte's labels (entailment, not_entailment): the classifier's rows are kept in their "
+               "order" in line for line in lines), lines
+    from transformers import BertForSequenceClassification
+
+    want = BertForSequenceClassification.from_pretrained(source).classifier.weight
+    assert torch.equal(read_model_folder(tmp_path / "megamlm").heads["rte.out_proj.weight"], want)
+
+
+def test_classification_head_from_hf_needs_a_sequence_classifier(world, tmp_path):
+    with pytest.raises(ConversionError, match=r"--classification-head with --from hf: for a "
+                                              r"\*ForSequenceClassification folder .* holds BertForMaskedLM"):
+        convert("hf", "megamlm", SOURCES["Bert"](tmp_path / "mlm"), tmp_path / "out",
+                classifier=SequenceClassifier("rte"), **QUIET)
+    assert not (tmp_path / "out").exists()
