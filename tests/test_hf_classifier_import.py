@@ -97,6 +97,18 @@ def test_a_hub_rte_classifier_scores_the_dev_set_in_megamlm_glue_as_in_transform
     assert ours == pytest.approx(theirs) and 0.3 < theirs < 0.7  # the same predictions, not all one class
 
 
+def test_mnli_label_names_in_any_case_put_the_rows_in_megamlm_order(world, tmp_path):
+    from transformers import BertForSequenceClassification
+
+    source = as_sequence_classifier(SOURCES["Bert"](tmp_path / "mlm"), tmp_path / "cls",
+                                    {0: "CONTRADICTION", 1: "NEUTRAL", 2: "ENTAILMENT"}, finetuning_task="mnli")
+    convert("hf", "megamlm", source, tmp_path / "megamlm", classifier=SequenceClassifier("mnli", TASKS["MNLI"].labels),
+            **QUIET)  # (the conversion's check compares the logits with the columns in that order)
+    want = BertForSequenceClassification.from_pretrained(source).classifier.weight[[0, 2, 1]]
+    assert TASKS["MNLI"].labels == ("contradiction", "entailment", "neutral")
+    assert torch.equal(read_model_folder(tmp_path / "megamlm").heads["mnli.out_proj.weight"], want)
+
+
 def test_label_names_that_do_not_match_keep_the_rows_and_say_so(world, tmp_path):
     source = as_sequence_classifier(SOURCES["Bert"](tmp_path / "mlm"), tmp_path / "cls", {0: "LABEL_0", 1: "LABEL_1"})
     lines = []

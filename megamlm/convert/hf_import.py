@@ -282,15 +282,16 @@ def _label_rows(folder: Path, values: dict, classifier: SequenceClassifier) -> t
     """The checkpoint's classifier rows in the order of `classifier.labels` (config.json's id2label names
     them), None when already in that order or when no names match (then a note says the order is kept)."""
     id2label = {int(i): str(name) for i, name in (values.get("id2label") or {}).items()}
+    lowered = {i: name.lower() for i, name in id2label.items()}  # roberta-large-mnli's are CONTRADICTION, ...
     labels = classifier.labels
     if labels is None or values.get("num_labels", len(id2label)) == 1:
         return None, []
-    if sorted(id2label.values()) != sorted(labels):
+    if sorted(lowered.values()) != sorted(label.lower() for label in labels):
         names_given = ", ".join(id2label[i] for i in sorted(id2label)) or "none: transformers' LABEL_<i>"
         return None, [f"{folder}/config.json: id2label ({names_given}) does not name {classifier.name}'s labels "
                       f"({', '.join(labels)}): the classifier's rows are kept in their order"]
-    row_of = {name: i for i, name in id2label.items()}
-    rows = [row_of[label] for label in labels]
+    row_of = {name: i for i, name in lowered.items()}
+    rows = [row_of[label.lower()] for label in labels]
     return (None if rows == sorted(rows) else rows), []
 
 
