@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megamlm.cli import main as cli
-from megamlm.convert.pipeline import convert
+from megamlm.convert.pipeline import convert, read_megamlm
 from megamlm.data.tokenizer import Tokenizer
 from tests.multiproc import run_on_ranks
 from tests.faults_common import one_line
@@ -99,6 +99,32 @@ def test_bad_hugging_face_folders_are_one_line_and_write_nothing(world, tmp_path
     cases["shape"] = ("roberta.encoder.layer.0.intermediate.dense.weight has shape (96, 48), config.json "
                       "gives (64, 48)")
     assert_refused_in_one_line(tmp_path, cases, capsys)
+
+
+def test_a_sharded_checkpoint_imports_through_its_index(world, tmp_path, capsys):
+    """transformers' shards above max_shard_size (`model.safetensors.index.json` + its files): read whole,
+    the same logits; a shard file missing or short of its tensors is refused in one line."""
+    from transformers import RobertaForMaskedLM
+
+    source = save_roberta(tmp_path / "hf")
+    RobertaForMaskedLM.from_pretrained(source).save_pretrained(tmp_path / "sharded", max_shard_size="1MB")
+    name = "model.safetensors"
+    index = json.loads((tmp_path / f"sharded/{name}.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and not (tmp_path / "sharded" / name).exists()
+    report = convert("hf", "megamlm", tmp_path / "sharded", tmp_path / "megamlm", **QUIET)
+    assert report["max_diff"]["hf source"] < 1e-5
+    whole = read_megamlm(convert("hf", "megamlm", source, tmp_path / "whole", **QUIET)["out"]).full
+    assert all(torch.equal(value, whole[key]) for key, value in read_megamlm(tmp_path / "megamlm").full.items())
+    gone = shutil.copytree(tmp_path / "sharded", tmp_path / "gone")
+    (gone / files[1]).unlink()
+    short = shutil.copytree(tmp_path / "sharded", tmp_path / "short")
+    moved = next(key for key, file in index["weight_map"].items() if file == files[0])
+    index["weight_map"][moved] = files[1]  # the index places a tensor in a file that lacks it
+    (short / f"{name}.index.json").write_text(json.dumps(index))
+    assert_refused_in_one_line(tmp_path, {"gone": f"names the shard {files[1]}, which",
+                                          "short": f"{files[1]}: lacks {moved}, which {name}.index.json places"},
+                               capsys)
 
 
 def assert_refused_in_one_line(tmp_path: Path, cases: dict[str, str], capsys) -> None:

@@ -41,6 +41,7 @@ MEGAMLM_EXPORT = "MegamlmForMaskedLM"
 SUPPORTED = (*HF_FORMATS, *PRETRAINING, *SEQUENCE_CLASSIFIERS, MEGAMLM_EXPORT)
 """Architectures `convert --from hf` reads."""
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+"""A folder's weights: one of these files, or the shards its `.index.json` maps."""
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
 VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml",
            "ModernBertForMaskedLM": "modernbert.yaml", "ElectraForPreTraining": "bert.yaml"}
@@ -101,19 +102,47 @@ def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
 
 
 def _read_weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """(the file errors name, every tensor): one weights file, or a sharded checkpoint's files through its
+    `<name>.index.json` (transformers writes those above max_shard_size)."""
     for name in WEIGHT_FILES:
-        path = folder / name
+        path, index = folder / name, folder / f"{name}.index.json"
         if path.is_file():
-            try:
-                if name.endswith(".safetensors"):
-                    from safetensors.torch import load_file
+            return path, _load_weights(path)
+        if index.is_file():
+            return index, _read_shards(index)
+    raise ConversionError(f"{folder}: no weights ({' or '.join(WEIGHT_FILES)}) and no shard index "
+                          f"({' or '.join(f'{name}.index.json' for name in WEIGHT_FILES)})")
 
-                    return path, load_file(path)
-                return path, torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as err:  # safetensors / pickle errors have no common base
-                raise ConversionError(f"{path}: cannot read the weights ({type(err).__name__}: {err})") from None
-    raise ConversionError(f"{folder}: no weights ({' or '.join(WEIGHT_FILES)}); sharded checkpoints: "
-                          f"save them unsharded first (save_pretrained(..., max_shard_size='100GB'))")
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # safetensors / pickle errors have no common base
+        raise ConversionError(f"{path}: cannot read the weights ({type(err).__name__}: {err})") from None
+
+
+def _read_shards(index: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the shard files `index` maps them to (checked: each file is there and holds its tensors)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ConversionError(f"{index}: not a shard index (a JSON object with a weight_map: {err})") from None
+    state = {}
+    for file in files:
+        path = index.parent / file
+        if not path.is_file():
+            raise ConversionError(f"{index}: names the shard {file}, which {index.parent} lacks")
+        shard = _load_weights(path)
+        missing = sorted(key for key, where in weight_map.items() if where == file and key not in shard)
+        if missing:
+            raise ConversionError(f"{path}: lacks {', '.join(missing[:3])}, which {index.name} places there")
+        state.update(shard)
+    return state
 
 
 def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Size], fmt: HFFormat) -> None:
