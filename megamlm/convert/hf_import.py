@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megamlm.config import Config, config_from_dict, load_config
+from megamlm.config import Config, ModelConfig, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import (ACTIVATIONS, BERT, ELECTRA, ELECTRA_GENERATOR, HF_FORMATS, MODERNBERT, PRETRAINING,
                                 ROBERTA, SEQUENCE_CLASSIFIERS, HFFormat, hf_to_megamlm, hf_to_sequence_head,
@@ -265,11 +265,7 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
         heads = {key: value if rows is None or ".out_proj." not in key else value[rows]
                  for key, value in hf_to_sequence_head(state, classifier.name, fmt).items()}
     if generator is not None:
-        generator_model = check_generator_config(generator / "config.json", generator_values, values, cfg.model)
-        generator_path, generator_state = _read_weights(generator)
-        _check_keys(generator_path, generator_state, _expected_shapes(generator_values, ELECTRA_GENERATOR),
-                    ELECTRA_GENERATOR)
-        full.update(generator_weights(generator_model, generator_path, generator_state, state))
+        full.update(_read_generator(generator, generator_values, values, cfg.model, state))
     if order is not None:
         full = permute_vocab(full, order)
 
@@ -293,6 +289,16 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
     generator_reference = None if generator is None else \
         (lambda tokens: reference(tokens, generator, ELECTRA_GENERATOR))
     return HFSource(cfg, full, reference, files, heads, generator_reference, classifier, notes)
+
+
+def _read_generator(folder: Path, values: dict, discriminator: dict, model: ModelConfig,
+                    state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The generator folder's tensors as megamlm's `generator.*` (HF vocabulary order), checked against the
+    discriminator's config.json values, model section and state dict (hf_electra.py)."""
+    generator = check_generator_config(folder / "config.json", values, discriminator, model)
+    weights, generator_state = _read_weights(folder)
+    _check_keys(weights, generator_state, _expected_shapes(values, ELECTRA_GENERATOR), ELECTRA_GENERATOR)
+    return generator_weights(generator, weights, generator_state, state)
 
 
 def _sequence_classifier(folder: Path, values: dict, given: SequenceClassifier | None) -> SequenceClassifier:
