@@ -124,7 +124,8 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="source", required=True, choices=SOURCES,
                         help="fairseq: a fairseq/ALiBi-CLAP-fork .pt; megamlm: a model folder; "
                              "zero: a DeepSpeed training checkpoint (run dir or step folder); "
-                             "hf: a transformers RobertaForMaskedLM folder (save_pretrained)")
+                             "hf: a transformers folder (save_pretrained, sharded or not) of a RoBERTa, BERT, ALBERT, "
+                             "ModernBERT or ELECTRA model: masked LM, pretraining or sequence-classification class")
     parser.add_argument("--to", dest="target", required=True, choices=TARGETS,
                         help="megamlm: a model folder; fairseq: a .pt file; hf: a transformers folder")
     parser.add_argument("src", help="the checkpoint to read")

@@ -1,8 +1,10 @@
 """Hugging Face import: a `RobertaForMaskedLM`, `BertForMaskedLM`, `AlbertForMaskedLM` or
-`ModernBertForMaskedLM` folder (config.json + model.safetensors or pytorch_model.bin, saved locally) ->
-a megamlm model, for continued pretraining; an `ElectraForPreTraining` one (ELECTRA's discriminator) ->
-megamlm's ELECTRA model without its generator, for fine-tuning (and continued pretraining with a new
-generator).
+`ModernBertForMaskedLM` folder (config.json + model.safetensors or pytorch_model.bin, or the shards an
+`.index.json` maps; saved locally) -> a megamlm model, for continued pretraining (BERT's and ALBERT's
+pretraining classes: with their sentence-pair head); an `ElectraForPreTraining` one (ELECTRA's
+discriminator) -> megamlm's ELECTRA model, with the generator (`ElectraForMaskedLM`, hf_electra.py) when
+--generator names its folder; a `*ForSequenceClassification` of the first four -> the encoder and a
+classification head, no MLM head (for `megamlm glue`).
 
 The key tables and the config table are `megamlm.convert.hf`'s (the export's, read the other way).
 RoBERTa's vocabulary is GPT-2 BPE with fairseq's dictionary ids (`vocab.json` of roberta-base is

@@ -1,8 +1,7 @@
 """`megamlm convert`: read a checkpoint, write it in another format, prove it on a probe batch.
 
 Sources: fairseq (a .pt from fairseq or the ALiBi/CLAP fork), megamlm (a model folder), zero (a
-DeepSpeed training checkpoint of any DP × TP layout), hf (a RobertaForMaskedLM / BertForMaskedLM
-folder). Targets:
+DeepSpeed training checkpoint of any DP × TP layout), hf (a transformers folder: hf_import.py). Targets:
 megamlm (a model folder, at any TP), fairseq, hf. Every conversion runs the converted model and a
 second model on the same probe batch and compares logits at every real position over the whole
 vocabulary; only when they agree is the output moved into place, so a failed conversion writes nothing.
