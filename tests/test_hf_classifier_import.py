@@ -65,6 +65,11 @@ def test_a_sequence_classifier_imports_with_transformers_logits(world, tmp_path,
     # what needs the masked-LM head refuses in one line
     with pytest.raises(ConfigError, match="this model folder holds no masked-LM head"):
         load_pretrained(tmp_path / "megamlm", world)
+    for src in (source, tmp_path / "megamlm"):
+        kind = "hf" if src == source else "megamlm"
+        with pytest.raises((ConfigError, ConversionError), match="no masked-LM head"):
+            convert(kind, "fairseq", src, tmp_path / "x.pt", **QUIET)
+    assert not (tmp_path / "x.pt").exists()
 
 
 def test_a_hub_rte_classifier_scores_the_dev_set_in_megamlm_glue_as_in_transformers(world, tmp_path, capsys):

@@ -29,6 +29,7 @@ from megamlm.convert.safe_load import load_untrusted
 from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
+from megamlm.model import names
 from megamlm.model.folder import read_model_folder, staged_write
 from megamlm.objectives import get_objective, objective_class
 from megamlm.objectives.sentence_pairs import as_classification_head
@@ -172,6 +173,10 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             f"{src} was trained with objective.name={cfg.objective.name}: conversion to {target} (and its logit "
             f"parity check) covers masked-LM models{also}; its folder already loads at any TP degree and "
             f"`megamlm glue` fine-tunes it; nothing was written")
+    if target == "fairseq" and not any(key.startswith(names.LM_HEAD_PREFIX) for key in model.full):
+        raise fs.ConversionError(f"{src} holds no masked-LM head (it was read from a *ForSequenceClassification) and "
+                                 f"a fairseq checkpoint needs one: it converts to megamlm and to hf "
+                                 f"(--classification-head); nothing was written")
     tokens = probe_tokens(cfg)
 
     def probe(cfg: Config, full: dict, heads: dict) -> torch.Tensor:
