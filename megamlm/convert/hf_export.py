@@ -257,6 +257,7 @@ def _write_generator(model, out: Path, tokenizer, order: torch.Tensor | None, to
         loaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp).eval()
         ours = megamlm_logits(model.cfg, model.full, tokens, generator=True)
         theirs = _transformers_logits(loaded, cfg, tokens, order, True, True)
+        report.setdefault("symbols", {})["transformers ElectraForMaskedLM"] = ours.shape[-1]
         report["max_diff"]["transformers ElectraForMaskedLM"] = compare(
             ours, without_padding_column(theirs, cfg.pad_token_id), tokens, cfg.pad_token_id,
             "transformers' ElectraForMaskedLM (the generator)", tolerance)

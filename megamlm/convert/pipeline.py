@@ -186,16 +186,15 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
 
     ours = probe(cfg, model.full, model.heads)
     pad = cfg.model.pad_token_id
-    report: dict = {"max_diff": {}, "out": str(out)}
+    report: dict = {"max_diff": {}, "out": str(out)}  # + "symbols": {check: per position}, where not the probe's
     if model.reference is not None:
         report["max_diff"][f"{source} source"] = compare(ours, model.reference(tokens), tokens, pad,
                                                          f"the {source} source (reference forward)", tolerance,
                                                          per_sequence=classifier is not None)
-    symbols = {}  # check -> symbols compared per position, where not the probe's
     if model.generator_reference is not None:
         check = f"{source} generator"
         generator_logits = megamlm_logits(cfg, model.full, tokens, generator=True)
-        symbols[check] = generator_logits.shape[-1]
+        report.setdefault("symbols", {})[check] = generator_logits.shape[-1]
         report["max_diff"][check] = compare(generator_logits, without_padding_column(model.generator_reference(tokens),
                                                                                      pad),
                                             tokens, pad, f"the {source} generator (reference forward)", tolerance)
@@ -210,7 +209,7 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             raise fs.ConversionError("--to hf needs transformers: pip install 'megamlm[hf]'") from None
         write_hf(model, out, tokens, ours, tolerance, report, overwrite, classifier, generator_out)
     for check, diff in report["max_diff"].items():
-        width = symbols.get(check, ours.shape[-1] if ours.dim() > 2 else None)  # ELECTRA: one logit each
+        width = report.get("symbols", {}).get(check, ours.shape[-1] if ours.dim() > 2 else None)  # ELECTRA: 1 each
         per_position = f" × {width} symbols" if width else ""
         where = (f"{int(tokens.ne(pad).sum())} positions{per_position}" if classifier is None
                  else f"{len(tokens)} sequences × {ours.shape[-1]} outputs")
