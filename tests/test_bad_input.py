@@ -123,6 +123,9 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
     blocker.write_text("x")
     glue = ROOT / "tests/data/glue"
     out = tmp_path / "o"
+    transformers_folder = tmp_path / "roberta-base"
+    transformers_folder.mkdir()
+    (transformers_folder / "config.json").write_text("{}")
     cases = [
         (["config", "--config", binary], f"config error: config file {binary} is not UTF-8 text (byte 0x80 at "
                                          f"offset 128): a binary file?"),
@@ -152,6 +155,10 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
          f"eval: cannot create --out {blocker}/x: {blocker} is a file, not a folder"),
         (["glue", "--checkpoint", final, "--data-dir", glue, "--tasks", "RTE", "--out", blocker / "g"],
          f"glue: cannot create --out {blocker}/g: {blocker} is a file, not a folder"),
+        (["glue", "--checkpoint", transformers_folder, "--data-dir", glue, "--tasks", "RTE", "--out", out],
+         f"glue: {transformers_folder}/config.yaml not found: not a megamlm model folder (training writes one to "
+         f"<run_dir>/final; `megamlm convert` writes others); it holds a config.json: a transformers folder? "
+         f"`megamlm convert --from hf {transformers_folder} --to megamlm OUT` reads it"),
         (["shards", "build", tmp_path, "--out", out], f"shards: input {tmp_path} is a directory; pass the files in it"),
         (["shards", "build", text, "--out", blocker], f"shards: output {blocker} is a file, not a folder"),
     ]

@@ -82,8 +82,10 @@ def read_model_folder(folder: str | Path) -> ModelFolder:
     """Read (and verify against its record) a model folder written by any TP degree."""
     folder = Path(folder)
     if not (folder / "config.yaml").is_file():
+        hint = (f"; it holds a config.json: a transformers folder? `megamlm convert --from hf {folder} --to megamlm "
+                f"OUT` reads it" if (folder / "config.json").is_file() else "")
         raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder "
-                                f"(training writes one to <run_dir>/final; `megamlm convert` writes others)")
+                                f"(training writes one to <run_dir>/final; `megamlm convert` writes others){hint}")
     verify_record(folder)  # every file as written (folders from before records: unverified)
     cfg = load_config([folder / "config.yaml"])
     shards = sorted(folder.glob("model-tp*-of-*.pt"))
