@@ -19,15 +19,18 @@ from tests.test_train import config, tiny_shards
 QUIET = {"log": lambda *a: None, "tolerance": 1e-5}
 
 
-def save_roberta(folder: Path, heads: int = 3, seed: int = 0) -> Path:
-    """A random RobertaForMaskedLM with every weight nonzero (LayerNorms, biases, the token-type row)."""
-    from transformers import RobertaConfig, RobertaForMaskedLM
+def save_roberta(folder: Path, heads: int = 3, seed: int = 0, architecture: str = "Roberta",
+                 vocab_size: int = 50265) -> Path:
+    """A random RobertaForMaskedLM (`architecture`: XLMRoberta for XLM-R's class) with every weight nonzero
+    (LayerNorms, biases, the token-type row)."""
+    import transformers
 
     torch.manual_seed(seed)
-    cfg = RobertaConfig(vocab_size=50265, hidden_size=48, num_hidden_layers=2, num_attention_heads=heads,
-                        intermediate_size=96, max_position_embeddings=66, type_vocab_size=1, pad_token_id=1,
-                        bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)
-    model = RobertaForMaskedLM(cfg)
+    cfg = getattr(transformers, f"{architecture}Config")(
+        vocab_size=vocab_size, hidden_size=48, num_hidden_layers=2, num_attention_heads=heads, intermediate_size=96,
+        max_position_embeddings=66, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        layer_norm_eps=1e-5)
+    model = getattr(transformers, f"{architecture}ForMaskedLM")(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

@@ -1,5 +1,6 @@
-"""Hugging Face `RobertaForMaskedLM` / `BertForMaskedLM` / `AlbertForMaskedLM` / `ModernBertForMaskedLM` /
-`ElectraForPreTraining` <-> megamlm key tables (full TP=1 tensors).
+"""Hugging Face `RobertaForMaskedLM` (and XLM-R's) / `BertForMaskedLM` / `AlbertForMaskedLM` /
+`ModernBertForMaskedLM` / `ElectraForPreTraining` (+ its generator `ElectraForMaskedLM`) <-> megamlm key tables
+(full TP=1 tensors).
 
 One declarative table per format maps each HF key to a megamlm key (`HFFormat.keys`); the only
 non-renaming steps are written next to it:
@@ -30,6 +31,7 @@ non-renaming steps are written next to it:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -152,6 +154,11 @@ ROBERTA = HFFormat(
     fixed={"type_vocab_size": 1, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": True},
     sequence_head=("pooler", (("dense.{kind}", "classifier.dense.{kind}"),
                               ("out_proj.{kind}", "classifier.out_proj.{kind}"))))
+XLM_ROBERTA = dataclasses.replace(ROBERTA, architecture="XLMRobertaForMaskedLM")
+"""XLM-R: RoBERTa's model (the same keys, `roberta.*`) with a SentencePiece tokenizer.json whose ids are
+fairseq's order already (<s> <pad> </s> <unk> ... <mask>)."""
+ROBERTAS = (ROBERTA, XLM_ROBERTA)
+"""The formats with RoBERTa's model: one token type, folded into the positions."""
 BERT = HFFormat(
     "BertForMaskedLM", "bert",
     _body("bert") + [*weight_and_bias("cls.predictions.transform.dense.{kind}", names.LM_HEAD_DENSE),
@@ -217,7 +224,7 @@ ELECTRA_GENERATOR = HFFormat(
 """ELECTRA's generator (`megamlm convert --from hf --generator`): BERT's encoder reading the discriminator's
 embedding module (the generator's `electra.embeddings.*` are the same tensors), its own projection and an MLM
 head whose dense maps to the embedding width (ALBERT's), tied to the word embeddings; megamlm's `generator.*`."""
-HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT, ELECTRA)}
+HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT, ELECTRA, XLM_ROBERTA)}
 SEQUENCE_CLASSIFIERS = {f.sequence_classification: f for f in HF_FORMATS.values() if f.sequence_head}
 """The *ForSequenceClassification classes `--from hf` reads: the encoder and its classification head, no
 masked-LM head."""
@@ -259,7 +266,7 @@ def model_values(values: dict, fmt: HFFormat) -> dict:
     out = {ours: values[theirs] for theirs, ours in HF_CONFIG + list(fmt.config) if theirs in values}
     out["max_positions"] = values["max_position_embeddings"] - POSITION_OFFSET + fmt.position_rows_dropped
     out["activation"] = ACTIVATIONS[values.get("hidden_act", "gelu")]
-    if fmt is not ROBERTA:  # RoBERTa's one type is folded into the positions
+    if fmt not in ROBERTAS:  # RoBERTa's one type is folded into the positions
         out["token_types"] = values.get("type_vocab_size", 2)
     return {**out, **fmt.variant}
 

@@ -20,8 +20,9 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ACTIVATIONS, ALBERT, BERT, ELECTRA, ELECTRA_GENERATOR, MODERNBERT, ROBERTA, HFFormat,
-                                hf_config_values, megamlm_to_hf, pair_head_to_hf, permute_vocab, sequence_head_to_hf)
+from megamlm.convert.hf import (ACTIVATIONS, ALBERT, BERT, ELECTRA, ELECTRA_GENERATOR, MODERNBERT, ROBERTA, XLM_ROBERTA,
+                                HFFormat, hf_config_values, megamlm_to_hf, pair_head_to_hf, permute_vocab,
+                                sequence_head_to_hf)
 from megamlm.convert.hf_electra import HEAD_ACTIVATION
 from megamlm.convert.parity import compare, megamlm_logits, without_padding_column
 from megamlm.data.dictionary import TokenizerError
@@ -169,6 +170,8 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
         raise ConversionError(f"{', '.join(cfg.modern_parts())}: only the modernbert variant's mix of these "
                               f"exports (as ModernBertForMaskedLM); megamlm's own modeling file has none of them")
     tokenizer = _load_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask)
+    if fmt is ROBERTA and getattr(tokenizer, "tokenizer_class", None) == "XLMRobertaTokenizer":
+        fmt = XLM_ROBERTA  # the same model; the class an XLM-R folder came as
     order = getattr(tokenizer, "vocab_order", None)  # megamlm id -> WordPiece row
     order = None if order is None else torch.from_numpy(order)
     with staged_output(out, "hf", overwrite) as tmp:

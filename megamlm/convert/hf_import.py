@@ -26,9 +26,9 @@ import torch
 
 from megamlm.config import Config, ModelConfig, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ACTIVATIONS, BERT, ELECTRA, ELECTRA_GENERATOR, HF_FORMATS, MODERNBERT, PRETRAINING,
-                                ROBERTA, SEQUENCE_CLASSIFIERS, HFFormat, hf_to_megamlm, hf_to_sequence_head,
-                                model_values, pair_head, permute_vocab)
+from megamlm.convert.hf import (ACTIVATIONS, ALBERT, BERT, ELECTRA, ELECTRA_GENERATOR, HF_FORMATS, MODERNBERT,
+                                PRETRAINING, ROBERTAS, SEQUENCE_CLASSIFIERS, HFFormat, hf_to_megamlm,
+                                hf_to_sequence_head, model_values, pair_head, permute_vocab)
 from megamlm.convert.hf_electra import check_generator_config, generator_size, generator_weights
 from megamlm.convert.hf_export import SequenceClassifier
 from megamlm.convert.hf_modernbert import modernbert_problems
@@ -45,7 +45,8 @@ SUPPORTED = (*HF_FORMATS, *PRETRAINING, *SEQUENCE_CLASSIFIERS, MEGAMLM_EXPORT)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 """A folder's weights: one of these files, or the shards its `.index.json` maps."""
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
-VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml",
+VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "XLMRobertaForMaskedLM": "baseline.yaml",
+           "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml",
            "ModernBertForMaskedLM": "modernbert.yaml", "ElectraForPreTraining": "bert.yaml"}
 """The megamlm variant each format is (its config file)."""
 
@@ -151,7 +152,7 @@ def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, 
     """Every key the model needs, at its shape (the decoder, tied to the embedding, may be absent)."""
     optional = {fmt.decoder.format(kind="weight"), fmt.decoder.format(kind="bias"),
                 f"{fmt.prefix}.embeddings.position_ids", f"{fmt.prefix}.embeddings.token_type_ids"}
-    if fmt is ROBERTA:  # its one token type is optional (folded into the positions)
+    if fmt in ROBERTAS:  # its one token type is optional (folded into the positions)
         optional.add(fmt.token_types)
     missing = sorted(k for k in expected if k not in state and k not in optional)
     if missing:
@@ -169,6 +170,8 @@ WORDPIECE = (BERT, ELECTRA)
 SPECIAL_NAMES = {
     "AlbertForMaskedLM": {"cls_token": "[CLS]", "pad_token": "<pad>", "sep_token": "[SEP]", "unk_token": "<unk>",
                           "mask_token": "[MASK]", "tokenizer_class": "AlbertTokenizer"},
+    **{f.architecture: {"cls_token": "<s>", "pad_token": "<pad>", "sep_token": "</s>", "unk_token": "<unk>",
+                        "mask_token": "<mask>", "tokenizer_class": "XLMRobertaTokenizer"} for f in ROBERTAS},
     "ModernBertForMaskedLM": {"cls_token": "[CLS]", "pad_token": "[PAD]", "sep_token": "[SEP]", "unk_token": "[UNK]",
                               "mask_token": "[MASK]", "tokenizer_class": "PreTrainedTokenizerFast"}}
 """The tokenizers' special names in megamlm's order and their transformers class, where
@@ -191,7 +194,9 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
         needs = "its WordPiece vocabulary"
     else:
         kind, source = JsonTokenizer, folder / "tokenizer.json"
-        needs = f"its {'SentencePiece' if fmt.architecture == 'AlbertForMaskedLM' else 'byte-level BPE'} tokenizer"
+        needs = {ALBERT.architecture: "its SentencePiece tokenizer", MODERNBERT.architecture: "its byte-level BPE "
+                 "tokenizer"}.get(fmt.architecture, f"the tokenizer of their vocabulary (vocab_size={vocab_size}, "
+                                                    f"not roberta-base's GPT-2 BPE)")
     if not source.is_file():
         raise ConversionError(f"{folder}: no {source.name}: {fmt.architecture} folders need {needs} "
                               f"(tokenizer.save_pretrained(folder))")
@@ -201,7 +206,8 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
                 kind.write(tmp, source.read_text(encoding="utf-8").splitlines(), settings.get("do_lower_case", True))
             else:
                 names = [_setting(settings, key, default) for key, default in SPECIAL_NAMES[fmt.architecture].items()]
-                kind.write(tmp, source.read_text(encoding="utf-8"), tuple(names[:4]), names[4], names[5])
+                kind.write(tmp, source.read_text(encoding="utf-8"), tuple(names[:4]), names[4], names[5],
+                           pair_separators=2 if fmt in ROBERTAS else 1)  # <s> A </s></s> B </s>
             tokenizer = kind(tmp)
             files = {name: (Path(tmp) / name).read_text(encoding="utf-8") for name in kind.FILES}
     except TokenizerError as err:  # it names the staged copy: name the folder's file
@@ -245,11 +251,11 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
         overrides += [f"objective.generator_size={generator_size(generator_values, values)}",
                       "objective.export_generator=true"]
     files, order = None, None
-    if fmt is not ROBERTA:
+    if fmt in ROBERTAS and values["vocab_size"] == len(Tokenizer.gpt2().dictionary):  # roberta-base's: fairseq ids
+        _check_gpt2(folder, values["vocab_size"], zero_mask=False)
+    else:  # its own vocabulary: vocab.txt / tokenizer.json travel with the model
         files, tokenizer = _vocabulary(folder, fmt, values["vocab_size"])
         order = torch.from_numpy(tokenizer.vocab_order)
-    else:
-        _check_gpt2(folder, values["vocab_size"], zero_mask=False)
     cfg = load_config(VARIANTS / VARIANT[fmt.architecture], overrides)
     weights, state = _read_weights(folder)
     _check_keys(weights, state, _expected_shapes(values, fmt, sequence), fmt)

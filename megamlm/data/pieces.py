@@ -7,11 +7,13 @@ its order,
     BERT:       [CLS] -> 0 (<s>), [PAD] -> 1, [SEP] -> 2 (</s>), [UNK] -> 3, other pieces, [MASK] last
     ALBERT:     [CLS] -> 0,       <pad> -> 1, [SEP] -> 2,        <unk> -> 3, other pieces, [MASK] last
     ModernBERT: [CLS] -> 0,       [PAD] -> 1, [SEP] -> 2,        [UNK] -> 3, other pieces, [MASK] last
+    XLM-R:      <s>   -> 0,       <pad> -> 1, </s>  -> 2,        <unk> -> 3, other pieces, <mask> last
 
-as many ids as the vocabulary has pieces (bert-base-uncased: 30,522; albert-base-v2: 30,000).
-`vocab_order` is that permutation (megamlm id -> the vocabulary's id), which the Hugging Face
-converters apply to the embedding rows. Both pair texts as `[CLS] A [SEP] B [SEP]`; the model's token
-types count the separators (model.token_types).
+as many ids as the vocabulary has pieces (bert-base-uncased: 30,522; albert-base-v2: 30,000;
+xlm-roberta-base: 250,002, already in this order). `vocab_order` is that permutation (megamlm id -> the
+vocabulary's id), which the Hugging Face converters apply to the embedding rows. BERT's, ALBERT's and
+ModernBERT's pair texts as `[CLS] A [SEP] B [SEP]` (the model's token types count the separators:
+model.token_types), RoBERTa-shaped models with a tokenizer.json (XLM-R) as `<s> A </s></s> B </s>`.
 
     WordPiece folder:  vocab.txt (one piece per line) + wordpiece.json {"lowercase": bool}
     tokenizer.json folder (SentencePiece, byte-level BPE): tokenizer.json (Hugging Face `tokenizers`) +
@@ -171,21 +173,24 @@ class JsonTokenizer(PieceTokenizer):
             raise TokenizerError(f"{path}: ids are not 0..{len(pieces) - 1} without gaps")
         mark = names.get("word_mark", self.WORD_MARKS["Metaspace"])
         super().__init__(folder, pieces, tuple(names["specials"]), names["mask"], lambda piece: piece.startswith(mark))
+        self.pair_separator = (EOS,) * int(names.get("pair_separators", 1))
 
     @classmethod
     def write(cls, folder: str | Path, tokenizer_json: str, specials: tuple[str, ...], mask: str,
-              tokenizer_class: str = "AlbertTokenizer") -> Path:
+              tokenizer_class: str = "AlbertTokenizer", pair_separators: int = 1) -> Path:
         """A tokenizer.json folder from a tokenizer.json's text, its names for <s> <pad> </s> <unk>, mask,
-        and transformers' class for it (written back on export)."""
+        transformers' class for it (written back on export) and the separators between a pair's texts
+        (RoBERTa's 2: `</s></s>`)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / cls.TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
         pre = json.loads(tokenizer_json).get("pre_tokenizer") or {}  # one, or a Sequence of them
         kinds = [step.get("type") for step in [pre, *pre.get("pretokenizers", [])]]
         word_mark = next((cls.WORD_MARKS[k] for k in kinds if k in cls.WORD_MARKS), cls.WORD_MARKS["Metaspace"])
-        (folder / cls.SPECIAL_NAMES).write_text(json.dumps(
-            {"specials": list(specials), "mask": mask, "word_mark": word_mark,
-             "tokenizer_class": tokenizer_class}) + "\n")
+        names = {"specials": list(specials), "mask": mask, "word_mark": word_mark, "tokenizer_class": tokenizer_class}
+        if pair_separators != 1:  # (the files of one-separator folders stay as they were)
+            names["pair_separators"] = pair_separators
+        (folder / cls.SPECIAL_NAMES).write_text(json.dumps(names) + "\n")
         return folder
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
