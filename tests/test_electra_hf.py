@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from megamlm.convert.hf import BERT, megamlm_to_hf
+from megamlm.convert.hf import megamlm_to_hf
+from megamlm.convert.hf_formats import BERT
 from megamlm.model import names
 from megamlm.model.embedding import token_types
 from megamlm.model.reshard import full_state_dict

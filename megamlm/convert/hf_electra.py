@@ -20,7 +20,8 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import ELECTRA_GENERATOR, hf_to_megamlm
+from megamlm.convert.hf import hf_to_megamlm
+from megamlm.convert.hf_formats import ELECTRA_GENERATOR
 from megamlm.model import names
 from megamlm.objectives.electra import generator_config
 

@@ -20,9 +20,10 @@ import torch
 
 from megamlm.config import ModelConfig
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ACTIVATIONS, ALBERT, BERT, ELECTRA, ELECTRA_GENERATOR, MODERNBERT, ROBERTA, XLM_ROBERTA,
-                                HFFormat, hf_config_values, megamlm_to_hf, pair_head_to_hf, permute_vocab,
+from megamlm.convert.hf import (ACTIVATIONS, hf_config_values, megamlm_to_hf, pair_head_to_hf, permute_vocab,
                                 sequence_head_to_hf)
+from megamlm.convert.hf_formats import (ALBERT, BERT, DISTILBERT, ELECTRA, ELECTRA_GENERATOR, MODERNBERT, ROBERTA,
+                                        XLM_ROBERTA, HFFormat)
 from megamlm.convert.hf_electra import HEAD_ACTIVATION
 from megamlm.convert.parity import compare, megamlm_logits, without_padding_column
 from megamlm.data.dictionary import TokenizerError
@@ -172,6 +173,9 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
     tokenizer = _load_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask)
     if fmt is ROBERTA and getattr(tokenizer, "tokenizer_class", None) == "XLMRobertaTokenizer":
         fmt = XLM_ROBERTA  # the same model; the class an XLM-R folder came as
+    if (fmt is ROBERTA and isinstance(tokenizer, WordPieceTokenizer)
+            and cfg.layernorm_epsilon == DISTILBERT.variant["layernorm_epsilon"]):
+        fmt = DISTILBERT  # the same function with BERT's vocabulary (RoBERTa's positions read id 1 as padding)
     order = getattr(tokenizer, "vocab_order", None)  # megamlm id -> WordPiece row
     order = None if order is None else torch.from_numpy(order)
     with staged_output(out, "hf", overwrite) as tmp:

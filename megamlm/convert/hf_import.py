@@ -26,9 +26,10 @@ import torch
 
 from megamlm.config import Config, ModelConfig, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
-from megamlm.convert.hf import (ACTIVATIONS, ALBERT, BERT, ELECTRA, ELECTRA_GENERATOR, HF_FORMATS, MODERNBERT,
-                                PRETRAINING, ROBERTAS, SEQUENCE_CLASSIFIERS, HFFormat, hf_to_megamlm,
-                                hf_to_sequence_head, model_values, pair_head, permute_vocab)
+from megamlm.convert.hf import (ACTIVATIONS, hf_to_megamlm, hf_to_sequence_head, model_values, pair_head,
+                                permute_vocab, standard_values)
+from megamlm.convert.hf_formats import (ALBERT, BERT, DISTILBERT, ELECTRA, ELECTRA_GENERATOR, HF_FORMATS, MODERNBERT,
+                                        PRETRAINING, ROBERTAS, SEQUENCE_CLASSIFIERS, HFFormat)
 from megamlm.convert.hf_electra import check_generator_config, generator_size, generator_weights
 from megamlm.convert.hf_export import SequenceClassifier
 from megamlm.convert.hf_modernbert import modernbert_problems
@@ -47,7 +48,8 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
 VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "XLMRobertaForMaskedLM": "baseline.yaml",
            "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml",
-           "ModernBertForMaskedLM": "modernbert.yaml", "ElectraForPreTraining": "bert.yaml"}
+           "ModernBertForMaskedLM": "modernbert.yaml", "ElectraForPreTraining": "bert.yaml",
+           "DistilBertForMaskedLM": "bert.yaml"}
 """The megamlm variant each format is (its config file)."""
 
 
@@ -95,8 +97,9 @@ def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
     if fmt is MODERNBERT:
         differ += modernbert_problems(values, ACTIVATIONS)
-    elif values.get("hidden_act", "gelu") not in ACTIVATIONS:
-        differ.append(f"hidden_act={values['hidden_act']!r} (needs one of {', '.join(ACTIVATIONS)})")
+    elif (activation := standard_values(values, fmt).get("hidden_act", "gelu")) not in ACTIVATIONS:
+        differ.append(f"{dict(fmt.config_names).get('hidden_act', 'hidden_act')}={activation!r} (needs one of "
+                      f"{', '.join(ACTIVATIONS)})")
     if values.get("position_embedding_type", "absolute") != "absolute":
         differ.append(f"position_embedding_type={values['position_embedding_type']!r} (needs 'absolute')")
     if differ:
@@ -164,7 +167,7 @@ def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, 
                                   f"{tuple(shape)}")
 
 
-WORDPIECE = (BERT, ELECTRA)
+WORDPIECE = (BERT, ELECTRA, DISTILBERT)
 """The formats whose vocabulary is BERT's WordPiece vocab.txt."""
 
 SPECIAL_NAMES = {

@@ -1,5 +1,5 @@
 """megamlm's parameter names, written once: the checkpoint format's key tables (convert/fairseq.py,
-convert/hf.py) and the TP shard table (model/tp.py) are built from these templates. They are wave 1's
+convert/hf_formats.py) and the TP shard table (model/tp.py) are built from these templates. They are wave 1's
 names (initialization also seeds each parameter by its name), so they never change.
 
 Templates: {i} the layer index, {kind} weight | bias, {attn_norm} / {mlp_norm} the LayerNorm slot of
