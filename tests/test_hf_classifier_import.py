@@ -128,6 +128,11 @@ def test_label_names_that_do_not_match_keep_the_rows_and_say_so(world, tmp_path)
 
 
 def test_classification_head_from_hf_needs_a_sequence_classifier(world, tmp_path):
+    three = as_sequence_classifier(SOURCES["Roberta"](tmp_path / "mlm3"), tmp_path / "cls3", {0: "a", 1: "b", 2: "c"})
+    with pytest.raises(ConversionError, match="its classifier has 3 output\\(s\\), not the 2 labels entailment, "
+                                              "not_entailment of rte; nothing was written"):
+        convert("hf", "megamlm", three, tmp_path / "out", classifier=SequenceClassifier("rte", TASKS["RTE"].labels),
+                **QUIET)
     with pytest.raises(ConversionError, match=r"--classification-head with --from hf: for a "
                                               r"\*ForSequenceClassification folder .* holds BertForMaskedLM"):
         convert("hf", "megamlm", SOURCES["Bert"](tmp_path / "mlm"), tmp_path / "out",

@@ -272,9 +272,9 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
     rows, notes = None, []
     if sequence:  # the encoder and its classification head (ModernBERT's `head` is the head's, not an MLM head's)
         full = {key: value for key, value in full.items() if not key.startswith(names.LM_HEAD_PREFIX)}
-        rows, notes = _label_rows(folder, values, classifier)
-        heads = {key: value if rows is None or ".out_proj." not in key else value[rows]
-                 for key, value in hf_to_sequence_head(state, classifier.name, fmt).items()}
+        head = hf_to_sequence_head(state, classifier.name, fmt)
+        rows, notes = _label_rows(folder, values, classifier, len(head[f"{classifier.name}.out_proj.weight"]))
+        heads = {key: value if rows is None or ".out_proj." not in key else value[rows] for key, value in head.items()}
     if generator is not None:
         full.update(_read_generator(generator, generator_values, values, cfg.model, state))
     if order is not None:
@@ -324,14 +324,19 @@ def _sequence_classifier(folder: Path, values: dict, given: SequenceClassifier |
     return SequenceClassifier(str(values["finetuning_task"]).lower())
 
 
-def _label_rows(folder: Path, values: dict, classifier: SequenceClassifier) -> tuple[list[int] | None, list[str]]:
-    """The checkpoint's classifier rows in the order of `classifier.labels` (config.json's id2label names
-    them), None when already in that order or when no names match (then a note says the order is kept)."""
+def _label_rows(folder: Path, values: dict, classifier: SequenceClassifier,
+                outputs: int) -> tuple[list[int] | None, list[str]]:
+    """The checkpoint's classifier rows (`outputs` of them) in the order of `classifier.labels` (config.json's
+    id2label names them), None when already in that order or when no names match (then a note says the order
+    is kept); a head of another number of outputs than the labels is refused."""
     id2label = {int(i): str(name) for i, name in (values.get("id2label") or {}).items()}
     lowered = {i: name.lower() for i, name in id2label.items()}  # roberta-large-mnli's are CONTRADICTION, ...
     labels = classifier.labels
-    if labels is None or values.get("num_labels", len(id2label)) == 1:
+    if labels is None:
         return None, []
+    if outputs != len(labels):
+        raise ConversionError(f"{folder}: its classifier has {outputs} output(s), not the {len(labels)} labels "
+                              f"{', '.join(labels)} of {classifier.name}; nothing was written")
     if sorted(lowered.values()) != sorted(label.lower() for label in labels):
         names_given = ", ".join(id2label[i] for i in sorted(id2label)) or "none: transformers' LABEL_<i>"
         return None, [f"{folder}/config.json: id2label ({names_given}) does not name {classifier.name}'s labels "
