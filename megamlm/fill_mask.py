@@ -1,4 +1,5 @@
-"""Fill-mask: the top-k completions of the first `<mask>` in a sentence (fairseq hub semantics)."""
+"""Fill-mask: the top-k completions of the first `<mask>` in a sentence (fairseq hub semantics); a
+vocabulary's own name for it (BERT's `[MASK]`) works too."""
 
 from __future__ import annotations
 
@@ -10,12 +11,19 @@ from megamlm.errors import MegamlmError
 MASK_TEXT = "<mask>"
 
 
+def mask_marker(text: str, tokenizer: Tokenizer) -> str:
+    """What stands for the mask in `text`: `<mask>`, or the vocabulary's own name for it (BERT's [MASK])."""
+    markers = dict.fromkeys([MASK_TEXT, getattr(tokenizer, "mask_text", MASK_TEXT)])
+    found = next((marker for marker in markers if marker in text), None)
+    if found is None:
+        raise MegamlmError(f"the text has no {' or '.join(markers)}: {text!r}")
+    return found
+
+
 def encode_masked(text: str, tokenizer: Tokenizer) -> torch.Tensor:
     """`<s> ... <mask> ... </s>` ids [1, s]; as fairseq, each span before a mask drops its trailing
     whitespace, so the mask stands for a token with its leading space (" Beijing")."""
-    if MASK_TEXT not in text:
-        raise MegamlmError(f"the text has no {MASK_TEXT}: {text!r}")
-    spans = text.split(MASK_TEXT)
+    spans = text.split(mask_marker(text, tokenizer))
     ids = [BOS]
     for i, span in enumerate(spans):
         ids += tokenizer.encode(span.rstrip() if i < len(spans) - 1 else span).tolist()
@@ -41,7 +49,7 @@ def fill_mask(model, tokenizer: Tokenizer, text: str, topk: int = 5) -> list[tup
     results = []
     for p, i in zip(values.tolist(), ids.tolist()):
         word = tokenizer.decode([i])
-        before, _, after = text.partition(MASK_TEXT)
+        before, _, after = text.partition(mask_marker(text, tokenizer))
         filled = (before.rstrip() + word if word.startswith(" ") else before + word) + after
         results.append((filled, p, word))
     return results

@@ -88,3 +88,18 @@ def test_continued_pretraining_of_distilbert_starts_at_transformers_loss(world, 
         theirs = DistilBertForMaskedLM.from_pretrained(source).eval()(input_ids=order[masked],
                                                                      labels=labels.view_as(ids)).loss
     torch.testing.assert_close(ours.float().reshape(()), theirs, rtol=0, atol=1e-5)
+
+
+def test_fill_mask_reads_berts_own_mask_name(world, tmp_path, capsys):
+    from megamlm.fill_mask import fill_mask
+    from megamlm.objectives import load_pretrained
+    from tests.faults_common import run_cli
+
+    convert("hf", "megamlm", save_distilbert(tmp_path / "hf"), tmp_path / "megamlm", **QUIET)
+    cfg, model = load_pretrained(tmp_path / "megamlm", world)
+    tokenizer = Tokenizer.load(cfg.data.tokenizer)
+    theirs = fill_mask(model, tokenizer, "the fox and the [MASK] run", topk=3)
+    assert theirs == fill_mask(model, tokenizer, "the fox and the <mask> run", topk=3)
+    assert [filled.split()[4] for filled, _, _ in theirs] == [word.strip() for _, _, word in theirs]
+    code, line = run_cli(capsys, "fill-mask", tmp_path / "megamlm", "the fox and the dog")
+    assert code == 2 and line == "megamlm: fill-mask: the text has no <mask> or [MASK]: 'the fox and the dog'"

@@ -46,6 +46,8 @@ class PieceTokenizer:
         """`pieces`: the vocabulary in its own id order; `specials`: its names for <s> <pad> </s> <unk>;
         `word_start(piece)`: whether a piece begins a word."""
         self.folder = folder
+        self.mask_text = mask
+        """The vocabulary's own name of the mask ([MASK]), which fill-mask also reads."""
         index = {piece: i for i, piece in enumerate(pieces)}
         missing = [s for s in (*specials, mask) if s not in index]
         if missing:
