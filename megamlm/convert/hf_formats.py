@@ -19,16 +19,19 @@ non-renaming steps are written next to it:
   does not have are absent on both sides (`_rename`), and a decoder without bias imports as zeros;
 - DistilBERT is BERT's encoder without token types, under its own key and config names (`config_names`);
 - ELECTRA's discriminator is BERT's encoder (`electra.*`, its `embeddings_project` megamlm's embedding
-  projection when embedding_size differs from hidden_size) with the replaced-token head and no MLM head:
-  megamlm's ELECTRA objective without its generator;
+  projection when embedding_size differs from hidden_size) with the replaced-token head and no MLM head;
+  its generator (`ElectraForMaskedLM`, a folder of its own) is megamlm's `generator.*` reading the
+  discriminator's embedding (convert/hf_electra.py);
 - BERT's / ALBERT's pretraining checkpoints also hold a sentence-pair head (pooler + NSP / SOP classifier):
   it is the model folder's classification head `nsp` / `sop` (`pair_head`), written back as the
   pretraining class (`HFFormat.pretraining`);
 - a fine-tuned folder's classification head (`megamlm glue --save`) exports as the format's
   *ForSequenceClassification (`sequence_head`: RoBERTa's classifier.dense/out_proj, BERT's and ALBERT's
-  pooler + classifier for the `pooler` head; ModernBERT's head + classifier for `mlm_head`);
-- vocabulary rows: RoBERTa's ids are fairseq's; BERT's WordPiece and ALBERT's SentencePiece ids are
-  permuted into megamlm's (data/pieces.py: vocab_order) by the importer / exporter, which hold the vocab.
+  pooler + classifier for the `pooler` head; ModernBERT's head + classifier for `mlm_head`), and such a
+  class imports as the encoder with that classification head (no MLM head);
+- vocabulary rows: roberta-base's ids are fairseq's; XLM-R's SentencePiece, BERT's WordPiece and ALBERT's
+  SentencePiece ids are permuted into megamlm's (data/pieces.py: vocab_order; XLM-R's is the identity) by
+  the importer / exporter, which hold the vocab.
 """
 
 from __future__ import annotations
