@@ -83,3 +83,30 @@ def test_a_roberta_of_another_vocabulary_needs_its_tokenizer(world, tmp_path):
                                               rf"of their vocabulary \(vocab_size={len(VOCAB)}, not roberta-base's"):
         convert("hf", "megamlm", source, tmp_path / "out", **QUIET)
     assert not (tmp_path / "out").exists()
+
+
+CAMEMBERT_VOCAB = (["<s>NOTUSED", "<pad>", "</s>NOTUSED", "<unk>", "<unk>NOTUSED", "<s>", "</s>"] + ALBERT_VOCAB[5:]
+                   + ["<mask>"])
+"""CamemBERT's layout: its <s> and </s> at rows 5 and 6, rows 0, 2 and 4 unused."""
+
+
+def test_camembert_moves_its_specials_and_goes_back(world, tmp_path):
+    from transformers import CamembertTokenizer
+
+    save_roberta(tmp_path / "hf", architecture="Camembert", vocab_size=len(CAMEMBERT_VOCAB))
+    scores = [(piece, 0.0 if piece.startswith("<") else -1.0 - len(piece) * 0.1) for piece in CAMEMBERT_VOCAB]
+    CamembertTokenizer(vocab=scores).save_pretrained(tmp_path / "hf")
+    assert convert("hf", "megamlm", tmp_path / "hf", tmp_path / "megamlm", **QUIET)["max_diff"]["hf source"] < 1e-5
+    model = read_megamlm(tmp_path / "megamlm")
+    tokenizer = Tokenizer.load(model.cfg.data.tokenizer)
+    assert tokenizer.vocab_order[:5].tolist() == [5, 1, 6, 3, 0]  # <s> <pad> </s> <unk>, then the unused rows
+    ids, want = _transformers(tmp_path / "hf")
+    ours = torch.argsort(torch.from_numpy(tokenizer.vocab_order))[ids]
+    assert encode([Example(texts=(TEXT_A, TEXT_B), label=0)], tokenizer, 64)[0] == ours[0].tolist()
+    back = convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back", **QUIET)
+    assert back["max_diff"]["transformers CamembertForMaskedLM"] < 1e-5
+    config = json.loads((tmp_path / "back/config.json").read_text())
+    assert (config["architectures"], config["bos_token_id"], config["eos_token_id"]) == (["CamembertForMaskedLM"], 5, 6)
+    ids_back, logits_back = _transformers(tmp_path / "back")
+    assert torch.equal(ids_back, ids)
+    torch.testing.assert_close(logits_back, want, rtol=0, atol=1e-5)

@@ -23,7 +23,7 @@ from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import (ACTIVATIONS, hf_config_values, megamlm_to_hf, pair_head_to_hf, permute_vocab,
                                 sequence_head_to_hf)
 from megamlm.convert.hf_formats import (ALBERT, BERT, DISTILBERT, ELECTRA, ELECTRA_GENERATOR, MODERNBERT, ROBERTA,
-                                        XLM_ROBERTA, HFFormat)
+                                        ROBERTAS, TOKENIZER_FORMATS, HFFormat)
 from megamlm.convert.hf_electra import HEAD_ACTIVATION
 from megamlm.convert.parity import compare, megamlm_logits, without_padding_column
 from megamlm.data.dictionary import TokenizerError
@@ -171,8 +171,8 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
         raise ConversionError(f"{', '.join(cfg.modern_parts())}: only the modernbert variant's mix of these "
                               f"exports (as ModernBertForMaskedLM); megamlm's own modeling file has none of them")
     tokenizer = _load_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask)
-    if fmt is ROBERTA and getattr(tokenizer, "tokenizer_class", None) == "XLMRobertaTokenizer":
-        fmt = XLM_ROBERTA  # the same model; the class an XLM-R folder came as
+    if fmt is ROBERTA:  # the same model; the class an XLM-R or CamemBERT folder came as
+        fmt = TOKENIZER_FORMATS.get(getattr(tokenizer, "tokenizer_class", None), ROBERTA)
     if (fmt is ROBERTA and isinstance(tokenizer, WordPieceTokenizer)
             and cfg.layernorm_epsilon == DISTILBERT.variant["layernorm_epsilon"]):
         fmt = DISTILBERT  # the same function with BERT's vocabulary (RoBERTa's positions read id 1 as padding)
@@ -182,6 +182,8 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
         if fmt is not None:
             pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])
             values = hf_config_values(cfg, fmt, pad)
+            if fmt in ROBERTAS and order is not None:  # the vocabulary's own <s> and </s> (CamemBERT's 5 and 6)
+                values.update(bos_token_id=int(order[0]), eos_token_id=int(order[2]))
             full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
             state = megamlm_to_hf(full, cfg, fmt)
             if classifier is not None:  # the classification head replaces the MLM head (unused keys: dropped)

@@ -1,4 +1,4 @@
-"""The transformers classes megamlm converts, one `HFFormat` each: `RobertaForMaskedLM` (and XLM-R's) /
+"""The transformers classes megamlm converts, one `HFFormat` each: `RobertaForMaskedLM` (and XLM-R's, CamemBERT's) /
 `BertForMaskedLM` / `AlbertForMaskedLM` / `ModernBertForMaskedLM` / `ElectraForPreTraining` (+ its generator
 `ElectraForMaskedLM`) / `DistilBertForMaskedLM` <-> megamlm key tables (full TP=1 tensors; the conversion
 itself: convert/hf.py).
@@ -165,7 +165,11 @@ ROBERTA = HFFormat(
 XLM_ROBERTA = dataclasses.replace(ROBERTA, architecture="XLMRobertaForMaskedLM")
 """XLM-R: RoBERTa's model (the same keys, `roberta.*`) with a SentencePiece tokenizer.json whose ids are
 fairseq's order already (<s> <pad> </s> <unk> ... <mask>)."""
-ROBERTAS = (ROBERTA, XLM_ROBERTA)
+CAMEMBERT = dataclasses.replace(ROBERTA, architecture="CamembertForMaskedLM", fixed={
+    key: value for key, value in ROBERTA.fixed.items() if key not in ("bos_token_id", "eos_token_id")})
+"""CamemBERT: RoBERTa's model with a SentencePiece tokenizer.json whose <s> and </s> are ids 5 and 6 (0 and 2
+are unused `<s>NOTUSED` / `</s>NOTUSED`); megamlm's vocabulary order moves them to 0 and 2."""
+ROBERTAS = (ROBERTA, XLM_ROBERTA, CAMEMBERT)
 """The formats with RoBERTa's model: one token type, folded into the positions."""
 BERT = HFFormat(
     "BertForMaskedLM", "bert",
@@ -255,7 +259,10 @@ DISTILBERT = HFFormat(
 """DistilBERT: BERT's post-LN encoder without token types (its LayerNorms' eps fixed at 1e-12), its own key and
 config names, BERT's WordPiece vocabulary and MLM head. (A sinusoidal position table is stored as weights: it
 imports as a learned table.)"""
-HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT, ELECTRA, XLM_ROBERTA, DISTILBERT)}
+HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT, ELECTRA, XLM_ROBERTA, DISTILBERT,
+                                          CAMEMBERT)}
+TOKENIZER_FORMATS = {"XLMRobertaTokenizer": XLM_ROBERTA, "CamembertTokenizer": CAMEMBERT}
+"""RoBERTa-shaped exports go out as the class their tokenizer's class names (XLM-R's, CamemBERT's)."""
 SEQUENCE_CLASSIFIERS = {f.sequence_classification: f for f in HF_FORMATS.values() if f.sequence_head}
 """The *ForSequenceClassification classes `--from hf` reads: the encoder and its classification head, no
 masked-LM head."""

@@ -47,6 +47,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 """A folder's weights: one of these files, or the shards its `.index.json` maps."""
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
 VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "XLMRobertaForMaskedLM": "baseline.yaml",
+           "CamembertForMaskedLM": "baseline.yaml",
            "BertForMaskedLM": "bert.yaml", "AlbertForMaskedLM": "albert.yaml",
            "ModernBertForMaskedLM": "modernbert.yaml", "ElectraForPreTraining": "bert.yaml",
            "DistilBertForMaskedLM": "bert.yaml"}
@@ -174,7 +175,8 @@ SPECIAL_NAMES = {
     "AlbertForMaskedLM": {"cls_token": "[CLS]", "pad_token": "<pad>", "sep_token": "[SEP]", "unk_token": "<unk>",
                           "mask_token": "[MASK]", "tokenizer_class": "AlbertTokenizer"},
     **{f.architecture: {"cls_token": "<s>", "pad_token": "<pad>", "sep_token": "</s>", "unk_token": "<unk>",
-                        "mask_token": "<mask>", "tokenizer_class": "XLMRobertaTokenizer"} for f in ROBERTAS},
+                        "mask_token": "<mask>", "tokenizer_class": f.architecture.replace("ForMaskedLM", "Tokenizer")}
+       for f in ROBERTAS},
     "ModernBertForMaskedLM": {"cls_token": "[CLS]", "pad_token": "[PAD]", "sep_token": "[SEP]", "unk_token": "[UNK]",
                               "mask_token": "[MASK]", "tokenizer_class": "PreTrainedTokenizerFast"}}
 """The tokenizers' special names in megamlm's order and their transformers class, where
