@@ -29,15 +29,20 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "spec
 def as_sequence_classifier(masked_lm, folder, id2label: dict[int, str], **config):
     """A random *ForSequenceClassification of the masked-LM folder's shape and tokenizer (every weight drawn
     nonzero), `id2label` its classes."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    return as_transformers_class(masked_lm, folder, "AutoModelForSequenceClassification", num_labels=len(id2label),
+                                 id2label=id2label, label2id={name: i for i, name in id2label.items()}, **config)
 
-    values = AutoConfig.from_pretrained(masked_lm)
-    values.num_labels = len(id2label)
-    values.id2label, values.label2id = id2label, {name: i for i, name in id2label.items()}
+
+def as_transformers_class(masked_lm, folder, auto: str, **config):
+    """A random model of transformers' `auto` class (AutoModel: the bare encoder) with the masked-LM folder's
+    shape and tokenizer, every weight drawn nonzero; `config`: config attributes set."""
+    import transformers
+
+    values = transformers.AutoConfig.from_pretrained(masked_lm)
     for key, value in config.items():
         setattr(values, key, value)
     torch.manual_seed(3)
-    model = AutoModelForSequenceClassification.from_config(values)
+    model = getattr(transformers, auto).from_config(values)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.2)

@@ -139,14 +139,21 @@ class HFFormat:
         """The sequence-classification class of a format with a `sequence_head`."""
         return self.architecture.replace("ForMaskedLM", "ForSequenceClassification")
 
-    def build(self, values: dict, pretraining: bool = False, classifier: bool = False, **config_options):
+    @property
+    def base_model(self) -> str:
+        """The bare encoder's class (BertModel, ...): no head; its state dict's keys lack `prefix`."""
+        return self.architecture.split("For")[0] + "Model"
+
+    def build(self, values: dict, pretraining: bool = False, classifier: bool = False, base: bool = False,
+              **config_options):
         """The transformers model of this class (`pretraining`: its pretraining class; `classifier`: its
-        sequence-classification class) for config.json `values` (hf_config_values), freshly initialized;
-        `config_options` go to its config class (e.g. attn_implementation)."""
+        sequence-classification class; `base`: its bare encoder) for config.json `values` (hf_config_values),
+        freshly initialized; `config_options` go to its config class (e.g. attn_implementation)."""
         import transformers
 
         config_class = getattr(transformers, self.architecture.split("For")[0] + "Config")
-        name = self.sequence_classification if classifier else self.pretraining if pretraining else self.architecture
+        name = (self.base_model if base else self.sequence_classification if classifier
+                else self.pretraining if pretraining else self.architecture)
         return getattr(transformers, name)(config_class(**values, **config_options))
 
 
@@ -263,6 +270,9 @@ HF_FORMATS = {f.architecture: f for f in (ROBERTA, BERT, ALBERT, MODERNBERT, ELE
                                           CAMEMBERT)}
 TOKENIZER_FORMATS = {"XLMRobertaTokenizer": XLM_ROBERTA, "CamembertTokenizer": CAMEMBERT}
 """RoBERTa-shaped exports go out as the class their tokenizer's class names (XLM-R's, CamemBERT's)."""
+BASE_MODELS = {f.base_model: f for f in HF_FORMATS.values() if f.mlm_head}
+"""The bare encoders `--from hf` reads (RobertaModel, BertModel, ...: sentence-embedding models): the encoder,
+no head."""
 SEQUENCE_CLASSIFIERS = {f.sequence_classification: f for f in HF_FORMATS.values() if f.sequence_head}
 """The *ForSequenceClassification classes `--from hf` reads: the encoder and its classification head, no
 masked-LM head."""

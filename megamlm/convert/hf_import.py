@@ -1,12 +1,12 @@
-"""Hugging Face import: a `RobertaForMaskedLM`, `BertForMaskedLM`, `AlbertForMaskedLM` or
-`ModernBertForMaskedLM` folder (config.json + model.safetensors or pytorch_model.bin, or the shards an
-`.index.json` maps; saved locally) -> a megamlm model, for continued pretraining (BERT's and ALBERT's
-pretraining classes: with their sentence-pair head); an `ElectraForPreTraining` one (ELECTRA's
-discriminator) -> megamlm's ELECTRA model, with the generator (`ElectraForMaskedLM`, hf_electra.py) when
---generator names its folder; a `*ForSequenceClassification` of the first four -> the encoder and a
-classification head, no MLM head (for `megamlm glue`).
+"""Hugging Face import: a masked-LM folder (RoBERTa, XLM-R, CamemBERT, BERT, DistilBERT, ALBERT, ModernBERT:
+config.json + model.safetensors or pytorch_model.bin, or the shards an `.index.json` maps, saved locally;
+hf_weights.py) -> a megamlm model, for continued pretraining (BERT's and ALBERT's pretraining classes: with
+their sentence-pair head); an `ElectraForPreTraining` one (ELECTRA's discriminator) -> megamlm's ELECTRA
+model, with the generator (`ElectraForMaskedLM`, hf_electra.py) when --generator names its folder; a
+`*ForSequenceClassification` -> the encoder and a classification head, no MLM head (for `megamlm glue`); a
+bare encoder (`RobertaModel`, `BertModel`, ...: sentence-embedding models) -> the encoder alone.
 
-The key tables and the config table are `megamlm.convert.hf`'s (the export's, read the other way).
+The key tables are convert/hf_formats.py's and the conversion convert/hf.py's (the export's, read the other way).
 RoBERTa's vocabulary is GPT-2 BPE with fairseq's dictionary ids (`vocab.json` of roberta-base is
 fairseq's dict.txt order): a 50,265-row model takes megamlm's bundled tokenizer unchanged. BERT's
 WordPiece vocab.txt and ALBERT's (SentencePiece) and ModernBERT's (byte-level BPE) tokenizer.json travel
@@ -28,10 +28,12 @@ from megamlm.config import Config, ModelConfig, config_from_dict, load_config
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import (ACTIVATIONS, hf_to_megamlm, hf_to_sequence_head, model_values, pair_head,
                                 permute_vocab, standard_values)
-from megamlm.convert.hf_formats import (ALBERT, BERT, DISTILBERT, ELECTRA, ELECTRA_GENERATOR, HF_FORMATS, MODERNBERT,
-                                        PRETRAINING, ROBERTAS, SEQUENCE_CLASSIFIERS, HFFormat)
+from megamlm.convert.hf_formats import (ALBERT, BASE_MODELS, BERT, DISTILBERT, ELECTRA, ELECTRA_GENERATOR,
+                                        HF_FORMATS, MODERNBERT, PRETRAINING, ROBERTAS, SEQUENCE_CLASSIFIERS,
+                                        HFFormat)
 from megamlm.convert.hf_electra import check_generator_config, generator_size, generator_weights
 from megamlm.convert.hf_export import SequenceClassifier
+from megamlm.convert.hf_weights import check_keys, expected_shapes, read_weights
 from megamlm.convert.hf_modernbert import modernbert_problems
 from megamlm.data.dictionary import TokenizerError
 from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
@@ -41,10 +43,8 @@ from megamlm.model.embedding import token_types
 
 MEGAMLM_EXPORT = "MegamlmForMaskedLM"
 """megamlm's own export of the other variants (hf_export.py: modeling_megamlm.py through auto_map)."""
-SUPPORTED = (*HF_FORMATS, *PRETRAINING, *SEQUENCE_CLASSIFIERS, MEGAMLM_EXPORT)
+SUPPORTED = (*HF_FORMATS, *PRETRAINING, *SEQUENCE_CLASSIFIERS, *BASE_MODELS, MEGAMLM_EXPORT)
 """Architectures `convert --from hf` reads."""
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-"""A folder's weights: one of these files, or the shards its `.index.json` maps."""
 VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "variants"
 VARIANT = {"RobertaForMaskedLM": "baseline.yaml", "XLMRobertaForMaskedLM": "baseline.yaml",
            "CamembertForMaskedLM": "baseline.yaml",
@@ -92,7 +92,7 @@ def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
                               f"{flag} reads {', '.join(accept)}")
     if architectures[0] == MEGAMLM_EXPORT:
         return values, None
-    fmt = {**HF_FORMATS, **PRETRAINING, **SEQUENCE_CLASSIFIERS,
+    fmt = {**HF_FORMATS, **PRETRAINING, **SEQUENCE_CLASSIFIERS, **BASE_MODELS,
            ELECTRA_GENERATOR.architecture: ELECTRA_GENERATOR}[architectures[0]]
     differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
@@ -106,66 +106,6 @@ def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
     if differ:
         raise ConversionError(f"{path}: {'; '.join(differ)}: megamlm's {fmt.prefix} computes another function")
     return values, fmt
-
-
-def _read_weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    """(the file errors name, every tensor): one weights file, or a sharded checkpoint's files through its
-    `<name>.index.json` (transformers writes those above max_shard_size)."""
-    for name in WEIGHT_FILES:
-        path, index = folder / name, folder / f"{name}.index.json"
-        if path.is_file():
-            return path, _load_weights(path)
-        if index.is_file():
-            return index, _read_shards(index)
-    raise ConversionError(f"{folder}: no weights ({' or '.join(WEIGHT_FILES)}) and no shard index "
-                          f"({' or '.join(f'{name}.index.json' for name in WEIGHT_FILES)})")
-
-
-def _load_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            return load_file(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # safetensors / pickle errors have no common base
-        raise ConversionError(f"{path}: cannot read the weights ({type(err).__name__}: {err})") from None
-
-
-def _read_shards(index: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the shard files `index` maps them to (checked: each file is there and holds its tensors)."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise ConversionError(f"{index}: not a shard index (a JSON object with a weight_map: {err})") from None
-    state = {}
-    for file in files:
-        path = index.parent / file
-        if not path.is_file():
-            raise ConversionError(f"{index}: names the shard {file}, which {index.parent} lacks")
-        shard = _load_weights(path)
-        missing = sorted(key for key, where in weight_map.items() if where == file and key not in shard)
-        if missing:
-            raise ConversionError(f"{path}: lacks {', '.join(missing[:3])}, which {index.name} places there")
-        state.update(shard)
-    return state
-
-
-def _check_keys(path: Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Size], fmt: HFFormat) -> None:
-    """Every key the model needs, at its shape (the decoder, tied to the embedding, may be absent)."""
-    optional = {fmt.decoder.format(kind="weight"), fmt.decoder.format(kind="bias"),
-                f"{fmt.prefix}.embeddings.position_ids", f"{fmt.prefix}.embeddings.token_type_ids"}
-    if fmt in ROBERTAS:  # its one token type is optional (folded into the positions)
-        optional.add(fmt.token_types)
-    missing = sorted(k for k in expected if k not in state and k not in optional)
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ConversionError(f"{path}: missing {', '.join(missing[:3])}{more} for the shape config.json gives")
-    for key, shape in expected.items():
-        if key in state and tuple(state[key].shape) != tuple(shape):
-            raise ConversionError(f"{path}: {key} has shape {tuple(state[key].shape)}, config.json gives "
-                                  f"{tuple(shape)}")
 
 
 WORDPIECE = (BERT, ELECTRA, DISTILBERT)
@@ -239,6 +179,7 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
         raise ConversionError(f"--generator {generator}: for an ELECTRA discriminator (ElectraForPreTraining); "
                               f"{folder} holds {architecture}")
     sequence = (values.get("architectures") or [""])[0] in SEQUENCE_CLASSIFIERS
+    bare = (values.get("architectures") or [""])[0] in BASE_MODELS  # an encoder without any head
     if classifier is not None and not sequence:
         raise ConversionError(f"--classification-head with --from hf: for a *ForSequenceClassification folder "
                               f"({', '.join(SEQUENCE_CLASSIFIERS)}); {folder} holds {architecture}")
@@ -262,8 +203,10 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
         files, tokenizer = _vocabulary(folder, fmt, values["vocab_size"])
         order = torch.from_numpy(tokenizer.vocab_order)
     cfg = load_config(VARIANTS / VARIANT[fmt.architecture], overrides)
-    weights, state = _read_weights(folder)
-    _check_keys(weights, state, _expected_shapes(values, fmt, sequence), fmt)
+    weights, state = read_weights(folder)
+    if bare and not any(key.startswith(f"{fmt.prefix}.") for key in state):  # a bare encoder's keys lack it
+        state = {f"{fmt.prefix}.{key}": value for key, value in state.items()}
+    check_keys(weights, state, expected_shapes(values, fmt, sequence, bare), fmt)
     state = {k: v.float() for k, v in state.items()}
     decoder = state.get(fmt.decoder.format(kind="weight"))
     if decoder is not None and not torch.equal(decoder, state[fmt.word_embeddings]):
@@ -272,8 +215,9 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
     full = hf_to_megamlm(state, cfg.model, fmt)
     heads = pair_head(state, fmt)
     rows, notes = None, []
-    if sequence:  # the encoder and its classification head (ModernBERT's `head` is the head's, not an MLM head's)
+    if sequence or bare:  # no MLM head (ModernBERT's `head` is the classification head's, not an MLM head's)
         full = {key: value for key, value in full.items() if not key.startswith(names.LM_HEAD_PREFIX)}
+    if sequence:  # and the classification head
         head = hf_to_sequence_head(state, classifier.name, fmt)
         rows, notes = _label_rows(folder, values, classifier, len(head[f"{classifier.name}.out_proj.weight"]))
         heads = {key: value if rows is None or ".out_proj." not in key else value[rows] for key, value in head.items()}
@@ -285,14 +229,18 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
     def reference(tokens: torch.Tensor, source: Path = folder, of: HFFormat = fmt) -> torch.Tensor:
         import transformers
 
-        name = fmt.sequence_classification if sequence and of is fmt else of.architecture
+        name = of.architecture if of is not fmt else (fmt.sequence_classification if sequence else
+                                                      fmt.base_model if bare else fmt.architecture)
         model = getattr(transformers, name).from_pretrained(source, attn_implementation="eager")
         inputs = dict(attention_mask=tokens.ne(cfg.model.pad_token_id).long())
         inputs.update(input_ids=tokens if order is None else order[tokens])  # megamlm ids -> the vocabulary's
         if cfg.model.token_types:  # by the same rule as megamlm's
             inputs.update(token_type_ids=token_types(tokens, cfg.model))
         with torch.no_grad():
-            logits = model.float().eval()(**inputs).logits
+            output = model.float().eval()(**inputs)
+        if bare and of is fmt:
+            return output.last_hidden_state  # [b, s, h]
+        logits = output.logits
         if sequence and of is fmt:
             return logits if rows is None else logits[:, rows]  # their classes -> the head's rows
         if order is None or not of.mlm_head:
@@ -309,8 +257,8 @@ def _read_generator(folder: Path, values: dict, discriminator: dict, model: Mode
     """The generator folder's tensors as megamlm's `generator.*` (HF vocabulary order), checked against the
     discriminator's config.json values, model section and state dict (hf_electra.py)."""
     generator = check_generator_config(folder / "config.json", values, discriminator, model)
-    weights, generator_state = _read_weights(folder)
-    _check_keys(weights, generator_state, _expected_shapes(values, ELECTRA_GENERATOR), ELECTRA_GENERATOR)
+    weights, generator_state = read_weights(folder)
+    check_keys(weights, generator_state, expected_shapes(values, ELECTRA_GENERATOR), ELECTRA_GENERATOR)
     return generator_weights(generator, weights, generator_state, state)
 
 
@@ -372,7 +320,7 @@ def _read_megamlm_export(folder: Path, values: dict) -> HFSource:
     cfg = config_from_dict({"model": section, "data": {"tokenizer": tokenizer,
                                                        "seq_length": section.get("max_positions", 512)}},
                            origin=str(folder / "config.json"))
-    _, state = _read_weights(folder)
+    _, state = read_weights(folder)
     full = {k: v.float() for k, v in state.items()}
 
     def reference(tokens: torch.Tensor) -> torch.Tensor:
@@ -383,11 +331,3 @@ def _read_megamlm_export(folder: Path, values: dict) -> HFSource:
             return model(input_ids=tokens, attention_mask=tokens.ne(cfg.model.pad_token_id).long()).logits
 
     return HFSource(cfg, full, reference, files)
-
-
-def _expected_shapes(values: dict, fmt: HFFormat, classifier: bool = False) -> dict[str, torch.Size]:
-    """The state dict's shapes transformers gives this config.json (a model on the meta device; `classifier`:
-    of the format's *ForSequenceClassification)."""
-    with torch.device("meta"):
-        model = fmt.build(values, classifier=classifier)
-    return {key: tensor.shape for key, tensor in model.state_dict().items()}

@@ -64,6 +64,21 @@ def without_padding_column(logits: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.cat([logits[..., :pad], logits[..., pad + 1:]], dim=-1)
 
 
+def encoder_states(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """[b, s, h]: the encoder's output for a folder without any head (a bare encoder read from transformers'
+    *Model class), as that class's last_hidden_state."""
+    encoder = encoder_of(replace_config(cfg, ["parallel.tensor_parallel=1"]).model, full,
+                         init_distributed(ParallelConfig()))
+    with torch.no_grad():
+        # [s, b, h] -> [b, s, h]
+        return encoder(tokens, host_layout=(tokens, None, None)).transpose(0, 1)
+
+
+def has_masked_lm_head(full: dict[str, torch.Tensor]) -> bool:
+    """Whether a model's tensors hold the MLM head (a folder read from a classifier or a bare encoder has none)."""
+    return any(key.startswith(names.LM_HEAD_PREFIX) for key in full)
+
+
 def classifier_logits(cfg: Config, full: dict[str, torch.Tensor], heads: dict[str, torch.Tensor], name: str,
                       tokens: torch.Tensor) -> torch.Tensor:
     """[b, labels]: the folder's classification head `name` (model.classifier, on model.classifier_pooling's

@@ -23,13 +23,12 @@ from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
 from megamlm.convert.hf_export import SequenceClassifier, write_hf
 from megamlm.convert.hf_import import read_hf
-from megamlm.convert.parity import (classifier_logits, compare, megamlm_logits, probe_tokens,
-                                    without_padding_column)
+from megamlm.convert.parity import (classifier_logits, compare, encoder_states, has_masked_lm_head, megamlm_logits,
+                                    probe_tokens, without_padding_column)
 from megamlm.convert.safe_load import load_untrusted
 from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
-from megamlm.model import names
 from megamlm.model.folder import read_model_folder, staged_write
 from megamlm.objectives import get_objective, objective_class
 from megamlm.objectives.sentence_pairs import as_classification_head
@@ -173,16 +172,19 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             f"{src} was trained with objective.name={cfg.objective.name}: conversion to {target} (and its logit "
             f"parity check) covers masked-LM models{also}; its folder already loads at any TP degree and "
             f"`megamlm glue` fine-tunes it; nothing was written")
-    if target == "fairseq" and not any(key.startswith(names.LM_HEAD_PREFIX) for key in model.full):
-        raise fs.ConversionError(f"{src} holds no masked-LM head (it was read from a *ForSequenceClassification) and "
-                                 f"a fairseq checkpoint needs one: it converts to megamlm and to hf "
-                                 f"(--classification-head); nothing was written")
+    bare = cfg.objective.name == "mlm" and not has_masked_lm_head(model.full)  # no head: a classifier's encoder
+    if bare and (target == "fairseq" or (target == "hf" and classifier is None)):
+        raise fs.ConversionError(f"{src} holds no masked-LM head (it was read from a *ForSequenceClassification or a "
+                                 f"bare *Model): it converts to megamlm, and to hf with --classification-head NAME; "
+                                 f"nothing was written")
     tokens = probe_tokens(cfg)
 
     def probe(cfg: Config, full: dict, heads: dict) -> torch.Tensor:
-        """What is compared: the model's probe output, or the classification head's logits [b, labels]."""
-        return (megamlm_logits(cfg, full, tokens) if classifier is None
-                else classifier_logits(cfg, full, heads, classifier.name, tokens))
+        """What is compared: the model's probe output, the classification head's logits [b, labels], or (a
+        folder without any head) the encoder's output [b, s, h]."""
+        if classifier is not None:
+            return classifier_logits(cfg, full, heads, classifier.name, tokens)
+        return encoder_states(cfg, full, tokens) if bare else megamlm_logits(cfg, full, tokens)
 
     ours = probe(cfg, model.full, model.heads)
     pad = cfg.model.pad_token_id
@@ -210,7 +212,8 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
         write_hf(model, out, tokens, ours, tolerance, report, overwrite, classifier, generator_out)
     for check, diff in report["max_diff"].items():
         width = report.get("symbols", {}).get(check, ours.shape[-1] if ours.dim() > 2 else None)  # ELECTRA: 1 each
-        per_position = f" × {width} symbols" if width else ""
+        unit = "hidden units" if bare else "symbols"
+        per_position = f" × {width} {unit}" if width else ""
         where = (f"{int(tokens.ne(pad).sum())} positions{per_position}" if classifier is None
                  else f"{len(tokens)} sequences × {ours.shape[-1]} outputs")
         log(f"parity vs {check}: max |Δlogit| = {diff:.2e} on {where} "

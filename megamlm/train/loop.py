@@ -24,6 +24,7 @@ from megamlm.data.shards import ShardError, ensure_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.errors import CorruptFileError
+from megamlm.model import names
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives import LossTotals, Objective, get_objective
@@ -119,8 +120,8 @@ def evaluate(objective: Objective, model, stream: MaskedBatches, max_batches: in
 def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> None:
     """Start from a model folder's weights (checked: same architecture as the run's config); the
     objective's own heads come from the folder's classification heads where it keeps them
-    (`Objective.heads_from_folder`: BERT's NSP head), and those it lacks (`Objective.fresh_head`) keep
-    their initialization."""
+    (`Objective.heads_from_folder`: BERT's NSP head), and those it lacks (`Objective.fresh_head`, and the MLM
+    head of a folder without one) keep their initialization."""
     source = read_model_folder(folder)
     differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
               for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
@@ -129,7 +130,13 @@ def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> N
         raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
                           f"(start from its config.yaml: --config {folder}/config.yaml)")
     full = {**objective.heads_from_folder(source.heads), **source.full}
-    load_full_state_dict(model, full, keep={n for n, _ in model.named_parameters() if objective.fresh_head(n)})
+    lm_head = {n for n, _ in model.named_parameters() if n.startswith(names.LM_HEAD_PREFIX)}
+    new_head = lm_head.isdisjoint(full)  # a classifier's or a bare encoder's folder
+    if new_head and lm_head:
+        warnings.warn(f"train.init_from={folder} holds no masked-LM head (read from a *ForSequenceClassification or a "
+                      f"bare *Model): the run starts a new one")
+    keep = {n for n, _ in model.named_parameters() if objective.fresh_head(n)} | (lm_head if new_head else set())
+    load_full_state_dict(model, full, keep=keep)
 
 
 def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: bool = False,
