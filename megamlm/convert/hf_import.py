@@ -165,10 +165,11 @@ def _vocabulary(folder: Path, fmt: HFFormat, vocab_size: int) -> tuple[dict[str,
 
 def read_hf(folder: str | Path, generator: str | Path | None = None,
             classifier: SequenceClassifier | None = None) -> HFSource:
-    """A RobertaForMaskedLM / BertForMaskedLM / AlbertForMaskedLM / ModernBertForMaskedLM / ElectraForPreTraining
-    folder in megamlm terms (checked: architecture, weights, keys, shapes, vocabulary); an ELECTRA discriminator
-    with its `generator` folder (ElectraForMaskedLM: hf_electra.py) when given; a *ForSequenceClassification
-    as the encoder and the classification head `classifier` names (its labels: the rows' order), no MLM head."""
+    """A transformers folder (SUPPORTED) in megamlm terms (checked: architecture, weights, keys, shapes,
+    vocabulary): a masked LM (+ a pretraining class's sentence-pair head); an ELECTRA discriminator with its
+    `generator` folder (ElectraForMaskedLM: hf_electra.py) when given; a *ForSequenceClassification as the
+    encoder and the classification head `classifier` names (its labels: the rows' order), no MLM head; a bare
+    *Model as the encoder alone. `reference` is transformers' forward of the same class."""
     folder = Path(folder)
     for path in (folder, generator):
         if path is not None and not Path(path).is_dir():
