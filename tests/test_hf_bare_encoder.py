@@ -3,6 +3,8 @@
 transformers' last_hidden_state; `megamlm glue` fine-tunes it, and continued MLM pretraining starts a new MLM
 head on it."""
 
+import json
+
 import pytest
 import torch
 
@@ -58,7 +60,10 @@ def test_continued_pretraining_from_a_bare_encoder_starts_a_new_mlm_head(world, 
     cfg = config(shards, tmp_path / "run", f"train.init_from={tmp_path / 'start'}", "model.hidden_size=48",
                  "model.num_attention_heads=3", "model.ffn_hidden_size=96", "model.hidden_dropout=0",
                  "model.attention_dropout=0", "train.steps=3")
-    batch, losses = run_on_ranks(_first_batch_and_train, 1, cfg)[0]  # (it warns: a new MLM head)
+    batch, losses = run_on_ranks(_first_batch_and_train, 1, cfg)[0]
+    warnings = [json.loads(line) for line in (tmp_path / "run/log.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "warning" and "holds no masked-LM head" in e["message"] and "starts a new one"
+               in e["message"] for e in warnings)
     # the first update's loss: the folder's encoder under the MLM head the run's seed draws
     model = get_objective(cfg).build_model(init_distributed(cfg.parallel))
     load_full_state_dict(model, read_model_folder(tmp_path / "start").full,

@@ -117,11 +117,11 @@ def evaluate(objective: Objective, model, stream: MaskedBatches, max_batches: in
     return result
 
 
-def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> None:
+def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> list[str]:
     """Start from a model folder's weights (checked: same architecture as the run's config); the
     objective's own heads come from the folder's classification heads where it keeps them
     (`Objective.heads_from_folder`: BERT's NSP head), and those it lacks (`Objective.fresh_head`, and the MLM
-    head of a folder without one) keep their initialization."""
+    head of a folder without one) keep their initialization. Returns what the run's log should warn about."""
     source = read_model_folder(folder)
     differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
               for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
@@ -132,11 +132,10 @@ def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> N
     full = {**objective.heads_from_folder(source.heads), **source.full}
     lm_head = {n for n, _ in model.named_parameters() if n.startswith(names.LM_HEAD_PREFIX)}
     new_head = lm_head.isdisjoint(full)  # a classifier's or a bare encoder's folder
-    if new_head and lm_head:
-        warnings.warn(f"train.init_from={folder} holds no masked-LM head (read from a *ForSequenceClassification or a "
-                      f"bare *Model): the run starts a new one")
     keep = {n for n, _ in model.named_parameters() if objective.fresh_head(n)} | (lm_head if new_head else set())
     load_full_state_dict(model, full, keep=keep)
+    return [f"train.init_from={folder} holds no masked-LM head (read from a *ForSequenceClassification or a bare "
+            f"*Model): the run starts a new one"] if new_head and lm_head else []
 
 
 def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: bool = False,
@@ -161,7 +160,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     data = prepare_data(cfg, ctx, objective)
     model = objective.build_model(ctx)
     if cfg.train.init_from:
-        init_from_folder(model, cfg, cfg.train.init_from, objective)
+        for line in init_from_folder(model, cfg, cfg.train.init_from, objective):
+            log.event("warning", 0, f"warning: {line}", message=line)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
