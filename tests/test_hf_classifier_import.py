@@ -90,7 +90,8 @@ def test_a_hub_rte_classifier_scores_the_dev_set_in_megamlm_glue_as_in_transform
 
     assert cli(["convert", "--from", "hf", "--to", "megamlm", str(source), str(tmp_path / "megamlm"),
                 "--classification-head", "rte"]) == 0
-    assert "parity vs hf source" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "parity vs hf source" in out and "; no masked-LM head; classification head rte" in out
     saved = read_model_folder(tmp_path / "megamlm")
     model = AutoModelForSequenceClassification.from_pretrained(source).eval()
     torch.testing.assert_close(saved.heads["rte.out_proj.weight"], model.classifier.out_proj.weight.flip(0))

@@ -29,6 +29,7 @@ from megamlm.convert.safe_load import load_untrusted
 from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
+from megamlm.model import names
 from megamlm.model.folder import read_model_folder, staged_write
 from megamlm.objectives import get_objective, objective_class
 from megamlm.objectives.sentence_pairs import as_classification_head
@@ -161,6 +162,7 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
              overwrite: bool, classifier: SequenceClassifier | None = None, generator_out: Path | None = None) -> dict:
     cfg = model.cfg
     classifier = classifier or model.classifier
+    log(f"read {src}: {describe(model)}")
     for note in model.notes:
         log(f"note: {note}")
     if cfg.objective.name != "mlm" and objective_class(cfg).masked_lm_inside:
@@ -220,6 +222,21 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
             f"(tolerance {tolerance:g})")
     log(f"wrote {out}")
     return report
+
+
+def describe(model: Model) -> str:
+    """One line on what a conversion read: objective, shape, vocabulary, heads."""
+    m = model.cfg.model
+    parts = [f"objective.name={model.cfg.objective.name}", f"{m.num_layers} layers × {m.hidden_size} hidden, "
+             f"{m.num_attention_heads} heads", f"vocabulary {m.vocab_size:,}"]
+    if any(key.startswith(names.GENERATOR_PREFIX) for key in model.full):
+        parts.append(f"generator at objective.generator_size={model.cfg.objective.generator_size:.4g}")
+    if not has_masked_lm_head(model.full) and model.cfg.objective.name == "mlm":
+        parts.append("no masked-LM head")
+    heads = sorted({key.split(".")[0] for key in model.heads})
+    if heads:
+        parts.append(f"classification head{'s' if len(heads) > 1 else ''} {', '.join(heads)}")
+    return "; ".join(parts)
 
 
 def _masked_lm_part(model: Model, log) -> tuple[Model, Config]:
