@@ -50,17 +50,10 @@ def test_continued_pretraining_from_a_bare_encoder_starts_a_new_mlm_head(world, 
     from megamlm.model.reshard import load_full_state_dict
     from megamlm.objectives import get_objective
     from megamlm.parallel import init_distributed
-    from tests.multiproc import run_on_ranks
-    from tests.test_hf_import import _Factory, _first_batch_and_train
-    from tests.test_train import config, tiny_shards
+    from tests.test_hf_import import continue_pretraining
 
     source = as_transformers_class(SOURCES["Roberta"](tmp_path / "mlm"), tmp_path / "bare", "AutoModel")
-    convert("hf", "megamlm", source, tmp_path / "start", **QUIET)
-    shards = tiny_shards(_Factory(tmp_path), "cp")
-    cfg = config(shards, tmp_path / "run", f"train.init_from={tmp_path / 'start'}", "model.hidden_size=48",
-                 "model.num_attention_heads=3", "model.ffn_hidden_size=96", "model.hidden_dropout=0",
-                 "model.attention_dropout=0", "train.steps=3")
-    batch, losses = run_on_ranks(_first_batch_and_train, 1, cfg)[0]
+    cfg, batch, losses = continue_pretraining(source, tmp_path)
     warnings = [json.loads(line) for line in (tmp_path / "run/log.jsonl").read_text().splitlines()]
     assert any(e["event"] == "warning" and "holds no masked-LM head" in e["message"] and "starts a new one"
                in e["message"] for e in warnings)

@@ -103,3 +103,22 @@ def test_fill_mask_reads_berts_own_mask_name(world, tmp_path, capsys):
     assert [filled.split()[4] for filled, _, _ in theirs] == [word.strip() for _, _, word in theirs]
     code, line = run_cli(capsys, "fill-mask", tmp_path / "megamlm", "the fox and the dog")
     assert code == 2 and line == "megamlm: fill-mask: the text has no <mask> or [MASK]: 'the fox and the dog'"
+
+
+def test_a_fine_tuned_distilbert_exports_its_classifier_as_robertas(world, tmp_path):
+    """DistilBERT's own classifier (ReLU) is not megamlm's pooler (tanh): a model `megamlm glue --save` fine-tuned
+    from a DistilBERT folder goes out as RobertaForSequenceClassification (the same function), not as a crash."""
+    from megamlm.convert.hf_export import SequenceClassifier
+    from megamlm.glue.finetune import FinetuneOptions
+    from megamlm.glue.run import run_glue
+    from tests.test_glue import GLUE
+
+    convert("hf", "megamlm", save_distilbert(tmp_path / "hf"), tmp_path / "megamlm", **QUIET)
+    run_glue(str(tmp_path / "megamlm"), str(GLUE), ["RTE"], [1], str(tmp_path / "glue"),
+             FinetuneOptions(epochs=1, batch_size=4, dropout=0.0, save=True), max_train=8, log=lambda *a: None)
+    report = convert("megamlm", "hf", tmp_path / "glue/models/RTE", tmp_path / "out",
+                     classifier=SequenceClassifier("rte", ("entailment", "not_entailment")), **QUIET)
+    assert report["max_diff"]["transformers RobertaForSequenceClassification"] < 1e-5
+    # its masked LM still goes out as DistilBERT
+    assert convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "mlm", **QUIET)["max_diff"][
+        "transformers DistilBertForMaskedLM"] < 1e-5

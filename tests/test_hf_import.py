@@ -157,17 +157,23 @@ def _first_batch_and_train(cfg):
     return batch, train(cfg)["losses"]
 
 
-@pytest.mark.slow
-def test_continued_pretraining_from_a_hugging_face_roberta(world, tmp_path, capsys):
-    from transformers import pipeline
-
-    source = save_roberta(tmp_path / "hf", seed=1)
+def continue_pretraining(source: Path, tmp_path: Path):
+    """Convert the (RoBERTa-shaped) transformers folder `source` to tmp_path/start and train 3 updates from it
+    (train.init_from) in tmp_path/run on tiny shards: (config, the first micro-batch, the losses)."""
     convert("hf", "megamlm", source, tmp_path / "start", **QUIET)
     shards = tiny_shards(_Factory(tmp_path), "cp")
     cfg = config(shards, tmp_path / "run", f"train.init_from={tmp_path / 'start'}", "model.hidden_size=48",
                  "model.num_attention_heads=3", "model.ffn_hidden_size=96", "model.hidden_dropout=0",
                  "model.attention_dropout=0", "train.steps=3")
-    batch, losses = run_on_ranks(_first_batch_and_train, 1, cfg)[0]
+    return (cfg, *run_on_ranks(_first_batch_and_train, 1, cfg)[0])
+
+
+@pytest.mark.slow
+def test_continued_pretraining_from_a_hugging_face_roberta(world, tmp_path, capsys):
+    from transformers import pipeline
+
+    source = save_roberta(tmp_path / "hf", seed=1)
+    _, batch, losses = continue_pretraining(source, tmp_path)
     logits = hf_logits(source, batch.inputs).reshape(-1, 50265)[batch.target_index]
     hf_loss = torch.nn.functional.cross_entropy(logits, batch.targets).item()
     assert abs(losses[0] - hf_loss) < 1e-5, (losses[0], hf_loss)  # the first update starts from HF's model

@@ -32,7 +32,7 @@ from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import staged_output
 from megamlm.model import names
 from megamlm.model.embedding import token_types
-from megamlm.objectives.electra import generator_config
+from megamlm.objectives.electra import generator_config, has_generator
 
 MODELING_FILE = Path(__file__).parent / "hf_modeling" / "modeling_megamlm.py"
 
@@ -160,7 +160,8 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
 
     cfg = model.cfg.model
     objective = model.cfg.objective.name
-    fmt = hf_format(cfg, objective)
+    tokenizer = _load_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask)
+    fmt = _export_format(cfg, objective, tokenizer, classifier is not None)
     if classifier is not None:
         _check_sequence_head(fmt, cfg, classifier.name)
     if fmt is None and objective == ELECTRA.objective:
@@ -170,21 +171,15 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
     if fmt is None and cfg.modern_parts():
         raise ConversionError(f"{', '.join(cfg.modern_parts())}: only the modernbert variant's mix of these "
                               f"exports (as ModernBertForMaskedLM); megamlm's own modeling file has none of them")
-    tokenizer = _load_tokenizer(model.cfg.data.tokenizer, cfg.zero_mask)
-    if fmt is ROBERTA:  # the same model; the class an XLM-R or CamemBERT folder came as
-        fmt = TOKENIZER_FORMATS.get(getattr(tokenizer, "tokenizer_class", None), ROBERTA)
-    if (fmt is ROBERTA and isinstance(tokenizer, WordPieceTokenizer)
-            and cfg.layernorm_epsilon == DISTILBERT.variant["layernorm_epsilon"]):
-        fmt = DISTILBERT  # the same function with BERT's vocabulary (RoBERTa's positions read id 1 as padding)
     order = getattr(tokenizer, "vocab_order", None)  # megamlm id -> WordPiece row
     order = None if order is None else torch.from_numpy(order)
     with staged_output(out, "hf", overwrite) as tmp:
         if fmt is not None:
-            pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])
+            pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])  # in the exported vocabulary
+            full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))  # its row order
             values = hf_config_values(cfg, fmt, pad)
             if fmt in ROBERTAS and order is not None:  # the vocabulary's own <s> and </s> (CamemBERT's 5 and 6)
                 values.update(bos_token_id=int(order[0]), eos_token_id=int(order[2]))
-            full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
             state = megamlm_to_hf(full, cfg, fmt)
             if classifier is not None:  # the classification head replaces the MLM head (unused keys: dropped)
                 hf = fmt.build({**values, **classifier.config_values(ours.shape[-1])}, classifier=True)
@@ -220,8 +215,8 @@ def write_hf(model, out: Path, tokens: torch.Tensor, ours: torch.Tensor, toleran
         theirs = _transformers_logits(loaded, cfg, tokens, order, fmt is not None and cfg.token_types, masked_lm)
         report["max_diff"][f"transformers {kind}"] = compare(ours, theirs, tokens, cfg.pad_token_id,
                                                              f"transformers' {kind}", tolerance, classifier is not None)
-        if generator is not None:  # inside: a generator that fails its check leaves nothing written
-            _write_generator(model, generator, tokenizer, order, tokens, tolerance, report, overwrite)
+        if generator is not None:  # (ELECTRA: fmt is set) inside: a generator that fails leaves nothing written
+            _write_generator(model, full, pad, generator, tokenizer, order, tokens, tolerance, report, overwrite)
 
 
 def _transformers_logits(loaded, cfg: ModelConfig, tokens: torch.Tensor, order: torch.Tensor | None,
@@ -237,23 +232,37 @@ def _transformers_logits(loaded, cfg: ModelConfig, tokens: torch.Tensor, order: 
     return theirs[..., order] if order is not None and vocabulary_columns else theirs  # their columns -> ours
 
 
-def _write_generator(model, out: Path, tokenizer, order: torch.Tensor | None, tokens: torch.Tensor,
-                     tolerance: float, report: dict, overwrite: bool) -> None:
+def _export_format(model: ModelConfig, objective: str, tokenizer, classifier: bool) -> HFFormat | None:
+    """hf_format's class, refined by the tokenizer where the same model came as another class: XLM-R's and
+    CamemBERT's (the class their tokenizer names) and, for the masked LM, DistilBERT's (a BERT vocabulary and
+    its LayerNorm eps: RoBERTa's positions would read id 1 as padding; it has no classifier megamlm computes)."""
+    fmt = hf_format(model, objective)
+    if fmt is not ROBERTA:
+        return fmt
+    fmt = TOKENIZER_FORMATS.get(getattr(tokenizer, "tokenizer_class", None), ROBERTA)
+    if (fmt is ROBERTA and not classifier and isinstance(tokenizer, WordPieceTokenizer)
+            and model.layernorm_epsilon == DISTILBERT.variant["layernorm_epsilon"]):
+        return DISTILBERT
+    return fmt
+
+
+def _write_generator(model, full: dict[str, torch.Tensor], pad: int, out: Path, tokenizer,
+                     order: torch.Tensor | None, tokens: torch.Tensor, tolerance: float, report: dict,
+                     overwrite: bool) -> None:
     """An ELECTRA folder's generator as transformers' ElectraForMaskedLM in `out` (the embedding module
-    copied from the discriminator's, as the Hub's generator folders hold it), loaded back and compared."""
+    copied from the discriminator's, as the Hub's generator folders hold it), loaded back and compared;
+    `full`, `pad`: the folder's tensors and padding id in the exported vocabulary's order."""
     import transformers
 
     cfg = model.cfg.model
-    if not any(key.startswith(names.GENERATOR_PREFIX) for key in model.full):
+    if not has_generator(model.full):
         raise ConversionError("--generator: this folder has no generator (exported with "
                               "objective.export_generator=false); nothing was written")
     if cfg.activation != ACTIVATIONS[HEAD_ACTIVATION]:
         raise ConversionError(f"--generator: model.activation={cfg.activation}, and transformers' ElectraForMaskedLM "
                               f"head applies {HEAD_ACTIVATION!r} whatever hidden_act says; nothing was written")
     generator = generator_config(cfg, model.cfg.objective.generator_size)
-    pad = cfg.pad_token_id if order is None else int(order[cfg.pad_token_id])
     values = {**hf_config_values(generator, ELECTRA_GENERATOR, pad), "embedding_size": cfg.embedding_dim}
-    full = model.full if order is None else permute_vocab(model.full, torch.argsort(order))
     own = {key.removeprefix(names.GENERATOR_PREFIX): value for key, value in full.items()
            if key.startswith(names.GENERATOR_PREFIX) or key.startswith("embedding.")}
     hf = ELECTRA_GENERATOR.build(values)

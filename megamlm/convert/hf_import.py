@@ -175,12 +175,12 @@ def read_hf(folder: str | Path, generator: str | Path | None = None,
         if path is not None and not Path(path).is_dir():
             raise ConversionError(f"{path}: not a folder (--from hf reads a save_pretrained folder)")
     values, fmt = _read_config(folder)
-    architecture = fmt.architecture if fmt else MEGAMLM_EXPORT
+    architecture = values["architectures"][0] if values.get("architectures") else MEGAMLM_EXPORT
     if generator is not None and fmt is not ELECTRA:
         raise ConversionError(f"--generator {generator}: for an ELECTRA discriminator (ElectraForPreTraining); "
                               f"{folder} holds {architecture}")
-    sequence = (values.get("architectures") or [""])[0] in SEQUENCE_CLASSIFIERS
-    bare = (values.get("architectures") or [""])[0] in BASE_MODELS  # an encoder without any head
+    sequence = architecture in SEQUENCE_CLASSIFIERS
+    bare = architecture in BASE_MODELS  # an encoder without any head
     if classifier is not None and not sequence:
         raise ConversionError(f"--classification-head with --from hf: for a *ForSequenceClassification folder "
                               f"({', '.join(SEQUENCE_CLASSIFIERS)}); {folder} holds {architecture}")

@@ -74,11 +74,6 @@ def encoder_states(cfg: Config, full: dict[str, torch.Tensor], tokens: torch.Ten
         return encoder(tokens, host_layout=(tokens, None, None)).transpose(0, 1)
 
 
-def has_masked_lm_head(full: dict[str, torch.Tensor]) -> bool:
-    """Whether a model's tensors hold the MLM head (a folder read from a classifier or a bare encoder has none)."""
-    return any(key.startswith(names.LM_HEAD_PREFIX) for key in full)
-
-
 def classifier_logits(cfg: Config, full: dict[str, torch.Tensor], heads: dict[str, torch.Tensor], name: str,
                       tokens: torch.Tensor) -> torch.Tensor:
     """[b, labels]: the folder's classification head `name` (model.classifier, on model.classifier_pooling's

@@ -23,15 +23,16 @@ from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
 from megamlm.convert.hf_export import SequenceClassifier, write_hf
 from megamlm.convert.hf_import import read_hf
-from megamlm.convert.parity import (classifier_logits, compare, encoder_states, has_masked_lm_head, megamlm_logits,
-                                    probe_tokens, without_padding_column)
+from megamlm.convert.parity import (classifier_logits, compare, encoder_states, megamlm_logits, probe_tokens,
+                                    without_padding_column)
 from megamlm.convert.safe_load import load_untrusted
 from megamlm.convert.zero import consolidate
 from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.files import OutputError, check_output_folder, check_writable, current_umask
-from megamlm.model import names
 from megamlm.model.folder import read_model_folder, staged_write
 from megamlm.objectives import get_objective, objective_class
+from megamlm.objectives.electra import has_generator
+from megamlm.objectives.mlm import has_masked_lm_head
 from megamlm.objectives.sentence_pairs import as_classification_head
 
 SOURCES = ("fairseq", "megamlm", "zero", "hf")
@@ -229,7 +230,7 @@ def describe(model: Model) -> str:
     m = model.cfg.model
     parts = [f"objective.name={model.cfg.objective.name}", f"{m.num_layers} layers × {m.hidden_size} hidden, "
              f"{m.num_attention_heads} heads", f"vocabulary {m.vocab_size:,}"]
-    if any(key.startswith(names.GENERATOR_PREFIX) for key in model.full):
+    if has_generator(model.full):
         parts.append(f"generator at objective.generator_size={model.cfg.objective.generator_size:.4g}")
     if not has_masked_lm_head(model.full) and model.cfg.objective.name == "mlm":
         parts.append("no masked-LM head")

@@ -173,6 +173,11 @@ class ElectraModel(Encoder):
         return self.generator.lm_head(features, self.embedding.word_embeddings.weight, self.column_bias)
 
 
+def has_generator(names_: set[str] | dict) -> bool:
+    """Whether a model's parameter names hold the generator (exported folders may leave it out)."""
+    return any(name.startswith(names.GENERATOR_PREFIX) for name in names_)
+
+
 def roc_auc(histogram: torch.Tensor) -> float:
     """AUC from [2, bins] counts of (original, replaced) tokens per score bin (ascending): P(a replaced
     token scores above an original one), ties within a bin counted half."""
@@ -290,7 +295,7 @@ class Electra(MaskedLanguageModeling):
 
     def architecture_differences(self, source: Config, saved: set[str]) -> list[str]:
         """A folder's generator has its objective.generator_size: the run's must be the same to load it."""
-        if not any(n.startswith(names.GENERATOR_PREFIX) for n in saved):
+        if not has_generator(saved):
             return []
         ours, theirs = self.cfg.objective.generator_size, source.objective.generator_size
         return [] if ours == theirs else [f"objective.generator_size: run {ours} vs {theirs}"]
@@ -302,4 +307,4 @@ class Electra(MaskedLanguageModeling):
 
     def build_pretrained(self, ctx: ParallelContext, saved: set[str]) -> ElectraModel:
         """The discriminator, with the generator when the folder holds one."""
-        return self.build_model(ctx, generator=any(n.startswith(names.GENERATOR_PREFIX) for n in saved))
+        return self.build_model(ctx, generator=has_generator(saved))

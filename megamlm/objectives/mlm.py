@@ -142,6 +142,12 @@ def mlm_head_flops_per_token(model: ModelConfig, head_fraction: float) -> float:
     return 6 * ((h * e if model.head == "roberta" else 0) + e * model.vocab_size) * head_fraction
 
 
+def has_masked_lm_head(names_: set[str] | dict) -> bool:
+    """Whether a model's parameter names hold the MLM head (a folder read from a classifier or a bare encoder
+    has none)."""
+    return any(name.startswith(names.LM_HEAD_PREFIX) for name in names_)
+
+
 @register_objective
 class MaskedLanguageModeling(Objective):
     """objective.name=mlm: cross-entropy over the masked positions (fairseq masked_lm)."""
@@ -158,7 +164,7 @@ class MaskedLanguageModeling(Objective):
 
     def build_pretrained(self, ctx: ParallelContext, saved: set[str]) -> MaskedLM:
         """The MaskedLM; a folder without its head (read from a *ForSequenceClassification) is refused."""
-        if not any(name.startswith(names.LM_HEAD_PREFIX) for name in saved):
+        if not has_masked_lm_head(saved):
             raise ConfigError("this model folder holds no masked-LM head (it was read from a "
                               "*ForSequenceClassification): `megamlm glue` fine-tunes or scores it, `megamlm convert "
                               "--to hf --classification-head NAME` writes it back")
