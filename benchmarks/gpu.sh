@@ -18,6 +18,9 @@
 #   GPU_SH_SMOKE=1 bash benchmarks/gpu.sh LOG_DIR [STEP ...]
 # runs every command at toy size (tiny model, 16-token benchmarks, 128-token training runs, a few updates) on whatever device there is:
 # the check, on a CPU, that a lease will not be spent on a broken command (tests/test_gpu_script.py).
+#   GPU_SH_ONLY="loop-2048 base-baseline" bash benchmarks/gpu.sh LOG_DIR loop throughput
+# runs only the named rows of those steps; GPU_SH_DEADLINE=EPOCH_SECONDS cuts each command's limit to
+# what is left before then and skips a command with under 45 s left (benchmarks/gpu_lease.sh: one lease).
 # shellcheck disable=SC2086  # the command variables are meant to split into words
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}
@@ -39,10 +42,16 @@ fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
 
-FAILED=""
+FAILED="" SKIPPED=""
 step() {  # step NAME LIMIT_SECONDS COMMAND...
     local name=$1 limit=${SMOKE_LIMIT:-$2}
     shift 2
+    if [ -n "${GPU_SH_ONLY:-}" ] && [[ " $GPU_SH_ONLY " != *" $name "* ]]; then return; fi
+    if [ -n "${GPU_SH_DEADLINE:-}" ]; then  # a lease's end: the command gets what is left of it, or is skipped
+        local left=$((GPU_SH_DEADLINE - $(date +%s)))
+        if [ "$left" -lt 45 ]; then echo "=== $name: skipped, ${left} s left before GPU_SH_DEADLINE"; SKIPPED="$SKIPPED $name"; return; fi
+        [ "$left" -ge "$limit" ] || limit=$left
+    fi
     echo "=== $name: $*"
     local start=$SECONDS
     timeout "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
@@ -98,7 +107,7 @@ for s in $STEPS; do
         bench modernbert-flex 360 $MB --set model.attention_backend=flex
         bench modernbert-varlen 300 $MB --set model.attention_backend=varlen ;;
     attention)
-        step attention 300 $PY benchmarks/attention.py --lengths 512,1024,2048,4096,8192 --dtype bf16 \
+        step attention 300 $PY benchmarks/attention.py --lengths "${ATTENTION_LENGTHS:-512,1024,2048,4096,8192}" --dtype bf16 \
             --heads 12 --batch 2 $SMOKE_ATTENTION ;;
     flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64
         step flex-tune 540 $PY benchmarks/attention.py --lengths 2048,4096,8192 --dtype bf16 --heads 12 \
@@ -112,6 +121,8 @@ for s in $STEPS; do
         # recorded on updates 3-5, inside the first 10 that BENCHMARKS.md's ranges leave out
         train_run loop-2048 2048 8 "$PROFILE" 60
         train_run loop-2048-compiled 2048 8 "train.compile=true $PROFILE" 60
+        # micro-batches of 16: the host's per-micro-batch work (launches, engine hooks) spread over twice the tokens
+        train_run loop-2048-micro16 2048 16 "$PROFILE" 30
         train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60
         train_run loop-2048-large 2048 8 "$PROFILE" 40 configs/pile/large-zero-clap.yaml
         train_run loop-8192 8192 2 "$FLEX train.compile=true" 40
@@ -128,6 +139,7 @@ for s in $STEPS; do
     *) echo "unknown step $s (throughput compiled large attention flex-tune profile loop packed modernbert)"; exit 2 ;;
     esac
 done
+[ -z "$SKIPPED" ] || echo "skipped:$SKIPPED (GPU_SH_DEADLINE)"
 if [ -n "$FAILED" ]; then
     echo "failed:$FAILED (logs in $LOG_DIR)"
     exit 1

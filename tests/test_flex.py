@@ -78,6 +78,38 @@ def test_flex_dropout_is_the_eager_dropout_with_its_mask(position_name):
     assert (got - no_dropout).abs().max() > 0.05
 
 
+def _flex_stand_in(mask, grids, outputs=None):
+    """An eager FlexAttention: scores, then score_mod on the index grids; the logsumexp as FlexAttention
+    returns it. `outputs` collects each call's output."""
+
+    def attend(q, k, v, score_mod):
+        scores = score_mod(q @ k.transpose(-2, -1) * HN**-0.5 + mask, *grids)
+        # as FlexAttention: a query that sees no key gets out 0 and lse -inf, and no gradient
+        unseen = torch.isneginf(scores).all(dim=-1, keepdim=True)
+        scores = scores.masked_fill(unseen, 0.0)
+        out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ v
+        if outputs is not None:
+            outputs.append(out)
+        return out, torch.logsumexp(scores, dim=-1).masked_fill(unseen.squeeze(-1), float("-inf"))
+
+    return attend
+
+
+def test_both_flex_passes_receive_an_output_gradient():
+    """Inductor's flex_attention_backward lowering fails when a pass's output gets no gradient (torch 2.11,
+    H200: the loop with attention dropout on Flex died compiling the logsumexp pass's backward). Both
+    outputs are in the result's graph, and the logsumexp pass's (zeros) adds nothing to the result."""
+    q, k, v, padding, documents = _inputs(requires_grad=True)
+    mask = ATTENTION_BACKENDS["sdpa"](PositionEncoding()).prepare(padding, documents, None, torch.float32)
+    outputs = []
+    got = attend_with_dropout(_flex_stand_in(mask, _grids(), outputs), q, k, v, lambda score, *index: score, 0.1,
+                              torch.tensor(5))
+    kept, zeros = outputs
+    assert zeros.shape[-1] == 16 and torch.equal(zeros, torch.zeros_like(zeros))
+    grads = torch.autograd.grad(got.sum(), [kept, zeros])  # raises if an output is not in the graph
+    assert grads[1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_flex_dropout_gradient_is_the_eager_dropout_gradient(p):
     """The two-pass composition differentiated through an eager FlexAttention stand-in (scores, then
@@ -93,15 +125,7 @@ def test_flex_dropout_gradient_is_the_eager_dropout_gradient(p):
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + term(params, h, q_idx, kv_idx)
 
-    def flex_stand_in(q, k, v, score_mod):
-        scores = score_mod(q @ k.transpose(-2, -1) * HN**-0.5 + mask, *grids)
-        # as FlexAttention: a query that sees no key gets out 0 and lse -inf, and no gradient
-        unseen = torch.isneginf(scores).all(dim=-1, keepdim=True)
-        scores = scores.masked_fill(unseen, 0.0)
-        out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ v
-        return out, torch.logsumexp(scores, dim=-1).masked_fill(unseen.squeeze(-1), float("-inf"))
-
-    got = attend_with_dropout(flex_stand_in, q, k, v, score_mod, p, seed)
+    got = attend_with_dropout(_flex_stand_in(mask, grids), q, k, v, score_mod, p, seed)
     want = _eager_dropout(q, k, v, mask + score_mod(torch.zeros(()), *grids), keep_mask(seed, p, *grids), p)
     real = ~padding[:, None, :, None]
     torch.testing.assert_close(got * real, want * real, rtol=0, atol=1e-6)

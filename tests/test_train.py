@@ -18,6 +18,7 @@ from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.train.engine import deepspeed_config
 from megamlm.train.schedule import lr_at
+from megamlm.train.profiling import PHASES
 from tests.multiproc import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,6 +164,9 @@ def test_profiled_updates_keep_the_losses_and_leave_an_operator_table(shards, tm
     assert logged(tmp_path / "profiled", "profile", "updates") == {5: 3}
     assert logged(tmp_path / "profiled", "profile", "update_s")[5] > 0
     assert logged(tmp_path / "profiled", "profile", "device_busy") == {5: None}  # CPU: no device time
+    host = logged(tmp_path / "profiled", "profile", "host_ms")[5]  # the loop's phases, ms per update
+    assert set(host) == set(PHASES) and all(ms > 0 for ms in host.values()), host
+    assert host["forward"] + host["backward"] < 1e3 * logged(tmp_path / "profiled", "profile", "update_s")[5]
     table = (tmp_path / "profiled" / "profile.txt").read_text()
     assert "aten::addmm" in table or "aten::mm" in table
     assert not (tmp_path / "plain" / "profile.txt").exists()

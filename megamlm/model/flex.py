@@ -89,19 +89,26 @@ def attend_with_dropout(attend: Attend, q, k, v, score_mod: ScoreMod | None, p: 
                         seed: torch.Tensor) -> torch.Tensor:
     """Attention with dropout p on the probabilities (module docstring); q, k, v [b, np, s, hn]."""
 
+    # keep_mask's comparison with the threshold as a Python int: a float the score_mod captures reaches
+    # FlexAttention as a graph input that torch 2.11 refuses ("all unwrapped values must be FakeTensor,
+    # int, or SymInt", the attention benchmark on an H200)
+    dropped = dropped_levels(p)
+
     def kept_score(score, b, h, q_idx, kv_idx):
         if score_mod is not None:
             score = score_mod(score, b, h, q_idx, kv_idx)
-        return torch.where(keep_mask(seed, p, b, h, q_idx, kv_idx), score, float("-inf"))
+        return torch.where(random_bits(seed, b, h, q_idx, kv_idx) >= dropped, score, float("-inf"))
 
     out_kept, lse_kept = attend(q, k, v, kept_score)
     # [b, np, s, hn] -> [b, np, s, 16] zeros: this pass yields only the logsumexp over every key
-    _, lse = attend(q, k, v.new_zeros(*v.shape[:-1], _LSE_WIDTH), score_mod)
+    zeros, lse = attend(q, k, v.new_zeros(*v.shape[:-1], _LSE_WIDTH), score_mod)
     # a query that sees no key at all has lse = lse' = -inf: its factor is 0 (and its gradient too)
     lse = torch.where(torch.isfinite(lse), lse, 0.0)
     factor = torch.exp(lse_kept - lse) * keep_scale(p)
-    # [b, np, s] -> [b, np, s, 1]
-    return (out_kept * factor.unsqueeze(-1)).to(q.dtype)
+    # [b, np, s] -> [b, np, s, 1]. The second pass's output (exact zeros: P · 0) is added so that its
+    # backward receives an output gradient: Inductor's flex_attention_backward lowering fails on a
+    # missing one (torch 2.11 on an H200: "'NoneType' object has no attribute 'make_loader'").
+    return (out_kept * factor.unsqueeze(-1) + zeros[..., :1]).to(q.dtype)
 
 
 KERNEL_OPTIONS = frozenset(FlexKernelOptions.__annotations__)

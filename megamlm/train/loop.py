@@ -36,7 +36,7 @@ from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_layers
 from megamlm.train.log import Log
-from megamlm.train.profiling import UpdateProfiler
+from megamlm.train.profiling import UpdateProfiler, phase
 from megamlm.train.signals import Preemption
 
 
@@ -218,7 +218,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     while state.step < cfg.train.steps:
         state.restore_rng()  # after a resume or rollback: exactly the streams of the saved run
         fetch_start = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(accumulation)]
+        with phase("data"):
+            micro_batches = [next(batches) for _ in range(accumulation)]
         window_wait += time.perf_counter() - fetch_start  # time the step waited for data
         # units of each loss term (MLM: masked tokens) and corrupt samples (replaced by the loader)
         # of the update, all DP ranks
@@ -232,13 +233,17 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         weight = (ctx.dp_size * accumulation / counts).float()
         update_totals = LossTotals(objective, counts)
         for batch in micro_batches:
-            out = objective.loss(engine, batch.to(ctx.device))
-            engine.backward((out.loss_sum * weight).sum())
-            engine.step()
+            with phase("forward"):
+                out = objective.loss(engine, batch.to(ctx.device))
+            with phase("backward"):
+                engine.backward((out.loss_sum * weight).sum())
+            with phase("engine step"):
+                engine.step()
             update_totals.add(out)
             window_tokens += batch.real_tokens() * ctx.dp_size
             window_slots += batch.inputs.numel() * ctx.dp_size
-        result = update_totals.reduce(ctx.dp_group)  # the update's one host sync (spike guard, logs)
+        with phase("loss read"):
+            result = update_totals.reduce(ctx.dp_group)  # the update's one host sync (spike guard, logs)
         loss = result.pop("loss")
         state.step += 1
         for batch in micro_batches:

@@ -22,6 +22,17 @@ from torch.profiler import ProfilerActivity, profile
 WARM_UP = 2
 """Updates run before recording starts (the first compiles under train.compile / Flex)."""
 
+PHASES = ("data", "forward", "backward", "engine step", "loss read")
+"""The loop's phases, each under `phase(name)`: the report gives the host's time in each per update.
+"loss read" is the update's one host sync: long when the host ran ahead of the GPU, short when the GPU
+waited for the host."""
+
+
+def phase(name: str) -> torch.profiler.record_function:
+    """A profiler range named `megamlm: NAME` (costs a flag check when nothing records)."""
+    assert name in PHASES, name
+    return torch.profiler.record_function(f"megamlm: {name}")
+
 
 class UpdateProfiler:
     """Records updates first_step + WARM_UP + 1 .. (at most last_step) when `updates` > 0 and `enabled`."""
@@ -68,11 +79,17 @@ class UpdateProfiler:
             if on_device else None
         table = averages.table(sort_by="self_cuda_time_total" if on_device else "self_cpu_time_total",
                                row_limit=30, max_name_column_width=70)
+        if on_device:  # what keeps the host busy while the GPU waits
+            table += "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
         self.path.write_text(table)
         print(table, flush=True)
         per_update = wall / self.recorded
+        host = {e.key.removeprefix("megamlm: "): e.cpu_time_total / 1e3 / self.recorded
+                for e in averages if e.key.startswith("megamlm: ")}  # ms per update
         text = f"profile: {self.recorded} update{'s' if self.recorded > 1 else ''}, {per_update * 1e3:.1f} ms each"
         if busy is not None:
             text += f"; the device busy {100 * busy / wall:.1f}% of it (the rest it waited for the host)"
+        if host:
+            text += "; host ms per update: " + ", ".join(f"{name} {host[name]:.1f}" for name in PHASES if name in host)
         log.event("profile", step, f"{text}; operators in {self.path}", updates=self.recorded,
-                  update_s=per_update, device_busy=None if busy is None else busy / wall)
+                  update_s=per_update, device_busy=None if busy is None else busy / wall, host_ms=host)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One short GPU lease (the device tool: 15 minutes of device time, the machine's start included) spent on
+# BENCHMARKS.md's pending GPU rows, most wanted first, inside one call:
+#   bash benchmarks/gpu_lease.sh OUT_DIR [SECONDS]       # default 500 s of benchmarks after the install
+# On the lent machine, with `.whl` carried (benchmarks/gpu_wheels.sh fills it here). Each row is one
+# command of benchmarks/gpu.sh (GPU_SH_ONLY); GPU_SH_DEADLINE cuts the last ones short or skips them, so
+# the call ends in time and the logs come back. OUT_DIR gets one archive (the device tool returns at
+# most 8 files): every command's log, the loop runs' profile.txt and log.jsonl, the device's state.
+set -u
+OUT_DIR=${1:?usage: gpu_lease.sh OUT_DIR [SECONDS]}
+BUDGET=${2:-500}
+LOGS=/tmp/gpu-logs
+mkdir -p "$LOGS" "$OUT_DIR"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export GPU_SH_DEADLINE=$(($(date +%s) + BUDGET))
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
+        --format=csv
+    python3 -c 'import torch, triton, transformers, deepspeed, megatron.core as m
+print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__,
+      "deepspeed", deepspeed.__version__, "megatron-core", m.__version__)
+print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, "SMs")'
+} >"$LOGS/device.txt" 2>&1
+cat "$LOGS/device.txt"
+
+# STEP ROW...: most wanted first (issue 20's acceptance: the loop's MFU, megamlm / HF, large, Flex vs cuDNN)
+# LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
+ROWS=(
+    "loop loop-2048"
+    "throughput base-baseline"
+    "throughput base-zero-clap-flex"
+    "loop loop-2048-large"
+    "attention attention"
+    "loop loop-2048-compiled"
+    "packed packed-2048-sdpa packed-2048-baseline-varlen"
+    "loop loop-2048-flex-dropout"
+    "throughput base-zero-clap-sdpa base-zero-clap-flex-dropout"
+    "compiled base-baseline-compiled base-zero-clap-flex-compiled"
+)
+[ -z "${LEASE_ROWS:-}" ] || IFS=';' read -r -a ROWS <<<"$LEASE_ROWS"
+for row in "${ROWS[@]}"; do
+    read -r step names <<<"$row"
+    GPU_SH_ONLY="$names" bash benchmarks/gpu.sh "$LOGS" "$step"
+done
+
+for run in runs/*/; do  # the loop rows' own profile and event log
+    name=$(basename "$run")
+    for f in profile.txt log.jsonl; do [ -f "$run$f" ] && cp "$run$f" "$LOGS/$name.$f"; done
+done
+tar czf "$OUT_DIR/gpu-logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+echo "=== summary (full logs in gpu-logs.tar.gz)"
+for log in "$LOGS"/*.log; do
+    echo "--- $(basename "$log" .log)"
+    grep -E "^(megamlm|hf|flex|sdpa|eager)[ ,]|^ *[0-9]+ +[0-9.]|per round|^update [0-9]+/|^profile:|^done|Error" "$log" |
+        tail -n 8 | cut -c1-230
+done
