@@ -110,7 +110,7 @@ for s in $STEPS; do
         step attention 300 $PY benchmarks/attention.py --lengths "${ATTENTION_LENGTHS:-512,1024,2048,4096,8192}" --dtype bf16 \
             --heads 12 --batch 2 $SMOKE_ATTENTION ;;
     flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64
-        step flex-tune 540 $PY benchmarks/attention.py --lengths 2048,4096,8192 --dtype bf16 --heads 12 \
+        step flex-tune 540 $PY benchmarks/attention.py --lengths "${FLEX_TUNE_LENGTHS:-2048,4096,8192}" --dtype bf16 --heads 12 \
             --batch 2 --repeats 10 --flex-sweep $SMOKE_ATTENTION ;;
     profile)
         bench profile-base-baseline 240 --model base --batch 8 --rounds 1 --profile
@@ -121,6 +121,9 @@ for s in $STEPS; do
         # recorded on updates 3-5, inside the first 10 that BENCHMARKS.md's ranges leave out
         train_run loop-2048 2048 8 "$PROFILE" 60
         train_run loop-2048-compiled 2048 8 "train.compile=true $PROFILE" 60
+        # without DeepSpeed's per-gradient inf/NaN scan: ~1,900 fewer host operations and two fewer
+        # waits for the device per update (benchmarks/loop_ops.py)
+        train_run loop-2048-noscan 2048 8 "train.skip_nonfinite_updates=false $PROFILE" 60
         # micro-batches of 16: the host's per-micro-batch work (launches, engine hooks) spread over twice the tokens
         train_run loop-2048-micro16 2048 16 "$PROFILE" 30
         train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60

@@ -25,19 +25,20 @@ print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_pr
 } >"$LOGS/device.txt" 2>&1
 cat "$LOGS/device.txt"
 
-# STEP ROW...: most wanted first (issue 20's acceptance: the loop's MFU, megamlm / HF, large, Flex vs cuDNN)
+# STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows
+# (BENCHMARKS.md); next: what keeps the loop's GPU waiting for the host (the profile's host ms per phase,
+# without DeepSpeed's inf/NaN scan, bigger micro-batches), the Flex kernel sweep at 2048, the compiled rows
+export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "loop loop-2048"
-    "throughput base-baseline"
-    "throughput base-zero-clap-flex"
-    "loop loop-2048-large"
-    "attention attention"
-    "loop loop-2048-compiled"
-    "packed packed-2048-sdpa packed-2048-baseline-varlen"
-    "loop loop-2048-flex-dropout"
-    "throughput base-zero-clap-sdpa base-zero-clap-flex-dropout"
-    "compiled base-baseline-compiled base-zero-clap-flex-compiled"
+    "loop loop-2048 loop-2048-noscan loop-2048-micro16"
+    "flex-tune flex-tune"
+    "compiled base-baseline-compiled base-zero-clap-flex-compiled base-baseline-cudagraphs"
+    "throughput base-zero-clap-flex-dropout base-baseline"
+    "loop loop-2048-compiled loop-2048-large"
+    "modernbert modernbert-sdpa modernbert-flex modernbert-varlen"
+    "loop loop-8192 loop-8192-documents"
+    "profile host-overhead"
 )
 [ -z "${LEASE_ROWS:-}" ] || IFS=';' read -r -a ROWS <<<"$LEASE_ROWS"
 for row in "${ROWS[@]}"; do

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from megamlm.config import load_config
+from megamlm.config import ConfigError, load_config
 from megamlm.model.names import WORD_EMBEDDINGS
 from megamlm.train.engine import deepspeed_config
+from tests.multiproc import run_on_ranks
 from tests.test_train import _train, config, logged, tiny_shards
 
 
@@ -95,3 +96,29 @@ def test_bf16_trains_on_cpu(shards, tmp_path):
     """DeepSpeed casts parameters, not buffers, to bf16: the heads' fp32 column bias must follow."""
     run = _train(config(shards, tmp_path / "bf16", "train.precision=bf16", "train.steps=4"))
     assert len(run["losses"]) == 4 and run["losses"][-1] < run["losses"][0]
+
+
+def test_bf16_without_the_nonfinite_scan_trains_the_same_losses(shards, tmp_path):
+    """train.skip_nonfinite_updates=false turns off DeepSpeed's per-gradient inf/NaN scan (and its two
+    waits for the device per update); with finite gradients the updates are the scanning run's."""
+    scanned = _train(config(shards, tmp_path / "scan", "train.precision=bf16", "train.steps=4"))
+    unscanned_cfg = config(shards, tmp_path / "noscan", "train.precision=bf16", "train.steps=4",
+                           "train.skip_nonfinite_updates=false")
+    assert deepspeed_config(unscanned_cfg, 1)["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert _train(unscanned_cfg)["losses"] == scanned["losses"]
+    with pytest.raises(ConfigError, match="skip_nonfinite_updates=false needs train.precision=bf16"):
+        config(shards, tmp_path / "fp16", "train.precision=fp16", "train.skip_nonfinite_updates=false")
+
+
+@pytest.mark.slow
+def test_zero1_without_the_contiguous_gradient_buffer_trains_the_same_losses(shards, tmp_path):
+    """Stage 1 runs without DeepSpeed's contiguous gradient buffer (a bucket copy of every gradient in
+    every micro-batch: host work on a GPU): bf16, DP=2, accumulation 2, the buffered engine's losses."""
+    common = ["train.precision=bf16", "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=4"]
+    default = config(shards, tmp_path / "default", *common)
+    assert deepspeed_config(default, 2)["zero_optimization"] == {"stage": 1, "contiguous_gradients": False}
+    buffered_file = tmp_path / "buffered.json"
+    buffered_file.write_text(json.dumps({**deepspeed_config(default, 2), "zero_optimization": {"stage": 1}}))
+    buffered = config(shards, tmp_path / "buffered", *common, f"train.deepspeed_config={buffered_file}")
+    losses = [run_on_ranks(_train, 2, cfg)[0]["losses"] for cfg in (default, buffered)]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]

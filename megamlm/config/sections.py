@@ -157,6 +157,12 @@ class TrainConfig:
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP). An
     fp32 run on one data-parallel rank runs at stage 0 whatever this says (`engine_zero_stage`)."""
+    skip_nonfinite_updates: bool = True
+    """bf16: DeepSpeed scans every gradient for inf / NaN before each update and skips an update that
+    has one (its `check_grad_overflow`). The scan costs about 1,900 host operations and two waits for
+    the device per update at 12 layers (benchmarks/loop_ops.py). false: no scan, no wait; a non-finite
+    gradient then reaches the weights, the next loss is non-finite and the spike guard rolls back to
+    the last checkpoint. fp16 always scans (its loss scale needs it); fp32 never does."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON file used instead of the one generated from this config (batch sizes must agree)."""
     run_dir: str = "runs/default"
@@ -178,8 +184,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each encoder layer (fuses its elementwise chain: bias, dropout, residual,
     LayerNorm, GELU); batches are then padded to data.seq_length so that every batch has one
-    shape. On an H100 it did not pay for roberta.base at 2048 in the training loop (BENCHMARKS.md);
-    measure before turning it on. The first update compiles; its time is logged once (event
+    shape. roberta.base at 2048 in the training loop on an H200: 163-185k tokens/s against 151-166k
+    eager (BENCHMARKS.md); measure before turning it on. The first update compiles; its time is logged once (event
     "compile", first_update_s) so that the cost of compiling is visible next to the later updates."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     """torch.compile's mode under train.compile. reduce-overhead: Inductor also records each layer as a
@@ -212,6 +218,9 @@ class TrainConfig:
             raise ConfigError(f"train.profile_updates={self.profile_updates} must be >= 0 (0: no profile)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage={self.zero_stage} is invalid; allowed: 0 | 1 | 2 | 3")
+        if not self.skip_nonfinite_updates and self.precision == "fp16":
+            raise ConfigError("train.skip_nonfinite_updates=false needs train.precision=bf16: fp16's loss "
+                              "scale is set from the scan it turns off")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "

@@ -77,7 +77,10 @@ def deepspeed_config(cfg: Config, dp_size: int, stage: int | None = None) -> dic
         "train_batch_size": global_batch,
         # fp32 at stage 0: DeepSpeed neither reports the norm nor needs to clip (GradNorm does both)
         "gradient_clipping": 0.0 if _plain_fp32(cfg, stage) else cfg.optim.clip_grad,
-        "zero_optimization": {"stage": stage},
+        # stage 1 without the contiguous gradient buffer: the same losses (bf16, DP=1 and DP=2, tested) with
+        # 1,321 fewer host operations per update at 12 layers (benchmarks/loop_ops.py: a bucket copy of
+        # every gradient in every micro-batch), and no reduce bucket of reduce_bucket_size fp32 elements
+        "zero_optimization": {"stage": stage} | ({"contiguous_gradients": False} if stage == 1 else {}),
         # our optimizer is torch's AdamW (no fused/CPU-Adam kernels to build)
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # we log ourselves
@@ -85,6 +88,8 @@ def deepspeed_config(cfg: Config, dp_size: int, stage: int | None = None) -> dic
     }
     if train.precision == "bf16":
         ds["bf16"] = {"enabled": True}
+        if not train.skip_nonfinite_updates:  # DeepSpeed's default is to scan
+            ds["bf16"]["check_grad_overflow"] = False
     elif train.precision == "fp16":
         # dynamic loss scaling as fairseq: start at 2^7, halve on overflow, double after 1000 clean steps
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 7,

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Host work of the real training loop, per phase: aten operations per update, counted on a CPU.
+
+    PYTHONPATH=. python benchmarks/loop_ops.py          # base zero-clap, bf16: ZeRO 1 (with, without the scan) / 0 / 2
+    PYTHONPATH=. python benchmarks/loop_ops.py --rows "default:" "compiled:train.compile=true"
+
+On a GPU every aten operation costs the host a dispatch, and most a kernel launch, whatever the
+tensor sizes. When the host spends longer queueing an update than the GPU spends running it, the GPU
+waits (the H200 loop at 2048: busy 58-68% of the time, BENCHMARKS.md). The count does not depend on
+the shapes, so a CPU gives it: the model keeps its depth (the config's layers) at a tiny width and
+length, and `megamlm train` runs a few updates in-process. Operations are counted in each phase of
+the loop (train/profiling.py: PHASES) from the third update on. Each row runs in its own process.
+Columns: operations per update in each phase, their total, and the host reads in the backward, the
+engine step and the loss read (an `.item()` that waits for the device on a GPU; the forward's reads
+are of the batch's host copies, `Batch.host_layout`, and cost nothing there: tests/test_host_sync.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megamlm.config import load_config
+from megamlm.train import loop
+from megamlm.train.profiling import PHASES
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIPPED_UPDATES = 2  # the first updates build buckets and optimizer state once
+TINY = ["data.seq_length=128", "model.max_positions=128", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.ffn_hidden_size=256", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=6",
+        "train.precision=bf16", "data.loader_workers=0", "data.long_docs=split", "data.valid_fraction=0.02",
+        "train.log_interval=100", "train.eval_interval=100", "train.save_interval=100000"]
+ROWS = ["ZeRO-1 (the Pile configs):", "ZeRO-1, no inf/NaN scan:train.skip_nonfinite_updates=false",
+        "ZeRO-0 (DeepSpeed's bf16 optimizer):train.zero_stage=0", "ZeRO-2:train.zero_stage=2"]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active, under the phase's name."""
+
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_child(config: str, overrides: list[str], work: Path) -> dict:
+    """Runs the loop in this process; {phase: {op: count per update}}."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    counts = {name: collections.Counter() for name in PHASES}
+    updates = 0
+    real_phase = loop.phase
+
+    @contextlib.contextmanager
+    def counted_phase(name: str):
+        nonlocal updates
+        if updates < SKIPPED_UPDATES:
+            with real_phase(name):
+                yield
+        else:
+            with real_phase(name), OpCounter(counts[name]):
+                yield
+        if name == "loss read":  # the last phase of an update
+            updates += 1
+
+    loop.phase = counted_phase
+    cfg = load_config([config], [f"data.build_from=[{ROOT}/data/wikitext-103/valid.txt]",
+                                 f"data.shards={work}/shards", f"train.run_dir={work}/run", *TINY, *overrides])
+    loop.train(cfg, overwrite=True)
+    counted = updates - SKIPPED_UPDATES
+    return {name: {op: n / counted for op, n in c.most_common()} for name, c in counts.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs/pile/base-zero-clap.yaml"))
+    parser.add_argument("--rows", nargs="+", default=ROWS, help="NAME:OVERRIDE,OVERRIDE... per row")
+    parser.add_argument("--top", type=int, default=6, help="the most frequent operations of each phase, first row")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:  # one row, in its own process: NAME:OVERRIDES, the work folder
+        _, overrides = args.child.split(":", 1)
+        with tempfile.TemporaryDirectory() as work:
+            result = count_child(args.config, [o for o in overrides.split(",") if o], Path(work))
+        print("COUNTS " + json.dumps(result))
+        return
+    results = {}
+    for row in args.rows:
+        done = subprocess.run([sys.executable, __file__, "--config", args.config, "--child", row], cwd=ROOT,
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        line = next((line for line in done.stdout.splitlines() if line.startswith("COUNTS ")), None)
+        if line is None:
+            sys.exit(f"row {row!r} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        results[row.split(":", 1)[0]] = json.loads(line.removeprefix("COUNTS "))
+    layers = load_config([args.config]).model.num_layers
+    print(f"aten operations per update (2 micro-batches), {Path(args.config).name}, {layers} layers, bf16, "
+          f"torch {torch.__version__}")
+    width = max(len(name) for name in results) + 2
+    print(f"{'row':<{width}}" + "".join(f"{name:>13}" for name in PHASES) + f"{'total':>9}{'device reads':>14}")
+    for name, phases in results.items():
+        per_phase = [sum(phases[p].values()) for p in PHASES]
+        reads = sum(phases[p].get("_local_scalar_dense", 0) for p in ("backward", "engine step", "loss read"))
+        print(f"{name:<{width}}" + "".join(f"{n:>13,.0f}" for n in per_phase) + f"{sum(per_phase):>9,.0f}"
+              f"{reads:>14,.0f}")
+    first, phases = next(iter(results.items()))
+    print(f"most frequent in {first}:")
+    for p in PHASES:
+        top = list(phases[p].items())[:args.top]
+        print(f"  {p:<12} " + ", ".join(f"{op} {n:,.0f}" for op, n in top))
+
+
+if __name__ == "__main__":
+    main()
