@@ -124,6 +124,8 @@ for s in $STEPS; do
         # without DeepSpeed's per-gradient inf/NaN scan: ~1,900 fewer host operations and two fewer
         # waits for the device per update (benchmarks/loop_ops.py)
         train_run loop-2048-noscan 2048 8 "train.skip_nonfinite_updates=false $PROFILE" 60
+        # each compiled layer also a CUDA graph: one launch per layer instead of its kernels' (the loop waits for the host)
+        train_run loop-2048-cudagraphs 2048 8 "train.compile=true train.compile_mode=reduce-overhead $PROFILE" 60
         # micro-batches of 16: the host's per-micro-batch work (launches, engine hooks) spread over twice the tokens
         train_run loop-2048-micro16 2048 16 "$PROFILE" 30
         train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60

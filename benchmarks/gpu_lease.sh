@@ -27,11 +27,11 @@ cat "$LOGS/device.txt"
 
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows
 # (BENCHMARKS.md); next: what keeps the loop's GPU waiting for the host (the profile's host ms per phase,
-# without DeepSpeed's inf/NaN scan, bigger micro-batches), the Flex kernel sweep at 2048, the compiled rows
+# without DeepSpeed's inf/NaN scan, CUDA graphs, bigger micro-batches), the Flex kernel sweep at 2048, the compiled rows
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "loop loop-2048 loop-2048-noscan loop-2048-micro16"
+    "loop loop-2048 loop-2048-noscan loop-2048-cudagraphs loop-2048-micro16"
     "flex-tune flex-tune"
     "compiled base-baseline-compiled base-zero-clap-flex-compiled base-baseline-cudagraphs"
     "throughput base-zero-clap-flex-dropout base-baseline"
