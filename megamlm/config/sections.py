@@ -185,8 +185,9 @@ class TrainConfig:
     """torch.compile each encoder layer (fuses its elementwise chain: bias, dropout, residual,
     LayerNorm, GELU); batches are then padded to data.seq_length so that every batch has one
     shape. roberta.base at 2048 in the training loop on an H200: 163-185k tokens/s against 151-166k
-    eager (BENCHMARKS.md); measure before turning it on. The first update compiles; its time is logged once (event
-    "compile", first_update_s) so that the cost of compiling is visible next to the later updates."""
+    eager (BENCHMARKS.md); measure before turning it on. The first update compiles; its time is logged
+    once (event "compile", first_update_s) so that the cost of compiling is visible next to the later
+    updates."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     """torch.compile's mode under train.compile. reduce-overhead: Inductor also records each layer as a
     CUDA graph (no per-kernel launch cost; train.compile's one batch shape makes that possible);

@@ -71,7 +71,14 @@ def dropped_levels(p: float) -> int:
 
 def keep_mask(seed: torch.Tensor, p: float, b, h, q_idx, kv_idx) -> torch.Tensor:
     """True where attention dropout keeps key kv_idx of query q_idx (head h, row b)."""
-    return random_bits(seed, b, h, q_idx, kv_idx) >= dropped_levels(p)
+    return kept_at_level(seed, dropped_levels(p), b, h, q_idx, kv_idx)
+
+
+def kept_at_level(seed: torch.Tensor, dropped: int, b, h, q_idx, kv_idx) -> torch.Tensor:
+    """keep_mask with the threshold `dropped_levels(p)` given as a Python int, as a score_mod captures
+    it: a captured float reaches FlexAttention as a graph input that torch 2.11 refuses ("all unwrapped
+    values must be FakeTensor, int, or SymInt", the attention benchmark on an H200)."""
+    return random_bits(seed, b, h, q_idx, kv_idx) >= dropped
 
 
 def keep_scale(p: float) -> float:
@@ -89,15 +96,12 @@ def attend_with_dropout(attend: Attend, q, k, v, score_mod: ScoreMod | None, p: 
                         seed: torch.Tensor) -> torch.Tensor:
     """Attention with dropout p on the probabilities (module docstring); q, k, v [b, np, s, hn]."""
 
-    # keep_mask's comparison with the threshold as a Python int: a float the score_mod captures reaches
-    # FlexAttention as a graph input that torch 2.11 refuses ("all unwrapped values must be FakeTensor,
-    # int, or SymInt", the attention benchmark on an H200)
-    dropped = dropped_levels(p)
+    dropped = dropped_levels(p)  # an int, captured by the score_mod (kept_at_level)
 
     def kept_score(score, b, h, q_idx, kv_idx):
         if score_mod is not None:
             score = score_mod(score, b, h, q_idx, kv_idx)
-        return torch.where(random_bits(seed, b, h, q_idx, kv_idx) >= dropped, score, float("-inf"))
+        return torch.where(kept_at_level(seed, dropped, b, h, q_idx, kv_idx), score, float("-inf"))
 
     out_kept, lse_kept = attend(q, k, v, kept_score)
     # [b, np, s, hn] -> [b, np, s, 16] zeros: this pass yields only the logsumexp over every key
