@@ -10,6 +10,9 @@ waits (the H200 loop at 2048: busy 58-68% of the time, BENCHMARKS.md). The count
 the shapes, so a CPU gives it: the model keeps its depth (the config's layers) at a tiny width and
 length, and `megamlm train` runs a few updates in-process. Operations are counted in each phase of
 the loop (train/profiling.py: PHASES) from the third update on. Each row runs in its own process.
+The model's CPU-only paths are swapped for what a GPU runs (`gpu_paths`; --cpu-paths keeps them):
+attention with dropout is one SDPA call (on the CPU megamlm takes an eager path), dropout one
+native_dropout (on the CPU a 16-bit mask).
 Columns: operations per update in each phase, their total, and the host reads in the backward, the
 engine step and the loss read (an `.item()` that waits for the device on a GPU; the forward's reads
 are of the batch's host copies, `Batch.host_layout`, and cost nothing there: tests/test_host_sync.py).
@@ -28,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megamlm.config import load_config
@@ -41,7 +45,8 @@ TINY = ["data.seq_length=128", "model.max_positions=128", "model.hidden_size=64"
         "train.precision=bf16", "data.loader_workers=0", "data.long_docs=split", "data.valid_fraction=0.02",
         "train.log_interval=100", "train.eval_interval=100", "train.save_interval=100000"]
 ROWS = ["ZeRO-1 (the Pile configs):", "ZeRO-1, no inf/NaN scan:train.skip_nonfinite_updates=false",
-        "ZeRO-0 (DeepSpeed's bf16 optimizer):train.zero_stage=0", "ZeRO-2:train.zero_stage=2"]
+        "ZeRO-0 (DeepSpeed's bf16 optimizer):train.zero_stage=0", "ZeRO-2:train.zero_stage=2",
+        "fp32, one rank (no DeepSpeed wrapper):train.precision=fp32"]
 
 
 class OpCounter(TorchDispatchMode):
@@ -54,6 +59,21 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+def gpu_paths() -> None:
+    """The operations a GPU dispatches where the CPU takes paths of its own (model/dropout.py,
+    model/attention.py: _eager); the values differ, the counts are the GPU's."""
+    from megamlm.model import attention, embedding, layer
+
+    def native_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+        return torch.native_dropout(x, p, True)[0] if training and p > 0 else x
+
+    for module in (attention, embedding, layer):
+        module.dropout = native_dropout
+    # SDPA's dropout is inside its one fused kernel on a GPU
+    attention._eager = lambda q, k, v, bias, dropout_p, scale: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, scale=scale)
 
 
 def count_child(config: str, overrides: list[str], work: Path) -> dict:
@@ -89,17 +109,22 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs/pile/base-zero-clap.yaml"))
     parser.add_argument("--rows", nargs="+", default=ROWS, help="NAME:OVERRIDE,OVERRIDE... per row")
     parser.add_argument("--top", type=int, default=6, help="the most frequent operations of each phase, first row")
+    parser.add_argument("--cpu-paths", action="store_true",
+                        help="count the CPU's own attention-dropout and dropout paths (default: the GPU's)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:  # one row, in its own process: NAME:OVERRIDES, the work folder
         _, overrides = args.child.split(":", 1)
+        if not args.cpu_paths:
+            gpu_paths()
         with tempfile.TemporaryDirectory() as work:
             result = count_child(args.config, [o for o in overrides.split(",") if o], Path(work))
         print("COUNTS " + json.dumps(result))
         return
     results = {}
     for row in args.rows:
-        done = subprocess.run([sys.executable, __file__, "--config", args.config, "--child", row], cwd=ROOT,
+        child = [sys.executable, __file__, "--config", args.config, "--child", row] + ["--cpu-paths"] * args.cpu_paths
+        done = subprocess.run(child, cwd=ROOT,
                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = next((line for line in done.stdout.splitlines() if line.startswith("COUNTS ")), None)
         if line is None:
@@ -107,7 +132,7 @@ def main() -> None:
         results[row.split(":", 1)[0]] = json.loads(line.removeprefix("COUNTS "))
     layers = load_config([args.config]).model.num_layers
     print(f"aten operations per update (2 micro-batches), {Path(args.config).name}, {layers} layers, bf16, "
-          f"torch {torch.__version__}")
+          f"{'the CPU' if args.cpu_paths else 'a GPU'}'s dropout and attention paths, torch {torch.__version__}")
     width = max(len(name) for name in results) + 2
     print(f"{'row':<{width}}" + "".join(f"{name:>13}" for name in PHASES) + f"{'total':>9}{'device reads':>14}")
     for name, phases in results.items():
