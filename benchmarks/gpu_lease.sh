@@ -11,6 +11,8 @@ OUT_DIR=${1:?usage: gpu_lease.sh OUT_DIR [SECONDS]}
 BUDGET=${2:-500}
 LOGS=/tmp/gpu-logs
 mkdir -p "$LOGS" "$OUT_DIR"
+compgen -G ".whl/*.whl" >/dev/null || { echo "gpu_lease.sh: no wheels in .whl: run bash benchmarks/gpu_wheels.sh" \
+    "on the development machine and carry .whl (the device tool's carry)"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export GPU_SH_DEADLINE=$(($(date +%s) + BUDGET))

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,20 @@ def test_without_the_smoke_switch_the_commands_are_full_size(tmp_path):
     assert "data.seq_length=2048" in loop and "train.micro_batch_size=8" in loop and "train.steps=60" in loop
     assert "train.run_dir=runs/loop-2048" in loop and "model.num_layers" not in loop
     assert "--config configs/pile/large-zero-clap.yaml" in commands["loop-2048-large"]
+
+
+def test_a_lease_runs_only_the_named_rows_and_skips_what_its_deadline_leaves_no_time_for(tmp_path):
+    """GPU_SH_ONLY picks rows out of the steps (benchmarks/gpu_lease.sh: most wanted first);
+    GPU_SH_DEADLINE skips a command with under 45 s left, so the call ends before the lease does."""
+    env = {**{k: v for k, v in os.environ.items() if k != "GPU_SH_SMOKE"}, "PYTHON": "echo",
+           "GPU_SH_ONLY": "loop-2048-noscan base-baseline"}
+    run = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "throughput", "loop"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.findall(r"^=== (\S+): echo", run.stdout, re.M) == ["base-baseline", "loop-2048-noscan"]
+    assert "train.skip_nonfinite_updates=false" in (tmp_path / "loop-2048-noscan.log").read_text()
+    late = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "throughput"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**env, "GPU_SH_DEADLINE": str(int(time.time()) + 30)})
+    assert late.returncode == 0, late.stdout + late.stderr
+    assert re.findall(r"^=== (\S+): skipped", late.stdout, re.M) == ["base-baseline"]
+    assert "skipped: base-baseline (GPU_SH_DEADLINE)" in late.stdout
