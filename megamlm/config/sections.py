@@ -162,7 +162,8 @@ class TrainConfig:
     has one (its `check_grad_overflow`). The scan costs about 1,900 host operations and two waits for
     the device per update at 12 layers (benchmarks/loop_ops.py). false: no scan, no wait; a non-finite
     gradient then reaches the weights, the next loss is non-finite and the spike guard rolls back to
-    the last checkpoint. fp16 always scans (its loss scale needs it); fp32 never does."""
+    the last checkpoint (before the first one, the run stops: "no checkpoint to roll back to"). fp16
+    always scans (its loss scale needs it); fp32 never does."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON file used instead of the one generated from this config (batch sizes must agree)."""
     run_dir: str = "runs/default"
