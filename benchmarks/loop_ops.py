@@ -77,9 +77,8 @@ def gpu_paths() -> None:
 
 
 def count_child(config: str, overrides: list[str], work: Path) -> dict:
-    """Runs the loop in this process; {phase: {op: count per update}}."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    """Runs the loop in this process (one rank, as `megamlm train` from a plain python); {phase: {op: count
+    per update}}."""
     counts = {name: collections.Counter() for name in PHASES}
     updates = 0
     real_phase = loop.phase
