@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Host work of the real training loop, per phase: aten operations per update, counted on a CPU.
 
-    PYTHONPATH=. python benchmarks/loop_ops.py          # base zero-clap, bf16: ZeRO 1 (with, without the scan) / 0 / 2
+    PYTHONPATH=. python benchmarks/loop_ops.py          # base zero-clap, bf16: ZeRO 1 (with, without the scan) / 0 / 2,
+                                                        # fp32 stage 0, the flat engine (with, without the scan)
     PYTHONPATH=. python benchmarks/loop_ops.py --rows "default:" "compiled:train.compile=true"
 
 On a GPU every aten operation costs the host a dispatch, and most a kernel launch, whatever the
@@ -46,7 +47,8 @@ TINY = ["data.seq_length=128", "model.max_positions=128", "model.hidden_size=64"
         "train.log_interval=100", "train.eval_interval=100", "train.save_interval=100000"]
 ROWS = ["ZeRO-1 (the Pile configs):", "ZeRO-1, no inf/NaN scan:train.skip_nonfinite_updates=false",
         "ZeRO-0 (DeepSpeed's bf16 optimizer):train.zero_stage=0", "ZeRO-2:train.zero_stage=2",
-        "fp32, one rank (no DeepSpeed wrapper):train.precision=fp32"]
+        "fp32, one rank (no DeepSpeed wrapper):train.precision=fp32", "flat engine:train.engine=flat",
+        "flat engine, no inf/NaN scan:train.engine=flat,train.skip_nonfinite_updates=false"]
 
 
 class OpCounter(TorchDispatchMode):

@@ -154,6 +154,13 @@ class TrainConfig:
     """Optimizer updates."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32, bf16, or fp16 with dynamic loss scaling (the reference)."""
+    engine: Literal["deepspeed", "flat"] = "deepspeed"
+    """What steps the optimizer. deepspeed: DeepSpeed's engine at train.zero_stage. flat: megamlm's own
+    ZeRO-1 (train/flat.py): weights and gradients as views of flat buffers, one fused AdamW over this
+    data-parallel rank's range, about 15 host operations per optimizer step instead of DeepSpeed's
+    1,300-3,300 at 12 layers (benchmarks/loop_ops.py); fp32 or bf16, train.zero_stage 0 or 1 (its
+    optimizer state is cut over DP either way). Its checkpoints are in DeepSpeed's stage-0 layout:
+    they resume on either engine at any layout and convert as any other."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP). An
     fp32 run on one data-parallel rank runs at stage 0 whatever this says (`engine_zero_stage`)."""
@@ -223,6 +230,14 @@ class TrainConfig:
         if not self.skip_nonfinite_updates and self.precision == "fp16":
             raise ConfigError("train.skip_nonfinite_updates=false needs train.precision=bf16: fp16's loss "
                               "scale is set from the scan it turns off")
+        if self.engine == "flat":
+            asks = [f"train.{key}={value}" for key, value, ok in (
+                ("precision", self.precision, self.precision != "fp16"),
+                ("zero_stage", self.zero_stage, self.zero_stage in (0, 1)),
+                ("deepspeed_config", self.deepspeed_config, self.deepspeed_config is None)) if not ok]
+            if asks:
+                raise ConfigError(f"train.engine=flat runs fp32 or bf16 at ZeRO-1 without a DeepSpeed JSON; "
+                                  f"{', '.join(asks)} needs train.engine=deepspeed")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
@@ -232,7 +247,10 @@ class TrainConfig:
         """The ZeRO stage the engine runs: zero_stage, but 0 for fp32 on one data-parallel rank, where
         partitioning over a group of one saves nothing and its flattening and bucketing cost ~18% of a
         CPU step (DeepSpeed then steps torch's fused AdamW on the parameters; the losses are bit-identical).
-        bf16/fp16 keep the stage: DeepSpeed's stage-0 mixed-precision optimizer accumulates differently."""
+        bf16/fp16 keep the stage: DeepSpeed's stage-0 mixed-precision optimizer accumulates differently.
+        train.engine=flat: 0, the layout of its checkpoint files (train/flat.py)."""
+        if self.engine == "flat":
+            return 0
         return 0 if dp_size == 1 and self.precision == "fp32" else self.zero_stage
 
     def accumulation_steps(self, dp_size: int) -> int:

@@ -212,7 +212,7 @@ class Checkpoints:
         _check_same_model(folder, meta, cfg)
         written = written_layout(meta, written_zero_stage(meta))
         stage = cfg.train.engine_zero_stage(dp)
-        if ((written.tp, written.dp) == (cfg.parallel.tensor_parallel, dp)
+        if ((written.tp, written.dp, written.engine) == (cfg.parallel.tensor_parallel, dp, cfg.train.engine)
                 and meta["config"]["train"]["zero_stage"] == cfg.train.zero_stage):
             stage = written.zero_stage
         convert_position(StreamPosition(**meta["position"]), written, Layout.of(cfg, dp, stage),
@@ -229,7 +229,7 @@ class Checkpoints:
         running = Layout.of(cfg, ctx.dp_size, engine.zero_optimization_stage())
         position, note = convert_position(StreamPosition(**meta["position"]), written, running,
                                           self.allow_batch_change, source=str(folder))
-        if written.same_shards(running):
+        if written.same_shards(running) and running.engine == "deepspeed":
             engine.load_checkpoint(str(self.root), tag=tag, load_optimizer_states=True,
                                    load_lr_scheduler_states=True)
         else:

@@ -40,6 +40,7 @@ from megamlm.config import Config, ConfigError, ModelConfig, config_from_dict
 from megamlm.data.stream import StreamPosition
 from megamlm.model.reshard import from_full
 from megamlm.model.tp import merge_shards, shard_rule
+from megamlm.train.flat import FlatEngine
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 """What the optimizer holds per parameter: the master weights and AdamW's two moments."""
@@ -56,22 +57,28 @@ class Layout:
     micro_batch: int
     accumulation: int
     packed: bool
+    engine: str = "deepspeed"
+    """train.engine (the flat engine writes stage-0 files but is not DeepSpeed's stage-0 engine)."""
 
     @classmethod
     def of(cls, cfg: Config, dp: int, zero_stage: int) -> Layout:
         return cls(cfg.parallel.tensor_parallel, dp, zero_stage, cfg.train.micro_batch_size,
-                   cfg.train.accumulation_steps(dp), cfg.data.packing == "packed")
+                   cfg.train.accumulation_steps(dp), cfg.data.packing == "packed", cfg.train.engine)
 
     @property
     def global_batch(self) -> int:
         return (1 if self.packed else self.micro_batch) * self.accumulation * self.dp
 
     def same_shards(self, other: Layout) -> bool:
-        """DeepSpeed's own loader reads the files as they are (micro-batch and accumulation may differ)."""
-        return (self.tp, self.dp, self.zero_stage) == (other.tp, other.dp, other.zero_stage)
+        """The engine's own cut of the files fits (micro-batch and accumulation may differ)."""
+        return (self.tp, self.dp, self.zero_stage, self.engine) == (other.tp, other.dp, other.zero_stage, other.engine)
+
+    @property
+    def engine_name(self) -> str:
+        return "flat engine" if self.engine == "flat" else f"ZeRO-{self.zero_stage}"
 
     def __str__(self) -> str:
-        return f"TP={self.tp} DP={self.dp} ZeRO-{self.zero_stage}"
+        return f"TP={self.tp} DP={self.dp} {self.engine_name}"
 
 
 def written_layout(meta: dict, zero_stage: int) -> Layout:
@@ -291,7 +298,8 @@ def load_full_state(engine, schedule, state: FullState) -> None:
     if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
         optimizer._lazy_init_hp_params_optimizer_state()  # links each parameter to its moment fragments
     params = dict(model.named_parameters())
-    masters = _stage0_masters(engine, optimizer, base)
+    flat = isinstance(engine, FlatEngine)
+    masters = None if flat else _stage0_masters(engine, optimizer, base)
     if set(params) != set(state.names):
         missing, unexpected = sorted(set(params) - set(state.names)), sorted(set(state.names) - set(params))
         raise ConfigError(f"the checkpoint's parameters differ from the model's: missing {missing or 'none'}, "
@@ -299,6 +307,9 @@ def load_full_state(engine, schedule, state: FullState) -> None:
     for name, param in params.items():
         for kind in KINDS:  # one full tensor in memory at a time
             local = from_full(model, param, state.full(name, kind))
+            if flat:
+                engine.set_full(param, kind, local)
+                continue
             if kind == "fp32":  # the module's copy; ZeRO-3 holds only this rank's partition of it
                 with zero.GatheredParameters([param], modifier_rank=0) if hasattr(param, "ds_id") else \
                         contextlib.nullcontext():

@@ -16,6 +16,7 @@ import torch
 
 from megamlm.config import Config, ConfigError
 from megamlm.parallel import ParallelContext
+from megamlm.train.flat import FlatEngine
 from megamlm.train.schedule import Schedule
 
 
@@ -130,7 +131,11 @@ class GradNorm:
 
 def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stage: int):
     """(engine, optimizer, schedule) from a model whose parameters are already initialized, at ZeRO
-    `stage` (a new run: `TrainConfig.engine_zero_stage`; a resumed one: its checkpoint's)."""
+    `stage` (a new run: `TrainConfig.engine_zero_stage`; a resumed one: its checkpoint's), or
+    train.engine=flat's (which has one stage)."""
+    if cfg.train.engine == "flat":
+        engine = FlatEngine(model, cfg, ctx)
+        return engine, engine.optimizer, engine.schedule
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
     import deepspeed
 

@@ -31,6 +31,7 @@ from megamlm.objectives import LossTotals, Objective, get_objective
 
 from megamlm.parallel import ParallelContext, host_to_device, init_distributed, seed_everything
 from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
+from megamlm.train.elastic import Layout
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
@@ -174,8 +175,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     tag = None if resume is None else _resume_tag(checkpoints, resume, log)
     # a run resumed on its layout keeps the engine that wrote its checkpoint (e.g. ZeRO-1 at DP=1 from
     # before the stage-0 rule); a new one, or one on another layout, runs the stage its layout gets
-    stage = cfg.train.engine_zero_stage(ctx.dp_size) if tag is None else \
-        checkpoints.resume_stage(tag, cfg, ctx.dp_size)
+    stage = cfg.train.engine_zero_stage(ctx.dp_size) if tag is None else checkpoints.resume_stage(tag, cfg, ctx.dp_size)
     engine, optimizer, schedule = build_engine(model, cfg, ctx, stage)
     state = TrainState(data_seed=cfg.train.seed)
     if tag is not None:
@@ -194,10 +194,11 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     update = (f"{stream.units_per_micro} micro x {accumulation} accumulation x {ctx.dp_size} DP = "
               + (f"{stream.global_batch} packed rows of {stream.budget} tokens" if stream.packed
                  else f"{stream.global_batch} sequences of <= {cfg.data.seq_length} tokens"))
+    engine_name = Layout.of(cfg, ctx.dp_size, engine.zero_optimization_stage()).engine_name
     log.event("start", state.step,
               f"{parameters / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | update = {update}"
-              f" | ZeRO-{engine.zero_optimization_stage()} {cfg.train.precision} | peak {peak / 1e12:.2f} TFLOP/s"
-              f" ({peak_source}) | {stream.batches_per_epoch()} micro-batches per rank per epoch")
+              f" | {engine_name} {cfg.train.precision} | peak {peak / 1e12:.2f} TFLOP/s ({peak_source}) | "
+              f"{stream.batches_per_epoch()} micro-batches per rank per epoch")
 
     def validate(tag: str) -> dict | None:
         if valid is None:

@@ -1,0 +1,233 @@
+"""The flat engine (`train.engine=flat`): ZeRO-1 with the optimizer step done once over flat buffers.
+
+DeepSpeed's ZeRO-1 works parameter by parameter at every update: a cast, a norm, slices and views per
+gradient, then per-gradient inf/NaN checks with two reads of the device (`benchmarks/loop_ops.py`:
+3,274 host operations in the engine step at 12 layers, 1,348 without the check). On a GPU each is a
+dispatch, and the H200 loop waited on the host (BENCHMARKS.md). This engine keeps
+
+- the model's weights (bf16 under train.precision=bf16) as views of one flat buffer and their
+  gradients as views of another, so that autograd accumulates micro-batches into it in place;
+- fp32 master weights and AdamW's moments for this data-parallel rank's range of that buffer only
+  (ZeRO-1: the optimizer state is cut over DP), stepped by torch's fused AdamW as one tensor;
+
+so an update's step is about 15 operations at any depth: cast the gradients to fp32, reduce them
+over DP, one norm (tensor-parallel shards counted on every TP rank, replicated parameters on TP rank
+0, as megatron and DeepSpeed count them), clip, one fused AdamW, cast back, all-gather over DP.
+
+Skipping updates with a non-finite gradient (train.skip_nonfinite_updates, bf16) costs no host read:
+the norm's finiteness goes to the fused AdamW as its `found_inf`, which leaves weights, moments and
+step count as they were. The host does not learn of the skip, so unlike DeepSpeed the learning-rate
+schedule still advances (as in a PyTorch loop with a GradScaler); `skipped_steps` counts them.
+
+Checkpoints use DeepSpeed's stage-0 file layout (`mp_rank_XX_model_states.pt`: the fp32 master
+weights as the module, torch's AdamW state per parameter in model order, the schedule and counters),
+written by DP rank 0 of each TP rank after a gather. Every reader therefore takes it as it takes a
+stage-0 run: resume at any layout or engine (`train.elastic`), `megamlm convert`, DeepSpeed's
+zero_to_fp32. The engine itself always loads through `train.elastic.load_full_state`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megamlm.config import Config
+from megamlm.parallel import ParallelContext
+from megamlm.train.schedule import Schedule
+
+ALIGN = 64
+"""Every parameter starts at a multiple of 64 elements of the flat buffers (128 bytes in bf16), so
+that its view is as aligned as a tensor of its own for the GPU's vectorized kernels."""
+
+NORM_ROW = 4096
+"""The norm sums squares in rows of 4,096 elements, then over the rows. One fp32 reduction over
+millions of elements loses accuracy (a CPU's: 1.3e-4 relative at 3.3M, as in DeepSpeed's per-tensor
+norms of an embedding); two levels keep it near 1e-8. The flat buffers' ranges are whole rows."""
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _tp_sharded(param: nn.Parameter) -> bool:
+    """Each TP rank holds a different part of it (megatron's attribute): its norm counts on every rank."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+class FlatEngine:
+    """What the loop uses of a DeepSpeed engine (`__call__`, backward, step, module, optimizer,
+    checkpoints, counters), over flat buffers."""
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext):
+        self.module, self.ctx = model.train(), ctx
+        self.accumulation = cfg.train.accumulation_steps(ctx.dp_size)
+        self.samples_per_update = cfg.train.micro_batch_size * self.accumulation * ctx.dp_size
+        self.clip = cfg.optim.clip_grad
+        self.scan = cfg.train.precision == "bf16" and cfg.train.skip_nonfinite_updates
+        dtype = DTYPES[cfg.train.precision]
+        # TP-sharded parameters first, so that the norm's two kinds of parameters are two ranges
+        ordered = sorted(model.parameters(), key=lambda p: not _tp_sharded(p))
+        self.offsets: dict[int, int] = {}  # id(parameter) -> its first element in the flat buffers
+        total = 0
+        for param in ordered:
+            if not _tp_sharded(param) and not hasattr(self, "sharded_end"):
+                self.sharded_end = total = _round_up(total, NORM_ROW)
+            self.offsets[id(param)] = total
+            total = _round_up(total + param.numel(), ALIGN)
+        total = _round_up(total, NORM_ROW * ctx.dp_size)
+        self.sharded_end = getattr(self, "sharded_end", total)
+        self.weights = torch.zeros(total, dtype=dtype, device=ctx.device)
+        self.grads = torch.zeros_like(self.weights)
+        for param in ordered:  # parameters only: buffers keep their dtype, as DeepSpeed leaves them
+            self._view(self.weights, param).copy_(param.data)
+            param.data = self._view(self.weights, param)
+            param.grad = self._view(self.grads, param)
+        # this DP rank's range [start, end) of the flat buffers: its master weights and moments
+        part = total // ctx.dp_size
+        self.start, self.end = ctx.dp_rank * part, (ctx.dp_rank + 1) * part
+        # fp32: the weights are their own masters (AdamW steps this rank's range of them in place);
+        # bf16: fp32 copies made from the bf16 weights, as DeepSpeed makes its masters
+        self.separate_masters = dtype != torch.float32
+        self.grads32 = torch.zeros(total, device=ctx.device) if self.separate_masters else self.grads
+        self.master = self.weights[self.start:self.end]
+        if self.separate_masters:
+            self.master = self.master.float()
+        self.master.grad = self.grads32[self.start:self.end]
+        self.optimizer = torch.optim.AdamW([self.master], lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                           eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay, fused=True)
+        self.schedule = Schedule(self.optimizer, cfg.optim, cfg.train.steps)
+        # the parts of this rank's range whose squares the norm sums here
+        split = min(max(self.sharded_end - self.start, 0), part)
+        counted = [self.master.grad] if ctx.tp_size == 1 else \
+            [self.master.grad[:split]] + ([self.master.grad[split:]] if ctx.tp_rank == 0 else [])
+        self.counted = [part.view(-1, NORM_ROW) for part in counted if part.numel()]
+        self.norm = torch.zeros((), device=ctx.device)
+        self.skipped = torch.zeros((), device=ctx.device)
+        self.micro_steps = self.global_steps = self.global_samples = 0
+
+    def _view(self, flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+        offset = self.offsets[id(param)]
+        return flat[offset: offset + param.numel()].view(param.shape)
+
+    # ---- the loop's calls ------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The loop's weights make the loss of an update a sum over micro-batches and DP ranks of
+        `accumulation × DP` means; as DeepSpeed, divide by accumulation here and by DP in the reduction."""
+        (loss / self.accumulation).backward()
+
+    def step(self) -> None:
+        """Called after every micro-batch; updates at the last one of an update."""
+        self.micro_steps += 1
+        if self.micro_steps % self.accumulation:
+            return
+        ctx = self.ctx
+        if self.grads32 is not self.grads:
+            self.grads32.copy_(self.grads)
+        grad = self.master.grad
+        if ctx.dp_size > 1:  # all-reduce, not reduce-scatter: the one collective gloo (CPU, tests) has too
+            dist.all_reduce(self.grads32, group=ctx.dp_group)
+            grad.div_(ctx.dp_size)
+        squares = torch.zeros((), device=ctx.device)
+        for rows in self.counted:
+            squares = squares + torch.linalg.vector_norm(rows, dim=1).square().sum()
+        for size, group in ((ctx.dp_size, ctx.dp_group), (ctx.tp_size, ctx.tp_group)):
+            if size > 1:  # DP ranks hold other ranges, TP ranks other shards
+                dist.all_reduce(squares, group=group)
+        self.norm = squares.sqrt()
+        if self.clip > 0:  # as DeepSpeed clips: by max(1, (norm + 1e-6) / clip)
+            grad.div_(((self.norm + 1e-6) / self.clip).clamp(min=1.0))
+        if self.scan:
+            found_inf = self.norm.isfinite().logical_not().float()
+            self.optimizer.found_inf = found_inf  # torch's fused AdamW skips the update on the device
+            self.skipped += found_inf
+        self.optimizer.step()
+        self.schedule.step()
+        if self.separate_masters:  # bf16: cast the range back
+            self.weights[self.start:self.end].copy_(self.master)
+        if ctx.dp_size > 1:
+            self._all_gather(self.weights)
+        self.grads.zero_()
+        self.global_steps += 1
+        self.global_samples += self.samples_per_update
+
+    def _all_gather(self, flat: torch.Tensor) -> None:
+        """Every DP rank's range of `flat` from its owner."""
+        group = self.ctx.dp_group
+        if dist.get_backend(group) == "nccl":
+            dist.all_gather_into_tensor(flat, flat[self.start:self.end].clone(), group=group)
+        else:
+            dist.all_gather(list(flat.chunk(self.ctx.dp_size)), flat[self.start:self.end].clone(), group=group)
+
+    def get_global_grad_norm(self) -> torch.Tensor:
+        """The last update's gradient norm before clipping (on the device)."""
+        return self.norm
+
+    def zero_optimization_stage(self) -> int:
+        """The layout of the checkpoint files: DeepSpeed's stage 0 (in memory, the optimizer state is
+        cut over DP as at stage 1)."""
+        return 0
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.skipped.item())
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.skipped.fill_(value)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, root: str, tag: str, save_latest: bool = False) -> None:
+        """Collective: DP rank 0 of each TP rank writes mp_rank_XX_model_states.pt (DeepSpeed's stage-0
+        layout, fp32 masters as the module)."""
+        folder = Path(root) / tag
+        folder.mkdir(parents=True, exist_ok=True)
+        state = self.optimizer.state[self.master]  # empty before the first update: zero moments, step 0
+        state = {"step": torch.zeros(()), **{k: torch.zeros_like(self.master) for k in ("exp_avg", "exp_avg_sq")},
+                 **state}
+        fulls = {kind: self._gather(state[kind] if kind != "fp32" else self.master)
+                 for kind in ("fp32", "exp_avg", "exp_avg_sq")}
+        skipped = self.skipped_steps
+        if self.ctx.dp_rank != 0:
+            return
+        params = list(self.module.named_parameters())
+        module = self.module.state_dict()
+        module.update({name: self._view(fulls["fp32"], p) for name, p in params})
+        moments = {i: {"step": state["step"].cpu().clone(), "exp_avg": self._view(fulls["exp_avg"], p),
+                       "exp_avg_sq": self._view(fulls["exp_avg_sq"], p)} for i, (_, p) in enumerate(params)}
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        torch.save({"module": module, "engine": "flat",
+                    "optimizer": {"state": moments, "param_groups": [group | {"params": list(range(len(params)))}]},
+                    "lr_scheduler": self.schedule.state_dict(), "global_steps": self.global_steps,
+                    "global_samples": self.global_samples, "skipped_steps": skipped},
+                   folder / f"mp_rank_{self.ctx.tp_rank:02d}_model_states.pt")
+
+    def _gather(self, part: torch.Tensor) -> torch.Tensor | None:
+        """Every DP rank's range of a flat fp32 tensor, whole, on DP rank 0 (CPU); None elsewhere."""
+        ctx = self.ctx
+        part = part.detach().float()
+        if ctx.dp_size == 1:
+            return part.cpu()
+        parts = [torch.empty_like(part) for _ in range(ctx.dp_size)] if ctx.dp_rank == 0 else None
+        dist.gather(part, parts, dst=dist.get_global_rank(ctx.dp_group, 0), group=ctx.dp_group)
+        return torch.cat(parts).cpu() if parts is not None else None
+
+    def set_full(self, param: nn.Parameter, kind: str, local: torch.Tensor) -> None:
+        """Load this rank's (TP-cut) fp32 tensor of `kind` (master weights "fp32", "exp_avg",
+        "exp_avg_sq") for `param`: the weights, and the part of the range this DP rank holds."""
+        if kind == "fp32":
+            param.data.copy_(local.to(param.dtype))
+        target = self.master if kind == "fp32" else self.optimizer.state[self.master][kind]
+        first = self.offsets[id(param)]
+        lo, hi = max(first, self.start), min(first + param.numel(), self.end)
+        if lo < hi:
+            target.data[lo - self.start: hi - self.start].copy_(local.flatten()[lo - first: hi - first])

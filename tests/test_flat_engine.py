@@ -1,0 +1,197 @@
+"""The flat engine (train.engine=flat, megamlm/train/flat.py): its update is torch's AdamW applied to
+every parameter, it trains DeepSpeed's losses, its layouts agree (DP=2 = DP=1, TP=2 = TP=1), it skips a
+non-finite update without reading the device, and its checkpoints resume and convert on either engine
+at any layout."""
+
+import shutil
+
+import pytest
+import torch
+
+from megamlm.config import ConfigError
+from megamlm.objectives import get_objective
+from megamlm.parallel import seed_everything
+from megamlm.train.engine import build_engine
+from tests.multiproc import run_on_ranks
+from tests.test_host_sync import HostReads, _batch, _tokenizer
+from tests.test_train import _train, _zero_runs, config, logged, tiny_shards
+from tests.variants import variant_config
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return tiny_shards(tmp_path_factory, "flat")
+
+
+def _setup(world, precision: str, clip: float = 0.5):
+    """(cfg, objective, flat engine, the same model initialized alike without it, two micro-batches)."""
+    base = variant_config("baseline")
+    cfg = variant_config("baseline", [f"model.vocab_size={len(_tokenizer(base).dictionary)}", "train.engine=flat",
+                                      f"train.precision={precision}", "train.micro_batch_size=4",
+                                      "train.global_batch_size=8", f"optim.clip_grad={clip}", "optim.warmup_steps=0",
+                                      "optim.weight_decay=0.01"])
+    objective = get_objective(cfg)
+    seed_everything(1, world)
+    reference = objective.build_model(world)
+    seed_everything(1, world)
+    model = objective.build_model(world)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    engine, _, _ = build_engine(model, cfg, world, cfg.train.engine_zero_stage(1))
+    return cfg, objective, engine, reference, [_batch(cfg, "padded"), _batch(cfg, "packed")]
+
+
+def test_an_update_is_torch_adamw_on_every_parameter_after_clipping(world):
+    """fp32, accumulation 2, clipping active: the gradients accumulate in place in the flat buffer, the
+    norm is the float64 L2 norm, and the new weights are torch's per-parameter AdamW's."""
+    cfg, objective, engine, reference, batches = _setup(world, "fp32")
+    model = engine.module
+    before = [p.detach().clone() for p in model.parameters()]
+    views = {name: p.grad.data_ptr() for name, p in model.named_parameters()}
+    for batch in batches:
+        engine.backward(objective.loss(engine, batch).loss_sum.sum())
+    assert {name: p.grad.data_ptr() for name, p in model.named_parameters()} == views  # accumulated in place
+    for batch in batches:
+        (objective.loss(reference, batch).loss_sum.sum() / 2).backward()
+    grads = [p.grad.double() for p in reference.parameters()]
+    norm = torch.stack([g.norm() for g in grads]).norm().item()
+    factor = max(1.0, (norm + 1e-6) / cfg.optim.clip_grad)
+    assert factor > 1.5  # clipping is active
+    lr = engine.optimizer.param_groups[0]["lr"]
+    plain = torch.optim.AdamW(reference.parameters(), lr=lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                              weight_decay=cfg.optim.weight_decay, foreach=False)
+    for p in reference.parameters():
+        p.grad.div_(factor)
+    plain.step()
+    engine.step()  # the first micro-batch's call: not yet an update
+    engine.step()
+    assert abs(engine.get_global_grad_norm().item() - norm) / norm < 1e-6
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    assert worst < 1e-6, worst
+    assert min((a - b).abs().max().item() for a, b in zip(model.parameters(), before)) > 1e-4  # all moved
+    assert all(p.grad.abs().max() == 0 for p in model.parameters())  # ready for the next update
+    assert engine.global_steps == 1 and engine.global_samples == 8
+
+
+def test_a_nonfinite_gradient_skips_the_update_without_a_host_read(world):
+    """bf16 with train.skip_nonfinite_updates: weights, master weights, moments and AdamW's count stay
+    as they were, the step reads nothing from the device, and the next finite update goes through."""
+    _, objective, engine, _, batches = _setup(world, "bf16")
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    masters = engine.master.clone()
+    for batch in batches:
+        engine.backward(objective.loss(engine, batch).loss_sum.sum())
+    next(iter(engine.module.parameters())).grad[0] = float("inf")
+    reads = HostReads()
+    with reads:
+        engine.step()
+        engine.step()
+    assert not reads.counts, reads.counts
+    assert not engine.get_global_grad_norm().isfinite()
+    assert all(torch.equal(p, before[name]) for name, p in engine.module.named_parameters())
+    assert torch.equal(engine.master, masters)
+    state = engine.optimizer.state[engine.master]
+    assert state["step"].item() == 0 and state["exp_avg"].abs().max() == 0
+    assert engine.skipped_steps == 1
+    for batch in batches:
+        engine.backward(objective.loss(engine, batch).loss_sum.sum())
+        engine.step()
+    assert engine.get_global_grad_norm().isfinite() and state["step"].item() == 1 and engine.skipped_steps == 1
+    assert not all(torch.equal(p, before[name]) for name, p in engine.module.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+    assert torch.equal(engine.weights[engine.start:engine.end], engine.master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 5e-6), ("bf16", 1e-4)])
+def test_the_loop_on_the_flat_engine_trains_deepspeeds_losses(shards, tmp_path, precision, tolerance, capsys):
+    """DP=1, accumulation 2, clipping active. DeepSpeed's engines compute the norm as one fp32 reduction
+    per tensor, which on a CPU is off the L2 norm by ~1e-5 here (the flat engine's by ~1e-8, NORM_ROW):
+    the clip factors differ, and with them the losses slightly."""
+    common = [f"train.precision={precision}", "train.steps=6", "train.global_batch_size=8", "optim.clip_grad=0.5"]
+    deepspeed = _train(config(shards, tmp_path / "ds", *common))
+    capsys.readouterr()
+    flat = _train(config(shards, tmp_path / "flat", *common, "train.engine=flat"))
+    assert f"flat engine {precision}" in capsys.readouterr().out
+    assert flat["losses"][0] == deepspeed["losses"][0] and flat["losses"][-1] < flat["losses"][0] - 0.1
+    assert max(abs(a - b) for a, b in zip(flat["losses"], deepspeed["losses"])) < tolerance
+    norms, ds_norms = logged(tmp_path / "flat", key="grad_norm"), logged(tmp_path / "ds", key="grad_norm")
+    assert min(norms.values()) > 0.5 and max(abs(norms[s] - ds_norms[s]) / ds_norms[s] for s in norms) < 1e-3
+
+
+def test_a_bf16_run_resumes_bit_for_bit(shards, tmp_path):
+    """The checkpoint holds the fp32 master weights and moments; the bf16 weights are their cast, as
+    after every update."""
+    common = ["train.precision=bf16", "train.engine=flat", "train.global_batch_size=8", "train.save_interval=2"]
+    straight = _train(config(shards, tmp_path / "straight", *common, "train.steps=4"))
+    _train(config(shards, tmp_path / "resumed", *common, "train.steps=2"))
+    resumed = _train(config(shards, tmp_path / "resumed", *common, "train.steps=4"), resume="auto")
+    assert len(straight["losses"]) == 4 and resumed["losses"] == straight["losses"][2:]
+
+
+def test_the_flat_engine_refuses_what_it_does_not_run(shards, tmp_path):
+    for asked in ("train.precision=fp16", "train.zero_stage=2", "train.deepspeed_config=ds.json"):
+        with pytest.raises(ConfigError, match=f"{asked} needs train.engine=deepspeed"):
+            config(shards, tmp_path, "train.engine=flat", asked)
+
+
+# ---- layouts and checkpoints on real gloo ranks -------------------------------------------------------
+
+COMMON = ["train.global_batch_size=8", "train.steps=8", "train.save_interval=4", "model.hidden_dropout=0",
+          "model.attention_dropout=0", "optim.clip_grad=1.0"]
+LAYOUTS = {  # name: (ranks, overrides)
+    "flat-dp1": (1, ["train.engine=flat"]),
+    "flat-dp2": (2, ["train.engine=flat"]),
+    "flat-tp2": (2, ["train.engine=flat", "parallel.tensor_parallel=2"]),
+    "zero1-dp2": (2, ["train.zero_stage=1"]),
+}
+
+
+def _resume(cfgs):
+    from megamlm.train.loop import train
+
+    return [train(cfg, resume="step00000004")["losses"] for cfg in cfgs]
+
+
+@pytest.mark.slow
+def test_flat_layouts_agree_and_their_checkpoints_resume_on_either_engine_at_any_layout(shards, tmp_path):
+    from megamlm.convert.zero import consolidate
+
+    runs = {}
+    for ranks in (1, 2):
+        names = [n for n, (r, _) in LAYOUTS.items() if r == ranks]
+        cfgs = [config(shards, tmp_path / n, *COMMON, *LAYOUTS[n][1]) for n in names]
+        runs.update(zip(names, run_on_ranks(_zero_runs, ranks, cfgs)[0]))
+    losses = {n: r["losses"] for n, r in runs.items()}
+    norms = {n: logged(tmp_path / n, key="grad_norm") for n in runs}
+    one = losses["flat-dp1"]
+    assert len(one) == 8 and one[-1] < one[0] - 0.2
+    for name in ("flat-dp2", "flat-tp2", "zero1-dp2"):  # DP=2 and TP=2 sum in another order than DP=1
+        assert max(abs(a - b) for a, b in zip(losses[name], one)) < 5e-6, name
+    for name in ("flat-dp2", "flat-tp2"):  # the exact L2 norm at every layout (DeepSpeed's ZeRO-1: ~1e-4 off)
+        assert max(abs(norms[name][s] - norms["flat-dp1"][s]) / norms["flat-dp1"][s] for s in norms[name]) < 1e-5
+
+    # (source, target): the same layout; DP and TP changed; across engines both ways
+    moves = [("flat-dp2", "flat-dp2"), ("flat-dp2", "flat-dp1"), ("flat-tp2", "flat-dp2"),
+             ("flat-dp2", "zero1-dp2"), ("zero1-dp2", "flat-tp2")]
+    cfgs = {}
+    for source, target in moves:
+        run_dir = tmp_path / f"{source}-to-{target}"
+        shutil.copytree(tmp_path / source, run_dir)
+        cfgs[source, target] = config(shards, run_dir, *COMMON, *LAYOUTS[target][1])
+    resumed = {}
+    for ranks in (1, 2):
+        mine = [m for m in moves if LAYOUTS[m[1]][0] == ranks]
+        resumed.update(zip(mine, run_on_ranks(_resume, ranks, [cfgs[m] for m in mine])[0]))
+    for (source, target), after in resumed.items():
+        diff = max(abs(a - b) for a, b in zip(after, losses[source][4:]))
+        print(f"{source} -> {target}: max |Δloss| {diff:.2e}")
+        assert len(after) == 4 and diff < 5e-6, (source, target, diff)
+        line = logged(tmp_path / f"{source}-to-{target}", "resume", "message")[4]
+        assert line.startswith("resumed from " if source == target else "resumed update 4 written at "), line
+    assert resumed["flat-dp2", "flat-dp2"] == losses["flat-dp2"][4:]  # its own layout: bit for bit
+    assert "written at TP=1 DP=2 flat engine into TP=1 DP=2 ZeRO-1" in \
+        logged(tmp_path / "flat-dp2-to-zero1-dp2", "resume", "message")[4]
+
+    # the files convert as a stage-0 run's: the fp32 master weights, TP shards merged
+    _, full, _ = consolidate(tmp_path / "flat-tp2")
+    _, reference, _ = consolidate(tmp_path / "flat-dp2")
+    assert set(full) == set(reference) and max((full[k] - reference[k]).abs().max().item() for k in full) < 1e-5
