@@ -128,6 +128,13 @@ for s in $STEPS; do
         train_run loop-2048-cudagraphs 2048 8 "train.compile=true train.compile_mode=reduce-overhead $PROFILE" 60
         # micro-batches of 16: the host's per-micro-batch work (launches, engine hooks) spread over twice the tokens
         train_run loop-2048-micro16 2048 16 "$PROFILE" 30
+        # megamlm's flat engine: ~2,800 host operations per update against ZeRO-1's ~6,600 (loop_ops.py)
+        train_run loop-2048-flat 2048 8 "train.engine=flat $PROFILE" 60
+        train_run loop-2048-flat-compiled 2048 8 "train.engine=flat train.compile=true $PROFILE" 60
+        train_run loop-2048-flat-cudagraphs 2048 8 \
+            "train.engine=flat train.compile=true train.compile_mode=reduce-overhead $PROFILE" 60
+        train_run loop-2048-large-flat 2048 8 "train.engine=flat train.compile=true $PROFILE" 40 \
+            configs/pile/large-zero-clap.yaml
         train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60
         train_run loop-2048-large 2048 8 "$PROFILE" 40 configs/pile/large-zero-clap.yaml
         train_run loop-8192 8192 2 "$FLEX train.compile=true" 40

@@ -28,12 +28,14 @@ print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_pr
 cat "$LOGS/device.txt"
 
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows
-# (BENCHMARKS.md); next: what keeps the loop's GPU waiting for the host (the profile's host ms per phase,
-# without DeepSpeed's inf/NaN scan, CUDA graphs, bigger micro-batches), the Flex kernel sweep at 2048, the compiled rows
+# (BENCHMARKS.md); next: the loop on the flat engine (session 22: the host's work per update cut by 58%)
+# next to DeepSpeed's in the same lease, what else keeps the GPU waiting for the host (the profile's host
+# ms per phase, CUDA graphs, bigger micro-batches), the Flex kernel sweep at 2048, the compiled rows
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "loop loop-2048 loop-2048-noscan loop-2048-cudagraphs loop-2048-micro16"
+    "loop loop-2048 loop-2048-flat loop-2048-flat-compiled loop-2048-flat-cudagraphs loop-2048-large-flat"
+    "loop loop-2048-noscan loop-2048-cudagraphs loop-2048-micro16"
     "flex-tune flex-tune"
     "compiled base-baseline-compiled base-zero-clap-flex-compiled base-baseline-cudagraphs"
     "throughput base-zero-clap-flex-dropout base-baseline"

@@ -86,10 +86,12 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
         micro_tokens = cfg.data.tokens_per_micro_batch or micro_tokens
     params = parameter_count(cfg)
     w = 4 if train.precision == "fp32" else 2
-    stage = train.zero_stage
+    stage = 1 if train.engine == "flat" else train.zero_stage  # flat: the optimizer state is cut over DP
+    # the flat engine reduces gradients in an fp32 copy of the whole flat buffer (train/flat.py)
+    fp32_copy = 4 if train.engine == "flat" and w == 2 else 0
     memory = {
         "weights": params / tp * w / (dp if stage >= 3 else 1),
-        "gradients": params / tp * w / (dp if stage >= 2 else 1),
+        "gradients": params / tp * (w + fp32_copy) / (dp if stage >= 2 else 1),
         "optimizer": params / tp * (8 + (4 if w == 2 else 0)) / (dp if stage >= 1 else 1),
         **activations(cfg, micro_tokens, w, tp),
     }

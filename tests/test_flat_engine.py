@@ -117,6 +117,23 @@ def test_the_loop_on_the_flat_engine_trains_deepspeeds_losses(shards, tmp_path, 
     assert min(norms.values()) > 0.5 and max(abs(norms[s] - ds_norms[s]) / ds_norms[s] for s in norms) < 1e-3
 
 
+def test_the_plans_memory_estimate_is_what_the_engine_holds(world):
+    """bf16: weights and gradients in bf16, an fp32 copy of the gradients, fp32 masters and two moments
+    (the plan ignores the buffers' padding and the vocabulary's, 1100 -> 1152 rows)."""
+    from megamlm.plan import make_plan
+
+    cfg, objective, engine, _, batches = _setup(world, "bf16")
+    for batch in batches:
+        engine.backward(objective.loss(engine, batch).loss_sum.sum())
+        engine.step()
+    state = engine.optimizer.state[engine.master]
+    held = {"weights": [engine.weights], "gradients": [engine.grads, engine.grads32],
+            "optimizer": [engine.master, state["exp_avg"], state["exp_avg_sq"]]}
+    plan = make_plan(cfg, 1, 1, "A100", 0.35)
+    for kind, tensors in held.items():
+        assert plan.memory[kind] == pytest.approx(sum(t.numel() * t.element_size() for t in tensors), rel=0.05), kind
+
+
 def test_a_bf16_run_resumes_bit_for_bit(shards, tmp_path):
     """The checkpoint holds the fp32 master weights and moments; the bf16 weights are their cast, as
     after every update."""

@@ -64,26 +64,21 @@ class FlatEngine:
     checkpoints, counters), over flat buffers."""
 
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext):
-        self.module, self.ctx = model.train(), ctx
+        self.module, self.ctx = model.to(ctx.device).train(), ctx  # built on the CPU, as DeepSpeed moves it
         self.accumulation = cfg.train.accumulation_steps(ctx.dp_size)
         self.samples_per_update = cfg.train.micro_batch_size * self.accumulation * ctx.dp_size
         self.clip = cfg.optim.clip_grad
         self.scan = cfg.train.precision == "bf16" and cfg.train.skip_nonfinite_updates
         dtype = DTYPES[cfg.train.precision]
-        # TP-sharded parameters first, so that the norm's two kinds of parameters are two ranges
-        ordered = sorted(model.parameters(), key=lambda p: not _tp_sharded(p))
+        # TP-sharded parameters first, so that the norm's two kinds of parameters are two ranges of rows
+        sharded = [p for p in model.parameters() if _tp_sharded(p)]
+        replicated = [p for p in model.parameters() if not _tp_sharded(p)]
         self.offsets: dict[int, int] = {}  # id(parameter) -> its first element in the flat buffers
-        total = 0
-        for param in ordered:
-            if not _tp_sharded(param) and not hasattr(self, "sharded_end"):
-                self.sharded_end = total = _round_up(total, NORM_ROW)
-            self.offsets[id(param)] = total
-            total = _round_up(total + param.numel(), ALIGN)
-        total = _round_up(total, NORM_ROW * ctx.dp_size)
-        self.sharded_end = getattr(self, "sharded_end", total)
+        self.sharded_end = _round_up(self._place(sharded, 0), NORM_ROW)
+        total = _round_up(self._place(replicated, self.sharded_end), NORM_ROW * ctx.dp_size)
         self.weights = torch.zeros(total, dtype=dtype, device=ctx.device)
         self.grads = torch.zeros_like(self.weights)
-        for param in ordered:  # parameters only: buffers keep their dtype, as DeepSpeed leaves them
+        for param in sharded + replicated:  # parameters only: buffers keep their dtype, as DeepSpeed leaves them
             self._view(self.weights, param).copy_(param.data)
             param.data = self._view(self.weights, param)
             param.grad = self._view(self.grads, param)
@@ -109,6 +104,13 @@ class FlatEngine:
         self.norm = torch.zeros((), device=ctx.device)
         self.skipped = torch.zeros((), device=ctx.device)
         self.micro_steps = self.global_steps = self.global_samples = 0
+
+    def _place(self, params: list[nn.Parameter], first: int) -> int:
+        """Give `params` their offsets from element `first` on; the end of the last one."""
+        for param in params:
+            self.offsets[id(param)] = first
+            first = _round_up(first + param.numel(), ALIGN)
+        return first
 
     def _view(self, flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
         offset = self.offsets[id(param)]
