@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/loop_ops.py          # base zero-clap, bf16: ZeRO 1 (with, without the scan) / 0 / 2,
                                                         # fp32 stage 0, the flat engine (with, without the scan)
     PYTHONPATH=. python benchmarks/loop_ops.py --rows "default:" "compiled:train.compile=true"
+    PYTHONPATH=. python benchmarks/loop_ops.py --time   # ms per phase instead: at width 64, a CPU's host cost
 
 On a GPU every aten operation costs the host a dispatch, and most a kernel launch, whatever the
 tensor sizes. When the host spends longer queueing an update than the GPU spends running it, the GPU
@@ -29,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -78,9 +80,9 @@ def gpu_paths() -> None:
         q, k, v, attn_mask=bias, scale=scale)
 
 
-def count_child(config: str, overrides: list[str], work: Path) -> dict:
+def count_child(config: str, overrides: list[str], work: Path, timed: bool = False) -> dict:
     """Runs the loop in this process (one rank, as `megamlm train` from a plain python); {phase: {op: count
-    per update}}."""
+    per update}}, or with `timed` {phase: {"ms": milliseconds per update}} (nothing counted)."""
     counts = {name: collections.Counter() for name in PHASES}
     updates = 0
     real_phase = loop.phase
@@ -88,18 +90,22 @@ def count_child(config: str, overrides: list[str], work: Path) -> dict:
     @contextlib.contextmanager
     def counted_phase(name: str):
         nonlocal updates
+        start = time.perf_counter()
         if updates < SKIPPED_UPDATES:
             with real_phase(name):
                 yield
         else:
-            with real_phase(name), OpCounter(counts[name]):
+            with real_phase(name), contextlib.nullcontext() if timed else OpCounter(counts[name]):
                 yield
+            if timed:
+                counts[name]["ms"] += 1e3 * (time.perf_counter() - start)
         if name == "loss read":  # the last phase of an update
             updates += 1
 
     loop.phase = counted_phase
     cfg = load_config([config], [f"data.build_from=[{ROOT}/data/wikitext-103/valid.txt]",
-                                 f"data.shards={work}/shards", f"train.run_dir={work}/run", *TINY, *overrides])
+                                 f"data.shards={work}/shards", f"train.run_dir={work}/run", *TINY,
+                                 *(["train.steps=22"] if timed else []), *overrides])
     loop.train(cfg, overwrite=True)
     counted = updates - SKIPPED_UPDATES
     return {name: {op: n / counted for op, n in c.most_common()} for name, c in counts.items()}
@@ -112,6 +118,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=6, help="the most frequent operations of each phase, first row")
     parser.add_argument("--cpu-paths", action="store_true",
                         help="count the CPU's own attention-dropout and dropout paths (default: the GPU's)")
+    parser.add_argument("--time", action="store_true",
+                        help="time each phase instead (ms per update on this CPU, 20 updates, nothing counted)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:  # one row, in its own process: NAME:OVERRIDES, the work folder
@@ -119,12 +127,13 @@ def main() -> None:
         if not args.cpu_paths:
             gpu_paths()
         with tempfile.TemporaryDirectory() as work:
-            result = count_child(args.config, [o for o in overrides.split(",") if o], Path(work))
+            result = count_child(args.config, [o for o in overrides.split(",") if o], Path(work), args.time)
         print("COUNTS " + json.dumps(result))
         return
     results = {}
     for row in args.rows:
-        child = [sys.executable, __file__, "--config", args.config, "--child", row] + ["--cpu-paths"] * args.cpu_paths
+        child = [sys.executable, __file__, "--config", args.config, "--child", row] + ["--cpu-paths"] * args.cpu_paths \
+            + ["--time"] * args.time
         done = subprocess.run(child, cwd=ROOT,
                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = next((line for line in done.stdout.splitlines() if line.startswith("COUNTS ")), None)
@@ -132,6 +141,15 @@ def main() -> None:
             sys.exit(f"row {row!r} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
         results[row.split(":", 1)[0]] = json.loads(line.removeprefix("COUNTS "))
     layers = load_config([args.config]).model.num_layers
+    if args.time:
+        print(f"ms per update on this CPU (2 micro-batches of 2 x 128 tokens), {Path(args.config).name}, {layers} "
+              f"layers at width 64, bf16, torch {torch.__version__}")
+        width = max(len(name) for name in results) + 2
+        print(f"{'row':<{width}}" + "".join(f"{name:>13}" for name in PHASES) + f"{'total':>9}")
+        for name, phases in results.items():
+            per_phase = [phases[p]["ms"] for p in PHASES]
+            print(f"{name:<{width}}" + "".join(f"{ms:>13.1f}" for ms in per_phase) + f"{sum(per_phase):>9.1f}")
+        return
     print(f"aten operations per update (2 micro-batches), {Path(args.config).name}, {layers} layers, bf16, "
           f"{'the CPU' if args.cpu_paths else 'a GPU'}'s dropout and attention paths, torch {torch.__version__}")
     width = max(len(name) for name in results) + 2

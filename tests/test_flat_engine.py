@@ -3,6 +3,7 @@ every parameter, it trains DeepSpeed's losses, its layouts agree (DP=2 = DP=1, T
 non-finite update without reading the device, and its checkpoints resume and convert on either engine
 at any layout."""
 
+import math
 import shutil
 
 import pytest
@@ -11,10 +12,10 @@ import torch
 from megamlm.config import ConfigError
 from megamlm.objectives import get_objective
 from megamlm.parallel import seed_everything
-from megamlm.train.engine import build_engine
+from megamlm.train.engine import build_engine, deepspeed_config
 from tests.multiproc import run_on_ranks
 from tests.test_host_sync import HostReads, _batch, _tokenizer
-from tests.test_train import _train, _zero_runs, config, logged, tiny_shards
+from tests.test_train import InjectOnce, _train, _zero_runs, config, logged, tiny_shards
 from tests.variants import variant_config
 
 
@@ -144,10 +145,22 @@ def test_a_bf16_run_resumes_bit_for_bit(shards, tmp_path):
     assert len(straight["losses"]) == 4 and resumed["losses"] == straight["losses"][2:]
 
 
+def test_a_nonfinite_loss_rolls_the_flat_engine_back_to_its_checkpoint(shards, tmp_path):
+    """The spike guard's rollback loads the last checkpoint into the running flat engine (bf16)."""
+    cfg = config(shards, tmp_path / "spiky", "train.engine=flat", "train.precision=bf16", "train.steps=6",
+                 "train.save_interval=3")
+    result = _train(cfg, hook=InjectOnce())  # NaN at update 5
+    assert result["rollbacks"] == 1 and result["steps"] == 6
+    assert list(logged(tmp_path / "spiky", "rollback", "step")) == [5]
+    assert all(math.isfinite(loss) for loss in result["losses"])
+
+
 def test_the_flat_engine_refuses_what_it_does_not_run(shards, tmp_path):
     for asked in ("train.precision=fp16", "train.zero_stage=2", "train.deepspeed_config=ds.json"):
         with pytest.raises(ConfigError, match=f"{asked} needs train.engine=deepspeed"):
             config(shards, tmp_path, "train.engine=flat", asked)
+    with pytest.raises(ConfigError, match="train.engine=flat runs without DeepSpeed"):
+        deepspeed_config(config(shards, tmp_path, "train.engine=flat"), 1)
 
 
 # ---- layouts and checkpoints on real gloo ranks -------------------------------------------------------

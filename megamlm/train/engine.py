@@ -54,6 +54,8 @@ def deepspeed_config(cfg: Config, dp_size: int, stage: int | None = None) -> dic
     """The DeepSpeed JSON for this run (or the user's file, checked against our batch arithmetic);
     `stage`: the ZeRO stage (default: the one the layout gets, `TrainConfig.engine_zero_stage`)."""
     train = cfg.train
+    if train.engine == "flat":
+        raise ConfigError("train.engine=flat runs without DeepSpeed: there is no DeepSpeed JSON to generate")
     stage = train.engine_zero_stage(dp_size) if stage is None else stage
     accumulation = train.accumulation_steps(dp_size)
     global_batch = train.micro_batch_size * accumulation * dp_size
