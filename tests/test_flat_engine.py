@@ -102,6 +102,17 @@ def test_a_nonfinite_gradient_skips_the_update_without_a_host_read(world):
     assert torch.equal(engine.weights[engine.start:engine.end], engine.master.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("extra", [[], ["train.precision=bf16", "objective.name=electra", "objective.generator_size=0.5"]])
+def test_without_clipping_the_loop_trains_deepspeeds_losses_bit_for_bit(shards, tmp_path, extra):
+    """fp32 (DeepSpeed at stage 0) and bf16 (ZeRO-1), dropout on, accumulation 2; ELECTRA puts a
+    generator and a discriminator into the flat buffers. The norm decides nothing without clipping,
+    and the rest of the arithmetic is DeepSpeed's."""
+    common = ["optim.clip_grad=0", "train.steps=4", "train.global_batch_size=8", *extra]
+    deepspeed = _train(config(shards, tmp_path / "ds", *common))
+    flat = _train(config(shards, tmp_path / "flat", *common, "train.engine=flat"))
+    assert len(flat["losses"]) == 4 and flat["losses"] == deepspeed["losses"]
+
+
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 5e-6), ("bf16", 1e-4)])
 def test_the_loop_on_the_flat_engine_trains_deepspeeds_losses(shards, tmp_path, precision, tolerance, capsys):
     """DP=1, accumulation 2, clipping active. DeepSpeed's engines compute the norm as one fp32 reduction
