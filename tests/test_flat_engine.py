@@ -102,7 +102,10 @@ def test_a_nonfinite_gradient_skips_the_update_without_a_host_read(world):
     assert torch.equal(engine.weights[engine.start:engine.end], engine.master.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("extra", [[], ["train.precision=bf16", "objective.name=electra", "objective.generator_size=0.5"]])
+ELECTRA_BF16 = ["train.precision=bf16", "objective.name=electra", "objective.generator_size=0.5"]
+
+
+@pytest.mark.parametrize("extra", [[], ELECTRA_BF16])
 def test_without_clipping_the_loop_trains_deepspeeds_losses_bit_for_bit(shards, tmp_path, extra):
     """fp32 (DeepSpeed at stage 0) and bf16 (ZeRO-1), dropout on, accumulation 2; ELECTRA puts a
     generator and a discriminator into the flat buffers. The norm decides nothing without clipping,
@@ -154,6 +157,25 @@ def test_a_bf16_run_resumes_bit_for_bit(shards, tmp_path):
     _train(config(shards, tmp_path / "resumed", *common, "train.steps=2"))
     resumed = _train(config(shards, tmp_path / "resumed", *common, "train.steps=4"), resume="auto")
     assert len(straight["losses"]) == 4 and resumed["losses"] == straight["losses"][2:]
+
+
+def test_the_log_counts_updates_skipped_for_a_nonfinite_gradient(shards, tmp_path, monkeypatch):
+    """An inf in one gradient at update 3 (bf16): the update is skipped on the device, the loss stays
+    finite (no rollback), and the log's skipped_updates says so from then on."""
+    from megamlm.train.flat import FlatEngine
+
+    step = FlatEngine.step
+
+    def step_with_an_inf_at_update_3(engine):
+        if engine.micro_steps == 2 * engine.accumulation + engine.accumulation - 1:  # update 3's last call
+            next(iter(engine.module.parameters())).grad.view(-1)[0] = float("inf")
+        step(engine)
+
+    monkeypatch.setattr(FlatEngine, "step", step_with_an_inf_at_update_3)
+    run = _train(config(shards, tmp_path / "run", "train.engine=flat", "train.precision=bf16", "train.steps=4"))
+    assert run["rollbacks"] == 0 and all(math.isfinite(loss) for loss in run["losses"])
+    assert logged(tmp_path / "run", key="skipped_updates") == {1: 0, 2: 0, 3: 1, 4: 1}
+    assert not math.isfinite(logged(tmp_path / "run", key="grad_norm")[3])
 
 
 def test_a_nonfinite_loss_rolls_the_flat_engine_back_to_its_checkpoint(shards, tmp_path):

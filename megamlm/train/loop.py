@@ -28,7 +28,6 @@ from megamlm.model import names
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives import LossTotals, Objective, get_objective
-
 from megamlm.parallel import ParallelContext, host_to_device, init_distributed, seed_everything
 from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
 from megamlm.train.elastic import Layout
@@ -173,8 +172,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
     tag = None if resume is None else _resume_tag(checkpoints, resume, log)
-    # a run resumed on its layout keeps the engine that wrote its checkpoint (e.g. ZeRO-1 at DP=1 from
-    # before the stage-0 rule); a new one, or one on another layout, runs the stage its layout gets
+    # resumed on its layout: the stage that wrote the checkpoint (ZeRO-1 at DP=1 before the stage-0 rule)
     stage = cfg.train.engine_zero_stage(ctx.dp_size) if tag is None else checkpoints.resume_stage(tag, cfg, ctx.dp_size)
     engine, optimizer, schedule = build_engine(model, cfg, ctx, stage)
     state = TrainState(data_seed=cfg.train.seed)
@@ -277,7 +275,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
                       "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
                       "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
                       "fill": window_tokens / window_slots,
-                      "corrupt_samples": int(corrupt.item())}
+                      "corrupt_samples": int(corrupt.item()),
+                      "skipped_updates": int(engine.skipped_steps)}  # inf/NaN gradients (bf16, fp16)
             extra = {**{k: v for k, v in result.items() if k not in (objective.metric, "units")},
                      **objective.log_values(engine.module)}
             values.update(extra)
@@ -289,6 +288,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
                       + (f"{100 * utilization:.2f}%" if utilization is not None else "n/a")
                       + f" | fill {100 * values['fill']:.1f}% | data wait {100 * values['data_wait']:.1f}%"
                       + (f" | corrupt samples skipped {values['corrupt_samples']}" if values["corrupt_samples"] else "")
+                      + (f" | updates skipped {values['skipped_updates']}" if values["skipped_updates"] else "")
                       + f" | ETA {_duration(eta)}",
                       **values)
             window_start, window_tokens, window_slots, window_wait = time.perf_counter(), 0, 0, 0.0
