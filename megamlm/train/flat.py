@@ -202,8 +202,11 @@ class FlatEngine:
         if self.ctx.dp_rank != 0:
             return
         params = list(self.module.named_parameters())
-        module = self.module.state_dict()
-        module.update({name: self._view(fulls["fp32"], p) for name, p in params})
+        # every entry of a parameter (a tied one may have several) holds its fp32 master weights
+        owner = {p.data_ptr(): p for _, p in params}
+        module = {key: self._view(fulls["fp32"], owner[t.data_ptr()])
+                  if isinstance(t, torch.Tensor) and t.data_ptr() in owner else t
+                  for key, t in self.module.state_dict().items()}
         moments = {i: {"step": state["step"].cpu().clone(), "exp_avg": self._view(fulls["exp_avg"], p),
                        "exp_avg_sq": self._view(fulls["exp_avg_sq"], p)} for i, (_, p) in enumerate(params)}
         group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
