@@ -10,9 +10,13 @@ dispatch, and the H200 loop waited on the host (BENCHMARKS.md). This engine keep
 - fp32 master weights and AdamW's moments for this data-parallel rank's range of that buffer only
   (ZeRO-1: the optimizer state is cut over DP), stepped by torch's fused AdamW as one tensor;
 
-so an update's step is about 15 operations at any depth: cast the gradients to fp32, reduce them
-over DP, one norm (tensor-parallel shards counted on every TP rank, replicated parameters on TP rank
-0, as megatron and DeepSpeed count them), clip, one fused AdamW, cast back, all-gather over DP.
+so an update's step is 14 operations at any depth, 22 with the inf/NaN skip (loop_ops.py): cast the
+gradients to fp32, reduce them over DP, one norm (tensor-parallel shards counted on every TP rank,
+replicated parameters on TP rank 0, as megatron and DeepSpeed count them), clip, one fused AdamW,
+cast back, all-gather over DP.
+
+Memory per parameter (bf16): weights 2 and gradients 2 bytes, an fp32 copy of the gradients (4, the
+whole buffer: what is reduced over DP), masters and moments 12 / DP (`megamlm plan` counts the same).
 
 Skipping updates with a non-finite gradient (train.skip_nonfinite_updates, bf16) costs no host read:
 the norm's finiteness goes to the fused AdamW as its `found_inf`, which leaves weights, moments and
