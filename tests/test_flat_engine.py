@@ -188,6 +188,17 @@ def test_a_nonfinite_loss_rolls_the_flat_engine_back_to_its_checkpoint(shards, t
     assert all(math.isfinite(loss) for loss in result["losses"])
 
 
+@pytest.mark.slow
+def test_compiled_layers_train_the_eager_losses_on_the_flat_engine(shards, tmp_path):
+    """train.compile traces the layers with their weights already views of the flat buffer (the GPU
+    lease's loop-2048-flat-compiled row); dropout off, as Inductor draws its own masks."""
+    common = ["train.engine=flat", "train.steps=3", "model.hidden_dropout=0", "model.attention_dropout=0"]
+    eager = run_on_ranks(_train, 1, config(shards, tmp_path / "eager", *common))[0]
+    compiled = run_on_ranks(_train, 1, config(shards, tmp_path / "compiled", *common, "train.compile=true"))[0]
+    assert len(compiled["losses"]) == 3
+    torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-4, atol=0)
+
+
 def test_the_flat_engine_refuses_what_it_does_not_run(shards, tmp_path):
     for asked in ("train.precision=fp16", "train.zero_stage=2", "train.deepspeed_config=ds.json"):
         with pytest.raises(ConfigError, match=f"{asked} needs train.engine=deepspeed"):
