@@ -1,7 +1,8 @@
 """Checkpoints that survive preemption: DeepSpeed shards + our per-rank state, an atomic `latest`.
 
 Layout under <run_dir>/checkpoints/:
-  step00000500/                    DeepSpeed's files (model, optimizer/ZeRO shards, schedule)
+  step00000500/                    DeepSpeed's files (model, optimizer/ZeRO shards, schedule; the
+                                   flat engine writes DeepSpeed's stage-0 layout)
   step00000500/rank00000.pt        this rank's RNG states (CPU, CUDA, tensor-parallel stream)
   step00000500/megamlm.json        step, data position, data seed, rollbacks, config, and the size
                                    and sha256 of every other file of the folder

@@ -9,7 +9,8 @@ parameter cut in DP equal parts). `read_full_state` indexes both cuts; `FullStat
 into one full (TP=1) tensor per kind, one parameter at a time; `load_full_state` cuts each again for
 the running engine through DeepSpeed's tensor-fragment API (`safe_set_full_fp32_param` /
 `safe_set_full_optimizer_state`, which address ZeRO-1/2/3 and the bf16 optimizer alike), or the
-parameters and torch's optimizer state at stage 0.
+parameters and torch's optimizer state at stage 0, or the flat engine's ranges (`FlatEngine.set_full`;
+its files are in the stage-0 layout, so it also loads every checkpoint this way, its own included).
 
 Every rank reads every file it needs, so the files are memory-mapped: the ranks of a node share one
 copy in the page cache (and one read from the file system), and a rank's own memory holds the full
