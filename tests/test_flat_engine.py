@@ -159,9 +159,10 @@ def test_a_bf16_run_resumes_bit_for_bit(shards, tmp_path):
     assert len(straight["losses"]) == 4 and resumed["losses"] == straight["losses"][2:]
 
 
-def test_the_log_counts_updates_skipped_for_a_nonfinite_gradient(shards, tmp_path, monkeypatch):
+def test_a_skipped_update_is_counted_and_holds_the_schedule_as_deepspeed_does(shards, tmp_path, monkeypatch):
     """An inf in one gradient at update 3 (bf16): the update is skipped on the device, the loss stays
-    finite (no rollback), and the log's skipped_updates says so from then on."""
+    finite (no rollback), the log's skipped_updates says so from then on, and the later updates take
+    the learning rates of one update earlier (DeepSpeed does not advance the schedule on a skip)."""
     from megamlm.train.flat import FlatEngine
 
     step = FlatEngine.step
@@ -171,11 +172,17 @@ def test_the_log_counts_updates_skipped_for_a_nonfinite_gradient(shards, tmp_pat
             next(iter(engine.module.parameters())).grad.view(-1)[0] = float("inf")
         step(engine)
 
+    common = ["train.engine=flat", "train.precision=bf16", "train.steps=5", "optim.warmup_steps=2"]
+    _train(config(shards, tmp_path / "clean", *common))
     monkeypatch.setattr(FlatEngine, "step", step_with_an_inf_at_update_3)
-    run = _train(config(shards, tmp_path / "run", "train.engine=flat", "train.precision=bf16", "train.steps=4"))
+    run = _train(config(shards, tmp_path / "run", *common))
     assert run["rollbacks"] == 0 and all(math.isfinite(loss) for loss in run["losses"])
-    assert logged(tmp_path / "run", key="skipped_updates") == {1: 0, 2: 0, 3: 1, 4: 1}
+    assert logged(tmp_path / "run", key="skipped_updates") == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
     assert not math.isfinite(logged(tmp_path / "run", key="grad_norm")[3])
+    lrs, clean = logged(tmp_path / "run", key="lr"), logged(tmp_path / "clean", key="lr")
+    assert len({clean[s] for s in (2, 3, 4, 5)}) == 4  # the rate moves at every update
+    # the lr logged after an update is the next one's; update 3's is taken back at update 4
+    assert [lrs[s] for s in (1, 2, 3, 4, 5)] == [clean[1], clean[2], clean[3], clean[3], clean[4]]
 
 
 def test_a_nonfinite_loss_rolls_the_flat_engine_back_to_its_checkpoint(shards, tmp_path):

@@ -20,8 +20,11 @@ whole buffer: what is reduced over DP), masters and moments 12 / DP (`megamlm pl
 
 Skipping updates with a non-finite gradient (train.skip_nonfinite_updates, bf16) costs no host read:
 the norm's finiteness goes to the fused AdamW as its `found_inf`, which leaves weights, moments and
-step count as they were. The host does not learn of the skip, so unlike DeepSpeed the learning-rate
-schedule still advances (as in a PyTorch loop with a GradScaler); `skipped_steps` counts them.
+step count as they were; `skipped_steps` counts them. The flag also travels to the host without
+blocking, and the next update reads it there (the loop's loss read has waited for the device by
+then): a skipped update then takes back its schedule step, so the learning rates are DeepSpeed's,
+which does not advance the schedule on a skipped update. (The lr logged right after the skipped
+update is the one it would have advanced to.)
 
 Checkpoints use DeepSpeed's stage-0 file layout (`mp_rank_XX_model_states.pt`: the fp32 master
 weights as the module, torch's AdamW state per parameter in model order, the schedule and counters),
@@ -107,6 +110,8 @@ class FlatEngine:
         self.counted = [part.view(-1, NORM_ROW) for part in counted if part.numel()]
         self.norm = torch.zeros((), device=ctx.device)
         self.skipped = torch.zeros((), device=ctx.device)
+        self.skip_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        """The last update's found_inf on its way to the host (a pinned copy, the event after it)."""
         self.micro_steps = self.global_steps = self.global_samples = 0
 
     def _place(self, params: list[nn.Parameter], first: int) -> int:
@@ -152,9 +157,11 @@ class FlatEngine:
         if self.clip > 0:  # as DeepSpeed clips: by max(1, (norm + 1e-6) / clip)
             grad.div_(((self.norm + 1e-6) / self.clip).clamp(min=1.0))
         if self.scan:
+            self.settle_skip()
             found_inf = self.norm.isfinite().logical_not().float()
             self.optimizer.found_inf = found_inf  # torch's fused AdamW skips the update on the device
             self.skipped += found_inf
+            self._send_to_host(found_inf)
         self.optimizer.step()
         self.schedule.step()
         if self.separate_masters:  # bf16: cast the range back
@@ -164,6 +171,28 @@ class FlatEngine:
         self.grads.zero_()
         self.global_steps += 1
         self.global_samples += self.samples_per_update
+
+    def _send_to_host(self, found_inf: torch.Tensor) -> None:
+        if found_inf.device.type != "cuda":
+            self.skip_in_flight = (found_inf, None)
+            return
+        host = torch.empty((), pin_memory=True)
+        host.copy_(found_inf, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.skip_in_flight = (host, event)
+
+    def settle_skip(self) -> None:
+        """If the previous update was skipped, step the schedule back (no wait for the device in the
+        loop: its loss read already waited past the copy)."""
+        if self.skip_in_flight is None:
+            return
+        host, event = self.skip_in_flight
+        self.skip_in_flight = None
+        if event is not None:
+            event.synchronize()
+        if host.item():
+            self.schedule.step_back()
 
     def _all_gather(self, flat: torch.Tensor) -> None:
         """Every DP rank's range of `flat` from its owner."""
@@ -197,6 +226,7 @@ class FlatEngine:
         layout, fp32 masters as the module)."""
         folder = Path(root) / tag
         folder.mkdir(parents=True, exist_ok=True)
+        self.settle_skip()  # the schedule's state as DeepSpeed would save it
         state = self.optimizer.state[self.master]  # empty before the first update: zero moments, step 0
         state = {"step": torch.zeros(()), **{k: torch.zeros_like(self.master) for k in ("exp_avg", "exp_avg_sq")},
                  **state}

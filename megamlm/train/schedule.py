@@ -60,6 +60,12 @@ class Schedule:
         self.step_count += 1
         self._apply()
 
+    def step_back(self) -> None:
+        """Undo the last step(): the update it followed was skipped (train/flat.py learns that one
+        update late), and a skipped update does not advance the schedule."""
+        self.step_count -= 1
+        self._apply()
+
     def get_last_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
