@@ -114,6 +114,21 @@ def test_clap_head_is_beta_times_normalized_embedding_product(world):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["zero-clap", "learned-clap"])
+def test_clap_in_fp16_keeps_the_zero_padding_rows_finite(world, variant):
+    """The Pile configs train CLAP in fp16: the head normalizes a table whose vocab-parallel padding
+    rows are zero, which F.normalize's eps (1e-12, 0 in fp16) turned into NaN logits and a NaN loss."""
+    cfg = variant_config(variant)
+    model = MaskedLM(cfg.model, world).eval()
+    assert model.embedding.word_embeddings.weight[cfg.model.vocab_size:].abs().sum() == 0  # 1100 -> 1152 rows
+    tokens, masked = batch(cfg.model.vocab_size)
+    with torch.no_grad():
+        want = model.loss(model(tokens, masked), tokens[masked])
+        model.half()
+        got = model.loss(model(tokens, masked), tokens[masked])
+    assert torch.isfinite(got) and abs(got.item() - want.item()) / want.item() < 1e-2
+
+
 def test_zero_clap_embeds_the_mask_as_zero_vector(world):
     cfg = variant_config("zero-clap")
     vocab = cfg.model.vocab_size

@@ -13,13 +13,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.model.dropout import dropout
-from megamlm.model.norm import norm
+from megamlm.model.norm import l2_normalize, norm
 from megamlm.model.positions import PositionEncoding, sample_starts
 
 
@@ -58,7 +57,7 @@ class TokenEmbedding(nn.Module):
             tokens = tokens.clamp(max=model.vocab_size - 1)
         e = self.word_embeddings(tokens)  # [b, s, e], already reduced over the TP group
         if model.normalize_embeddings:
-            e = F.normalize(e, dim=-1)
+            e = l2_normalize(e)
         if model.zero_mask:
             e = e * ~is_mask[..., None]
         x = e * self.scale

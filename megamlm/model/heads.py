@@ -21,7 +21,7 @@ from torch import nn
 
 from megamlm.config import ModelConfig
 from megamlm.model.activation import activation_function
-from megamlm.model.norm import norm
+from megamlm.model.norm import l2_normalize, norm
 
 
 def vocab_padding_bias(vocab_start: int, vocab_local: int, vocab_size: int) -> torch.Tensor:
@@ -87,7 +87,7 @@ class ClapHead(nn.Module):
         x = copy_to_tensor_model_parallel_region(features, group=self.tp_group)
         beta = copy_to_tensor_model_parallel_region(self.beta, group=self.tp_group)
         # beta * (h · E_v) computed as (beta * h) · E_v: scales [n, h], not the [n, V_local] logits
-        return beta * x, F.normalize(embedding_weight, dim=-1), column_bias.to(embedding_weight.dtype)
+        return beta * x, l2_normalize(embedding_weight), column_bias.to(embedding_weight.dtype)
 
     def forward(self, features: torch.Tensor, embedding_weight: torch.Tensor, column_bias: torch.Tensor,
                 project=F.linear) -> torch.Tensor:

@@ -9,6 +9,7 @@ is installed, torch's otherwise); a LayerNorm without bias (ModernBERT) or an RM
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -25,6 +26,14 @@ def norm(model: ModelConfig, size: int) -> nn.Module:
     if model.normalization == "rmsnorm":
         return nn.RMSNorm(size, eps=model.layernorm_epsilon)
     return nn.LayerNorm(size, eps=model.layernorm_epsilon, bias=model.bias)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / ‖x‖ over the last dim (CLAP's input embeddings and head table). F.normalize's eps, 1e-12, is 0
+    in fp16, where a zero row (the vocab-parallel padding rows of the head's table) would become 0 / 0
+    = NaN in every logit column and so in the loss: the eps is fp16's smallest normal there, and stays
+    1e-12 in fp32 and bf16 (bit-identical)."""
+    return F.normalize(x, dim=-1, eps=max(1e-12, torch.finfo(x.dtype).tiny))
 
 
 def norm_parameter_count(model: ModelConfig, size: int) -> int:
