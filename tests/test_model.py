@@ -114,19 +114,25 @@ def test_clap_head_is_beta_times_normalized_embedding_product(world):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["zero-clap", "learned-clap"])
-def test_clap_in_fp16_keeps_the_zero_padding_rows_finite(world, variant):
-    """The Pile configs train CLAP in fp16: the head normalizes a table whose vocab-parallel padding
-    rows are zero, which F.normalize's eps (1e-12, 0 in fp16) turned into NaN logits and a NaN loss."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_trains_with_16_bit_parameters(world, variant, dtype):
+    """As DeepSpeed runs bf16 / fp16 (the Pile configs' precision): parameters cast, buffers not. The
+    loss and every gradient stay finite and the loss is the fp32 model's to 16-bit rounding. Before:
+    CLAP's F.normalize turned the zero vocabulary padding rows into NaN logits in fp16 (its eps, 1e-12,
+    is 0 there), and the sinusoidal table (an fp32 buffer) carried fp32 into the bf16 layers."""
     cfg = variant_config(variant)
     model = MaskedLM(cfg.model, world).eval()
     assert model.embedding.word_embeddings.weight[cfg.model.vocab_size:].abs().sum() == 0  # 1100 -> 1152 rows
     tokens, masked = batch(cfg.model.vocab_size)
     with torch.no_grad():
         want = model.loss(model(tokens, masked), tokens[masked])
-        model.half()
-        got = model.loss(model(tokens, masked), tokens[masked])
-    assert torch.isfinite(got) and abs(got.item() - want.item()) / want.item() < 1e-2
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    got = model.loss(model(tokens, masked), tokens[masked])
+    got.backward()
+    assert torch.isfinite(got) and abs(got.item() - want.item()) / want.item() < 1e-2, (got, want)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_zero_clap_embeds_the_mask_as_zero_vector(world):

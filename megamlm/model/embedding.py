@@ -62,7 +62,9 @@ class TokenEmbedding(nn.Module):
             e = e * ~is_mask[..., None]
         x = e * self.scale
         if self.positions is not None:
-            x = x + self.positions.embed(tokens, segments)
+            # a fixed table (sinusoidal) is fp32 buffers, which DeepSpeed does not cast: the model's dtype,
+            # as fairseq's half models add it (else bf16/fp16 runs would carry fp32 into bf16 layers)
+            x = x + self.positions.embed(tokens, segments).to(x.dtype)
         if self.token_types is not None:
             x = x + self.token_types(token_types(tokens, model, segments))
         if self.layernorm is not None:
