@@ -25,7 +25,7 @@ from torch import nn
 from megamlm.config import ModelConfig
 from megamlm.model import names
 from megamlm.model.norm import NORM_TYPES
-from megamlm.model.tp import full_shape, shard
+from megamlm.model.tp import full_shape, shard, tp_sharded
 
 _NOT_RANDOM = ("beta", "log_slopes")  # set by their modules from the config / Press et al.
 
@@ -111,6 +111,6 @@ def init_parameters(module: nn.Module, model: ModelConfig, seed: int, tp_rank: i
             full = torch.cat([full, full.new_zeros(padded - model.vocab_size, *shape[1:])])
         if name.endswith("positions.weight"):
             full[model.pad_token_id] = 0
-        if getattr(param, "tensor_model_parallel", False):
+        if tp_sharded(param):
             full = shard(full, param.partition_dim, tp_size, tp_rank, getattr(param, "partition_stride", 1))
         param.copy_(full)

@@ -14,22 +14,18 @@ import torch.distributed as dist
 from torch import nn
 
 from megamlm.errors import MegamlmError
-from megamlm.model.tp import full_shape, shard, unshard
+from megamlm.model.tp import full_shape, shard, tp_sharded, unshard
 
 
 class StateDictMismatch(MegamlmError):
     """Weights (a model folder, a checkpoint) whose names are not the model's parameters."""
 
 
-def _is_sharded(param: nn.Parameter) -> bool:
-    return getattr(param, "tensor_model_parallel", False)
-
-
 def to_full(model: nn.Module, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     """This rank's `local` tensor shaped like `param` -> the full tensor (collective over TP)."""
     ctx = model.ctx
     full = local
-    if _is_sharded(param) and ctx.tp_size > 1:
+    if tp_sharded(param) and ctx.tp_size > 1:
         parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
         dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
         full = unshard(parts, param.partition_dim, getattr(param, "partition_stride", 1))
@@ -44,7 +40,7 @@ def from_full(model: nn.Module, param: nn.Parameter, full: torch.Tensor) -> torc
     if getattr(param, "vocab_parallel", False):
         padded = full_shape(param, ctx.tp_size)[0]
         full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
-    if _is_sharded(param):
+    if tp_sharded(param):
         full = shard(full, param.partition_dim, ctx.tp_size, ctx.tp_rank, getattr(param, "partition_stride", 1))
     return full
 

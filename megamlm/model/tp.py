@@ -56,11 +56,16 @@ def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tens
     return torch.cat([piece[j] for j in range(stride) for piece in pieces], dim=dim)
 
 
+def tp_sharded(param: nn.Parameter) -> bool:
+    """Each TP rank holds a different part of `param` (megatron's attribute); the rest are replicated."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
 def full_shape(param: nn.Parameter, tp_size: int, vocab_size: int | None = None) -> list[int]:
     """The TP=1 shape of this rank's `param`: the partition dim times tp_size; with `vocab_size`,
     vocab-parallel rows without their padding (else the padded rows)."""
     shape = list(getattr(param, "ds_shape", param.shape))  # ZeRO-3 keeps only a partition in .shape
-    if getattr(param, "tensor_model_parallel", False):
+    if tp_sharded(param):
         shape[param.partition_dim] *= tp_size
     if vocab_size is not None and getattr(param, "vocab_parallel", False):
         shape[0] = vocab_size

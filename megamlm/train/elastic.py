@@ -322,8 +322,6 @@ def load_full_state(engine, schedule, state: FullState) -> None:
                 safe_set_full_fp32_param(param, local)
             else:
                 safe_set_full_optimizer_state(param, local, kind)
-    if flat:  # an update skipped before the load no longer concerns the loaded schedule
-        engine.skip_in_flight = None
     for tensor in stepped:
         base.state[tensor]["step"].fill_(state.optimizer_step)
     schedule.load_state_dict(state.engine["lr_scheduler"])

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from megamlm.config import Config, ConfigError
+from megamlm.model.tp import tp_sharded
 from megamlm.parallel import ParallelContext
 from megamlm.train.flat import FlatEngine
 from megamlm.train.schedule import Schedule
@@ -112,12 +113,10 @@ class GradNorm:
     clip > 0, and stored where `engine.get_global_grad_norm()` reads it. No host sync."""
 
     def __init__(self, engine, optimizer, ctx: ParallelContext, clip: float):
-        from deepspeed.runtime.utils import is_model_parallel_parameter
-
         self.engine, self.ctx, self.clip = engine, ctx, clip
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
         # which parameters the norm counts is fixed by the layout: decided once, not every step
-        self.counted = [p for p in self.parameters if ctx.tp_rank == 0 or is_model_parallel_parameter(p)]
+        self.counted = [p for p in self.parameters if ctx.tp_rank == 0 or tp_sharded(p)]
 
     def __call__(self, optimizer, args, kwargs) -> None:
         squares = torch.stack(torch._foreach_norm([p.grad for p in self.counted if p.grad is not None]))

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megamlm.config import Config
+from megamlm.model.tp import tp_sharded
 from megamlm.parallel import ParallelContext
 from megamlm.train.schedule import Schedule
 
@@ -61,11 +62,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _tp_sharded(param: nn.Parameter) -> bool:
-    """Each TP rank holds a different part of it (megatron's attribute): its norm counts on every rank."""
-    return bool(getattr(param, "tensor_model_parallel", False))
-
-
 class FlatEngine:
     """What the loop uses of a DeepSpeed engine (`__call__`, backward, step, module, optimizer,
     checkpoints, counters), over flat buffers."""
@@ -78,8 +74,8 @@ class FlatEngine:
         self.scan = cfg.train.precision == "bf16" and cfg.train.skip_nonfinite_updates
         dtype = DTYPES[cfg.train.precision]
         # TP-sharded parameters first, so that the norm's two kinds of parameters are two ranges of rows
-        sharded = [p for p in model.parameters() if _tp_sharded(p)]
-        replicated = [p for p in model.parameters() if not _tp_sharded(p)]
+        sharded = [p for p in model.parameters() if tp_sharded(p)]
+        replicated = [p for p in model.parameters() if not tp_sharded(p)]
         self.offsets: dict[int, int] = {}  # id(parameter) -> its first element in the flat buffers
         self.sharded_end = _round_up(self._place(sharded, 0), NORM_ROW)
         total = _round_up(self._place(replicated, self.sharded_end), NORM_ROW * ctx.dp_size)
@@ -217,7 +213,10 @@ class FlatEngine:
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
+        """Set by a load (`elastic.load_full_state`), with the loaded schedule: a skip still in flight
+        from before it concerns the replaced state, not the loaded one."""
         self.skipped.fill_(value)
+        self.skip_in_flight = None
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
