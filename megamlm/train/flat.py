@@ -11,7 +11,8 @@ dispatch, and the H200 loop waited on the host (BENCHMARKS.md). This engine keep
   (ZeRO-1: the optimizer state is cut over DP), stepped by torch's fused AdamW as one tensor;
 
 so an update's step is 14 operations at any depth, 22 with the inf/NaN skip (loop_ops.py): cast the
-gradients to fp32, reduce them over DP, one norm (tensor-parallel shards counted on every TP rank,
+gradients to fp32, reduce-scatter them over DP (each rank receives the sum of its own range only: half
+the bytes of an all-reduce), one norm (tensor-parallel shards counted on every TP rank,
 replicated parameters on TP rank 0, as megatron and DeepSpeed count them), clip, one fused AdamW,
 cast back, all-gather over DP.
 
@@ -56,6 +57,12 @@ millions of elements loses accuracy (a CPU's: 1.3e-4 relative at 3.3M, as in Dee
 norms of an embedding); two levels keep it near 1e-8. The flat buffers' ranges are whole rows."""
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# The flat collectives, in place as megatron-core's distributed optimizer calls them (NCCL and gloo both
+# take a rank's range of the whole buffer as the output of a reduce-scatter and the input of an
+# all-gather). torch 2.13 renamed them (the old names warn); older torch has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -140,8 +147,8 @@ class FlatEngine:
         if self.grads32 is not self.grads:
             self.grads32.copy_(self.grads)
         grad = self.master.grad
-        if ctx.dp_size > 1:  # all-reduce, not reduce-scatter: the one collective gloo (CPU, tests) has too
-            dist.all_reduce(self.grads32, group=ctx.dp_group)
+        if ctx.dp_size > 1:  # in place: this rank's range of the buffer receives the sum of that range
+            _reduce_scatter(grad, self.grads32, group=ctx.dp_group)
             grad.div_(ctx.dp_size)
         squares = torch.zeros((), device=ctx.device)
         for rows in self.counted:
@@ -162,8 +169,8 @@ class FlatEngine:
         self.schedule.step()
         if self.separate_masters:  # bf16: cast the range back
             self.weights[self.start:self.end].copy_(self.master)
-        if ctx.dp_size > 1:
-            self._all_gather(self.weights)
+        if ctx.dp_size > 1:  # in place: every rank's range of the weights from its owner
+            _all_gather(self.weights, self.weights[self.start:self.end], group=ctx.dp_group)
         self.grads.zero_()
         self.global_steps += 1
         self.global_samples += self.samples_per_update
@@ -189,14 +196,6 @@ class FlatEngine:
             event.synchronize()
         if host.item():
             self.schedule.step_back()
-
-    def _all_gather(self, flat: torch.Tensor) -> None:
-        """Every DP rank's range of `flat` from its owner."""
-        group = self.ctx.dp_group
-        if dist.get_backend(group) == "nccl":
-            dist.all_gather_into_tensor(flat, flat[self.start:self.end].clone(), group=group)
-        else:
-            dist.all_gather(list(flat.chunk(self.ctx.dp_size)), flat[self.start:self.end].clone(), group=group)
 
     def get_global_grad_norm(self) -> torch.Tensor:
         """The last update's gradient norm before clipping (on the device)."""
