@@ -15,9 +15,10 @@ the loop (train/profiling.py: PHASES) from the third update on. Each row runs in
 The model's CPU-only paths are swapped for what a GPU runs (`gpu_paths`; --cpu-paths keeps them):
 attention with dropout is one SDPA call (on the CPU megamlm takes an eager path), dropout one
 native_dropout (on the CPU a 16-bit mask).
-Columns: operations per update in each phase, their total, and the host reads in the backward, the
-engine step and the loss read (an `.item()` that waits for the device on a GPU; the forward's reads
-are of the batch's host copies, `Batch.host_layout`, and cost nothing there: tests/test_host_sync.py).
+Columns: operations per update in each phase, their total, and the device reads in the backward, the
+engine step and the loss read (an `.item()` that waits for the device on a GPU; not the reads of
+values `parallel.ToHost` copied to pinned memory, nor the forward's of the batch's host copies,
+`Batch.host_layout`, which cost nothing there: tests/test_host_sync.py).
 """
 
 from __future__ import annotations
@@ -61,8 +62,28 @@ class OpCounter(TorchDispatchMode):
         self.counts = counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense" and any(args[0] is host for host in HOST_COPIES):
+            name = "item of a host copy"  # on a GPU: pinned memory the device wrote to, no wait
+        self.counts[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+HOST_COPIES: list[torch.Tensor] = []
+"""The tensors `parallel.ToHost` made (on a CPU: the device tensors themselves): reading one is not a
+device read on a GPU."""
+
+
+def mark_host_copies() -> None:
+    from megamlm.parallel import ToHost
+
+    made = ToHost.__init__
+
+    def init(self, tensor):
+        made(self, tensor)
+        HOST_COPIES[:] = HOST_COPIES[-8:] + [self.host]
+
+    ToHost.__init__ = init
 
 
 def gpu_paths() -> None:
@@ -84,31 +105,32 @@ def count_child(config: str, overrides: list[str], work: Path, timed: bool = Fal
     """Runs the loop in this process (one rank, as `megamlm train` from a plain python); {phase: {op: count
     per update}}, or with `timed` {phase: {"ms": milliseconds per update}} (nothing counted)."""
     counts = {name: collections.Counter() for name in PHASES}
-    updates = 0
+    updates = reads = 0  # updates begun (a "data" phase each); loss reads counted
     real_phase = loop.phase
 
     @contextlib.contextmanager
     def counted_phase(name: str):
-        nonlocal updates
+        nonlocal updates, reads
         start = time.perf_counter()
-        if updates < SKIPPED_UPDATES:
+        updates += name == "data"
+        if updates <= SKIPPED_UPDATES:
             with real_phase(name):
                 yield
         else:
+            reads += name == "loss read"
             with real_phase(name), contextlib.nullcontext() if timed else OpCounter(counts[name]):
                 yield
             if timed:
                 counts[name]["ms"] += 1e3 * (time.perf_counter() - start)
-        if name == "loss read":  # the last phase of an update
-            updates += 1
 
     loop.phase = counted_phase
     cfg = load_config([config], [f"data.build_from=[{ROOT}/data/wikitext-103/valid.txt]",
                                  f"data.shards={work}/shards", f"train.run_dir={work}/run", *TINY,
                                  *(["train.steps=22"] if timed else []), *overrides])
     loop.train(cfg, overwrite=True)
-    counted = updates - SKIPPED_UPDATES
-    return {name: {op: n / counted for op, n in c.most_common()} for name, c in counts.items()}
+    # per update: each update's loss is read once, mostly during the next update (train/loop.py)
+    counted = {name: updates - SKIPPED_UPDATES for name in PHASES} | {"loss read": reads}
+    return {name: {op: n / counted[name] for op, n in c.most_common()} for name, c in counts.items()}
 
 
 def main() -> None:
@@ -126,6 +148,7 @@ def main() -> None:
         _, overrides = args.child.split(":", 1)
         if not args.cpu_paths:
             gpu_paths()
+        mark_host_copies()
         with tempfile.TemporaryDirectory() as work:
             result = count_child(args.config, [o for o in overrides.split(",") if o], Path(work), args.time)
         print("COUNTS " + json.dumps(result))

@@ -190,3 +190,26 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class ToHost:
+    """A device tensor's value on its way to the host: the copy is queued without waiting (pinned
+    memory and an event on a GPU) and `get()` waits for that copy only, not for the work queued after
+    it. So the loop reads an update's loss while the GPU already runs the next update. `tensor` must
+    not change after this (on a CPU it is not copied)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.device.type != "cuda":
+            self.host = tensor
+            return
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.host.copy_(tensor, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def get(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host

@@ -239,6 +239,78 @@ def test_interrupted_checkpoint_is_never_chosen(world, tmp_path):
     assert ckpts.newest() == "step00000200"
 
 
+def _train_reading_late(cfg, hook=None):
+    """_train, recording for each loss read (update, how many updates were queued by then)."""
+    from megamlm.train import loop
+
+    queued, reads = [0], []
+
+    class Counted(loop.Finished):
+        def __init__(self, *args):
+            super().__init__(*args)
+            queued[0] = self.step
+
+    loop.Finished = Counted
+
+    def record(step, loss):
+        reads.append((step, queued[0]))
+        return hook(step, loss) if hook else loss
+
+    return _train(cfg, hook=record), reads
+
+
+LATE = ["train.log_interval=100"]  # every update but the first and the last read after the next is queued
+
+
+def test_an_updates_loss_is_read_once_the_next_update_is_queued_and_the_run_is_the_same(shards, tmp_path):
+    """Between log lines, evaluations and checkpoints the loop reads an update's loss (a wait for the
+    device) only once the next update's work is queued, so the GPU does not wait for the host between
+    updates. The losses are those of reading each update at once; a rollback goes back as before."""
+    at_once, reads_at_once = run_on_ranks(_train_reading_late, 1, config(shards, tmp_path / "at-once"))[0]
+    late, reads_late = run_on_ranks(_train_reading_late, 1, config(shards, tmp_path / "late", *LATE))[0]
+    assert reads_at_once == [(s, s) for s in range(1, 9)]
+    assert reads_late == [(1, 1)] + [(s, s + 1) for s in range(2, 8)] + [(8, 8)]
+    assert late["losses"] == at_once["losses"]
+    assert sorted(logged(tmp_path / "late")) == [8]
+
+    spiky = ["train.steps=14", "train.save_interval=3", "train.spike_patience=2", "train.spike_factor=2.0"]
+    runs = {name: run_on_ranks(_train_reading_late, 1, config(shards, tmp_path / name, *spiky, *extra),
+                               InjectOnce())[0]
+            for name, extra in (("spiky-at-once", []), ("spiky-late", LATE))}
+    # the NaN at update 5 is read while update 6 runs (then discarded), the spike at 11 while 12 runs
+    assert (5, 6) in runs["spiky-late"][1] and (11, 12) in runs["spiky-late"][1]
+    assert runs["spiky-late"][0] == runs["spiky-at-once"][0]  # losses, rollbacks, steps
+    for name in runs:
+        assert sorted(logged(tmp_path / name, "rollback", "rollbacks")) == [5, 11]
+
+
+class SigtermAt:
+    """A loss hook: SIGTERM to this process when update `step`'s loss is read."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self, step, loss):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+
+def _train_until_stopped(cfg, hook):
+    from megamlm.train.loop import train
+
+    return train(cfg, loss_hook=hook)
+
+
+def test_a_signal_read_late_still_saves_a_complete_checkpoint_within_three_updates(shards, tmp_path):
+    """The stop flag travels with the loss: a signal while update 4's loss is read (update 5 queued)
+    reaches every rank with update 6's flag, and update 7, read at once, is saved."""
+    summary = run_on_ranks(_train_until_stopped, 1, config(shards, tmp_path / "stopped", *LATE), SigtermAt(4))[0]
+    assert summary["preempted"] and summary["signal"] == "SIGTERM" and summary["step"] == 7
+    assert len(summary["losses"]) == 7
+    assert (tmp_path / "stopped/checkpoints/step00000007/complete").exists()
+
+
 def test_schedule_follows_the_reference_formula():
     cfg = load_config([], ["optim.lr=6e-4", "optim.min_lr=6e-5", "optim.warmup_steps=10000",
                            "optim.period_steps=146390"]).optim

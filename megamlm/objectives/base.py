@@ -30,7 +30,7 @@ from megamlm.config import Config, ConfigError
 from megamlm.data.batch import Batch, Corruption
 from megamlm.data.pairs import Pairing
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.parallel import ParallelContext
+from megamlm.parallel import ParallelContext, ToHost
 
 
 class LossOutput(NamedTuple):
@@ -196,24 +196,41 @@ class LossTotals:
     def reduce(self, group=None) -> dict[str, float]:
         """{"loss": Σ terms, "<term>_loss" (k > 1), the objective's summary and finished metrics,
         "units": units of the first term}; one all-reduce over `group` (None: this process only)."""
+        return self.start_reduce(group).result()
+
+    def start_reduce(self, group=None) -> ReducedTotals:
+        """`reduce`, queued: the all-reduce and the copy to the host start, nothing waits for the device
+        until `result()`."""
         device = self.loss.device
-        counts = self.counts.to(device) if self.known_counts is None else self.known_counts.to(device, torch.float64)
         parts = [self.loss, *(m.reshape(-1) for m in self.metrics.values())]
-        flat = torch.cat(parts + ([counts] if self.known_counts is None else []))
+        if self.known_counts is None:
+            parts.append(self.counts.to(device))
+        flat = torch.cat(parts)
         if group is not None and torch.distributed.is_initialized():
             torch.distributed.all_reduce(flat, group=group)
-        values = flat.tolist()  # the one host sync
+        if self.known_counts is not None:  # reduced already: on the host with the rest, in one copy
+            flat = torch.cat([flat, self.known_counts.to(device, torch.float64)])
+        return ReducedTotals(self.objective, {name: m.shape for name, m in self.metrics.items()}, ToHost(flat))
+
+
+class ReducedTotals:
+    """An update's LossTotals reduced over the group, on their way to the host."""
+
+    def __init__(self, objective: Objective, metric_shapes: dict[str, torch.Size], values: ToHost):
+        self.objective, self.metric_shapes, self.values = objective, metric_shapes, values
+
+    def result(self) -> dict[str, float]:
+        """LossTotals.reduce's dict (waits for the copy)."""
+        values = self.values.get().tolist()
         k = len(self.objective.loss_terms)
-        if self.known_counts is None:
-            counts = values[-k:]
-        else:
-            counts = counts.tolist()
+        counts = values[-k:]
         means = [total / max(count, 1.0) for total, count in zip(values[:k], counts)]
         terms = dict(zip(self.objective.loss_terms, means))
         sums, offset = {}, k
-        for name, metric in self.metrics.items():
-            sums[name] = torch.tensor(values[offset:offset + metric.numel()]).reshape(metric.shape)
-            offset += metric.numel()
+        for name, shape in self.metric_shapes.items():
+            size = shape.numel()
+            sums[name] = torch.tensor(values[offset:offset + size]).reshape(shape)
+            offset += size
         result = {"loss": sum(means)}
         if k > 1:
             result.update({f"{name}_loss": value for name, value in terms.items()})

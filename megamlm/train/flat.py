@@ -22,8 +22,9 @@ whole buffer: what is reduced over DP), masters and moments 12 / DP (`megamlm pl
 Skipping updates with a non-finite gradient (train.skip_nonfinite_updates, bf16) costs no host read:
 the norm's finiteness goes to the fused AdamW as its `found_inf`, which leaves weights, moments and
 step count as they were; `skipped_steps` counts them. The flag also travels to the host without
-blocking, and the next update reads it there (the loop's loss read has waited for the device by
-then): a skipped update then takes back its schedule step, so the learning rates are DeepSpeed's,
+blocking, and the next update's step reads it there (by then the GPU has that update's forward and
+backward queued behind the copy, so it does not run dry): a skipped update then takes back its schedule
+step, so the learning rates are DeepSpeed's,
 which does not advance the schedule on a skipped update. (The lr logged right after the skipped
 update is the one it would have advanced to.)
 
@@ -44,7 +45,7 @@ from torch import nn
 
 from megamlm.config import Config
 from megamlm.model.tp import tp_sharded
-from megamlm.parallel import ParallelContext
+from megamlm.parallel import ParallelContext, ToHost
 from megamlm.train.schedule import Schedule
 
 ALIGN = 64
@@ -113,8 +114,8 @@ class FlatEngine:
         self.counted = [part.view(-1, NORM_ROW) for part in counted if part.numel()]
         self.norm = torch.zeros((), device=ctx.device)
         self.skipped = torch.zeros((), device=ctx.device)
-        self.skip_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-        """The last update's found_inf on its way to the host (a pinned copy, the event after it)."""
+        self.skip_in_flight: ToHost | None = None
+        """The last update's found_inf on its way to the host."""
         self.micro_steps = self.global_steps = self.global_samples = 0
 
     def _place(self, params: list[nn.Parameter], first: int) -> int:
@@ -164,7 +165,7 @@ class FlatEngine:
             found_inf = self.norm.isfinite().logical_not().float()
             self.optimizer.found_inf = found_inf  # torch's fused AdamW skips the update on the device
             self.skipped += found_inf
-            self._send_to_host(found_inf)
+            self.skip_in_flight = ToHost(found_inf)
         self.optimizer.step()
         self.schedule.step()
         if self.separate_masters:  # bf16: cast the range back
@@ -175,26 +176,13 @@ class FlatEngine:
         self.global_steps += 1
         self.global_samples += self.samples_per_update
 
-    def _send_to_host(self, found_inf: torch.Tensor) -> None:
-        if found_inf.device.type != "cuda":
-            self.skip_in_flight = (found_inf, None)
-            return
-        host = torch.empty((), pin_memory=True)
-        host.copy_(found_inf, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.skip_in_flight = (host, event)
-
     def settle_skip(self) -> None:
-        """If the previous update was skipped, step the schedule back (no wait for the device in the
-        loop: its loss read already waited past the copy)."""
+        """If the previous update was skipped, step the schedule back, before this update's AdamW takes
+        its learning rate (waits for the previous update's step only)."""
         if self.skip_in_flight is None:
             return
-        host, event = self.skip_in_flight
-        self.skip_in_flight = None
-        if event is not None:
-            event.synchronize()
-        if host.item():
+        skipped, self.skip_in_flight = self.skip_in_flight.get(), None
+        if skipped.item():
             self.schedule.step_back()
 
     def get_global_grad_norm(self) -> torch.Tensor:

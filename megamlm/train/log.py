@@ -54,6 +54,19 @@ class Log:
             self.tb.close()
 
 
+def train_line(step: int, steps: int, metric: str, values: dict, extra: dict, eta: str) -> str:
+    """The human line of a `train` event (`values`: its JSON fields; `extra`: the objective's own)."""
+    return (f"update {step}/{steps} | loss {values['loss']:.4f} | {metric} "
+            f"{values[metric]:.1f} | lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f}"
+            + "".join(f" | {name} {value:.3f}" for name, value in extra.items())
+            + f" | {values['tokens_per_s']:,.0f} tok/s | MFU "
+            + (f"{100 * values['mfu']:.2f}%" if values["mfu"] is not None else "n/a")
+            + f" | fill {100 * values['fill']:.1f}% | data wait {100 * values['data_wait']:.1f}%"
+            + (f" | corrupt samples skipped {values['corrupt_samples']}" if values["corrupt_samples"] else "")
+            + (f" | updates skipped {values['skipped_updates']}" if values["skipped_updates"] else "")
+            + f" | ETA {eta}")
+
+
 def _step_of(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])

@@ -23,20 +23,20 @@ from megamlm.config import Config, ConfigError, ModelConfig
 from megamlm.data.shards import ShardError, ensure_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.errors import CorruptFileError
 from megamlm.model import names
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
-from megamlm.objectives import LossTotals, Objective, get_objective
-from megamlm.parallel import ParallelContext, host_to_device, init_distributed, seed_everything
+from megamlm.objectives import LossTotals, Objective, ReducedTotals, get_objective
+from megamlm.parallel import ParallelContext, ToHost, host_to_device, init_distributed, seed_everything
 from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
 from megamlm.train.elastic import Layout
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_layers
-from megamlm.train.log import Log
+from megamlm.train.log import Log, train_line
 from megamlm.train.profiling import UpdateProfiler, phase
+from megamlm.train.restart import load_resumed, resume_tag, roll_back
 from megamlm.train.signals import Preemption
 
 
@@ -171,13 +171,13 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         compile_layers(model, cfg.train.compile_mode)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
-    tag = None if resume is None else _resume_tag(checkpoints, resume, log)
+    tag = None if resume is None else resume_tag(checkpoints, resume, log)
     # resumed on its layout: the stage that wrote the checkpoint (ZeRO-1 at DP=1 before the stage-0 rule)
     stage = cfg.train.engine_zero_stage(ctx.dp_size) if tag is None else checkpoints.resume_stage(tag, cfg, ctx.dp_size)
     engine, optimizer, schedule = build_engine(model, cfg, ctx, stage)
     state = TrainState(data_seed=cfg.train.seed)
     if tag is not None:
-        state = _resume(cfg, ctx, checkpoints, engine, schedule, tag, log)
+        state = load_resumed(cfg, ctx, checkpoints, engine, schedule, tag, log)
     if rank0:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
@@ -214,6 +214,11 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     corrupt = torch.zeros((), dtype=torch.float64, device=ctx.device)  # samples skipped as damaged
 
     # ---- updates ---------------------------------------------------------------------------
+    # An update's results (its loss, the preemption flag) reach the host while the next update's work
+    # is queued: the GPU need not wait for the host between updates. Updates after which the loop reads
+    # the model or the optimizer (log lines, evaluation, checkpoints) are read at once (`_reads_state`).
+    pending: Finished | None = None
+    stop = False  # a stop signal reached some rank: save and exit
     while state.step < cfg.train.steps:
         state.restore_rng()  # after a resume or rollback: exactly the streams of the saved run
         fetch_start = time.perf_counter()
@@ -241,28 +246,45 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             update_totals.add(out)
             window_tokens += batch.real_tokens() * ctx.dp_size
             window_slots += batch.inputs.numel() * ctx.dp_size
-        with phase("loss read"):
-            result = update_totals.reduce(ctx.dp_group)  # the update's one host sync (spike guard, logs)
-        loss = result.pop("loss")
         state.step += 1
         for batch in micro_batches:
             state.position = advance(state.position, batch, stream.batches_per_epoch(batch.epoch))
-        if loss_hook is not None:
-            loss = loss_hook(state.step, loss)
+        finished = Finished(state.step, update_totals.start_reduce(ctx.dp_group), preemption.start_check(ctx.device))
 
-        reason = guard.check(loss)
-        if reason is not None:
-            state, stream, batches = _roll_back(cfg, ctx, data, engine, schedule, checkpoints, state, log, reason)
-            guard.reset()
+        # the previous update's results, then this one's if the loop reads the state after it
+        rolled_back, in_flight, pending = False, [u for u in (pending, finished) if u is not None], None
+        for update in in_flight:
+            if update is finished and not (stop or _reads_state(cfg, update.step, start_step)):
+                pending = update
+                break
+            with phase("loss read"):  # waits for this update only
+                result = update.totals.result()
+                stop = stop or bool(update.stop.get().item())
+            loss = result.pop("loss")
+            if loss_hook is not None:
+                loss = loss_hook(update.step, loss)
+            reason = guard.check(loss)
+            if reason is not None:  # the update after it (in flight) is discarded with the rest
+                state = roll_back(cfg, ctx, engine, schedule, checkpoints, state, update.step, log, reason)
+                stream = train_stream(cfg, ctx, data, state)
+                batches = iter(make_loader(stream, cfg.data.loader_workers))
+                guard.reset()
+                rolled_back = True
+                break
+            losses.append(loss)
+        if rolled_back:
+            pending = None
             continue
-        losses.append(loss)
+        profiler.update_done(state.step, log)  # train.profile_updates: records a few updates after warm-up
+        if pending is not None:
+            continue
+
+        # ---- nothing in flight: the model and optimizer are those after update state.step ----
         if state.step == start_step + 1 and compiles(cfg):  # once per run: what compilation costs
             first = time.perf_counter() - run_start
             log.event("compile", state.step, f"compile: the first update took {_duration(first)} "
                       f"({first:.1f} s), compilation included; later updates show the compiled speed",
                       first_update_s=first)
-        profiler.update_done(state.step, log)  # train.profile_updates: records a few updates after warm-up
-
         if state.step % cfg.train.log_interval == 0 or state.step == cfg.train.steps:
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_tokens / elapsed
@@ -280,22 +302,13 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             extra = {**{k: v for k, v in result.items() if k not in (objective.metric, "units")},
                      **objective.log_values(engine.module)}
             values.update(extra)
-            log.event("train", state.step,
-                      f"update {state.step}/{cfg.train.steps} | loss {loss:.4f} | {objective.metric} "
-                      f"{values[objective.metric]:.1f} | lr {values['lr']:.2e} | grad norm {values['grad_norm']:.3f}"
-                      + "".join(f" | {name} {value:.3f}" for name, value in extra.items())
-                      + f" | {tokens_per_s:,.0f} tok/s | MFU "
-                      + (f"{100 * utilization:.2f}%" if utilization is not None else "n/a")
-                      + f" | fill {100 * values['fill']:.1f}% | data wait {100 * values['data_wait']:.1f}%"
-                      + (f" | corrupt samples skipped {values['corrupt_samples']}" if values["corrupt_samples"] else "")
-                      + (f" | updates skipped {values['skipped_updates']}" if values["skipped_updates"] else "")
-                      + f" | ETA {_duration(eta)}",
-                      **values)
+            log.event("train", state.step, train_line(state.step, cfg.train.steps, objective.metric, values, extra,
+                                                      _duration(eta)), **values)
             window_start, window_tokens, window_slots, window_wait = time.perf_counter(), 0, 0, 0.0
 
         if state.step % cfg.train.eval_interval == 0 and state.step < cfg.train.steps:
             validate("periodic")
-        if preemption.any_rank(ctx.device):
+        if stop:
             checkpoints.save(engine, state, cfg)
             log.event("preempted", state.step, f"signal received: saved update {state.step} "
                       f"({preemption.signal}); continue with --resume auto", signal=preemption.signal)
@@ -330,62 +343,22 @@ def check_before_work(cfg: Config, objective: Objective) -> None:
         raise ConfigError(f"train.init_from={cfg.train.init_from}: not a model folder (no config.yaml)")
 
 
-def _resume_tag(checkpoints: Checkpoints, resume: str, log: Log) -> str | None:
-    """The checkpoint `resume` names (a tag, or `auto`: the newest whose files verify); None when
-    `auto` finds none."""
-    if resume == "auto":
-        tag, skipped = checkpoints.newest_verified()
-        for line in skipped:
-            log.event("warning", 0, f"warning: {line}; resuming from the previous one", message=line)
-        if tag is None:
-            log.drop_after(0)
-        return tag
-    checkpoints.require_complete(resume)
-    problem = checkpoints.verify(resume)
-    if problem is not None:
-        raise CorruptFileError(f"--resume {resume}: {problem}")
-    return resume
+@dataclass
+class Finished:
+    """An update whose results are on their way to the host."""
+
+    step: int
+    totals: ReducedTotals
+    stop: ToHost
+    """1 when a stop signal reached any rank (`Preemption.start_check`)."""
 
 
-def _resume(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, engine, schedule, tag: str,
-            log: Log) -> TrainState:
-    """Load checkpoint `tag`; checkpoints newer than it are set aside, log lines after it dropped."""
-    state = checkpoints.load(engine, schedule, tag, cfg, ctx)
-    if state.step > cfg.train.steps:
-        raise ConfigError(f"train.steps={cfg.train.steps} but {tag} is at update {state.step}: raise "
-                          f"train.steps to continue the run")
-    moved = checkpoints.set_aside_after(tag)
-    log.drop_after(state.step)
-    if moved is not None:
-        log.event("warning", state.step, f"warning: checkpoints newer than {tag} moved to {moved}",
-                  message=f"checkpoints newer than {tag} moved to {moved}")
-    where = f"resumed update {state.step} written at {state.resharded}" if state.resharded else \
-        f"resumed from {checkpoints.root / tag} at update {state.step}"
-    where += f"; {state.note}" if state.note else ""
-    log.event("resume", state.step, where, message=where, resharded=state.resharded)
-    return state
-
-
-def _roll_back(cfg, ctx, data, engine, schedule, checkpoints, state, log, reason):
-    """Reload the last good checkpoint, change the data seed, continue (or give up)."""
-    rollbacks = state.rollbacks + 1
-    tag, skipped = checkpoints.newest_verified()
-    for line in skipped:
-        log.event("warning", state.step, f"warning: {line}; rolling back to an older one", message=line)
-    if rollbacks > cfg.train.max_rollbacks or tag is None:
-        why = ("no checkpoint to roll back to (lower train.save_interval)" if tag is None
-               else f"gave up after {cfg.train.max_rollbacks} rollbacks (train.max_rollbacks)")
-        log.event("abort", state.step, f"update {state.step}: {reason}; {why}")
-        raise RuntimeError(f"training diverged at update {state.step}: {reason}; {why}")
-    restored = checkpoints.load(engine, schedule, tag, cfg, ctx)
-    restored.rollbacks = rollbacks
-    restored.data_seed = cfg.train.seed + 1000 * rollbacks
-    log.event("rollback", state.step,
-              f"update {state.step}: {reason} -> rolled back to {tag} with data seed "
-              f"{restored.data_seed} (rollback {rollbacks}/{cfg.train.max_rollbacks})",
-              rollbacks=rollbacks)
-    stream = train_stream(cfg, ctx, data, restored)
-    return restored, stream, iter(make_loader(stream, cfg.data.loader_workers))
+def _reads_state(cfg: Config, step: int, start_step: int) -> bool:
+    """Whether the loop reads the model, optimizer or RNG state after update `step` (a log line, an
+    evaluation, a checkpoint, the end; the first update's time), so that the next update must wait."""
+    return (step == start_step + 1 or step == cfg.train.steps
+            or any(step % interval == 0 for interval in (cfg.train.log_interval, cfg.train.eval_interval,
+                                                          cfg.train.save_interval)))
 
 
 def _float(value) -> float:

@@ -24,8 +24,9 @@ WARM_UP = 2
 
 PHASES = ("data", "forward", "backward", "engine step", "loss read")
 """The loop's phases, each under `phase(name)`: the report gives the host's time in each per update.
-"loss read" is the update's one host sync: long when the host ran ahead of the GPU, short when the GPU
-waited for the host."""
+"loss read" is the host's one wait for the device per update: for the previous update's loss while this
+update's work is queued, or for this update's own before a log line, an evaluation or a checkpoint.
+Long when the host ran ahead of the GPU, short when the GPU waited for the host."""
 
 
 _PHASE_PREFIX = "megamlm: "

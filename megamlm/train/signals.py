@@ -8,6 +8,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from megamlm.parallel import ToHost
+
 
 class Preemption:
     """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) and a first Ctrl-C (SIGINT) only
@@ -24,7 +26,9 @@ class Preemption:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the second one interrupts
 
-    def any_rank(self, device) -> bool:
+    def start_check(self, device) -> ToHost:
+        """Whether any rank received a signal (1 or 0), all-reduced and on its way to the host: every rank
+        reads the same answer after the same update, without waiting for the device now."""
         flag = torch.tensor([float(self.signal is not None)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return ToHost(flag)

@@ -1,0 +1,68 @@
+"""Where a run continues from: the checkpoint `--resume` names, and the rollback after a loss spike."""
+
+from __future__ import annotations
+
+from megamlm.config import Config, ConfigError
+from megamlm.errors import CorruptFileError
+from megamlm.parallel import ParallelContext
+from megamlm.train.checkpoint import Checkpoints, TrainState
+from megamlm.train.log import Log
+
+
+def resume_tag(checkpoints: Checkpoints, resume: str, log: Log) -> str | None:
+    """The checkpoint `resume` names (a tag, or `auto`: the newest whose files verify); None when
+    `auto` finds none."""
+    if resume == "auto":
+        tag, skipped = checkpoints.newest_verified()
+        for line in skipped:
+            log.event("warning", 0, f"warning: {line}; resuming from the previous one", message=line)
+        if tag is None:
+            log.drop_after(0)
+        return tag
+    checkpoints.require_complete(resume)
+    problem = checkpoints.verify(resume)
+    if problem is not None:
+        raise CorruptFileError(f"--resume {resume}: {problem}")
+    return resume
+
+
+def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, engine, schedule, tag: str,
+                 log: Log) -> TrainState:
+    """Load checkpoint `tag`; checkpoints newer than it are set aside, log lines after it dropped."""
+    state = checkpoints.load(engine, schedule, tag, cfg, ctx)
+    if state.step > cfg.train.steps:
+        raise ConfigError(f"train.steps={cfg.train.steps} but {tag} is at update {state.step}: raise "
+                          f"train.steps to continue the run")
+    moved = checkpoints.set_aside_after(tag)
+    log.drop_after(state.step)
+    if moved is not None:
+        log.event("warning", state.step, f"warning: checkpoints newer than {tag} moved to {moved}",
+                  message=f"checkpoints newer than {tag} moved to {moved}")
+    where = f"resumed update {state.step} written at {state.resharded}" if state.resharded else \
+        f"resumed from {checkpoints.root / tag} at update {state.step}"
+    where += f"; {state.note}" if state.note else ""
+    log.event("resume", state.step, where, message=where, resharded=state.resharded)
+    return state
+
+
+def roll_back(cfg: Config, ctx: ParallelContext, engine, schedule, checkpoints: Checkpoints,
+              state: TrainState, step: int, log: Log, reason: str) -> TrainState:
+    """Update `step` failed the spike guard: reload the last good checkpoint, change the data seed,
+    continue (or give up). Returns the restored state."""
+    rollbacks = state.rollbacks + 1
+    tag, skipped = checkpoints.newest_verified()
+    for line in skipped:
+        log.event("warning", step, f"warning: {line}; rolling back to an older one", message=line)
+    if rollbacks > cfg.train.max_rollbacks or tag is None:
+        why = ("no checkpoint to roll back to (lower train.save_interval)" if tag is None
+               else f"gave up after {cfg.train.max_rollbacks} rollbacks (train.max_rollbacks)")
+        log.event("abort", step, f"update {step}: {reason}; {why}")
+        raise RuntimeError(f"training diverged at update {step}: {reason}; {why}")
+    restored = checkpoints.load(engine, schedule, tag, cfg, ctx)
+    restored.rollbacks = rollbacks
+    restored.data_seed = cfg.train.seed + 1000 * rollbacks
+    log.event("rollback", step,
+              f"update {step}: {reason} -> rolled back to {tag} with data seed "
+              f"{restored.data_seed} (rollback {rollbacks}/{cfg.train.max_rollbacks})",
+              rollbacks=rollbacks)
+    return restored
