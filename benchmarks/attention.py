@@ -8,10 +8,12 @@ Rows per length: eager (matmul + bias + softmax, the fork's way), SDPA with the 
 (megamlm's default), FlexAttention with the ALiBi score_mod (GPU; no bias tensor), both also with
 the reference recipe's attention dropout 0.1 (Flex: megamlm's two passes, flex.py), and as speed
 references SDPA without any bias and, where the flash_attn package is installed, FlashAttention-2
-with its built-in symmetric ALiBi. Columns: time, achieved TFLOP/s (4·b·np·s²·hn fwd, ×3.5 fwd+bwd
-with the recomputation flash kernels do), peak memory (GPU: inputs, the bias where the kernel takes
-one, activations and gradients of one forward + backward) and max |error| of the output against an
-fp64 eager reference.
+with its built-in symmetric ALiBi; and megamlm's alibi-flash (ALiBi as extra head dimensions of two
+causal flash passes: on a GPU once per private flash op, cuDNN's and FlashAttention-2's, with and
+without dropout; on a CPU its plain-matmul reference passes). Columns: time, achieved TFLOP/s
+(4·b·np·s²·hn fwd, ×3.5 fwd+bwd with the recomputation flash kernels do), peak memory (GPU:
+inputs, the bias where the kernel takes one, activations and gradients of one forward + backward)
+and max |error| of the output against an fp64 eager reference.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
+from megamlm.model.alibi_flash import CudnnKernel, FlashKernel, ReferenceKernel, alibi_flash_attention
 from megamlm.model.flex import attend_with_dropout, kernel_options
 from megamlm.model.positions import alibi_bias, alibi_slopes
 
@@ -89,6 +92,12 @@ def make_flex_dropout(slopes):
     return lambda q, k, v, bias: attend_with_dropout(attend, q, k, v, score_mod, DROPOUT, seed)
 
 
+def make_alibi_flash(slopes, kernel, dropout_p: float = 0.0):
+    """megamlm's alibi-flash backend: ALiBi-offset as extra head dimensions of two causal flash
+    passes of `kernel` (model/alibi_flash.py), no bias tensor."""
+    return lambda q, k, v, bias: alibi_flash_attention(q, k, v, slopes, 0.5, None, dropout_p, None, kernel)
+
+
 def make_flash_symmetric(slopes):
     from flash_attn import flash_attn_func  # optional; FlashAttention-2 has symmetric ALiBi only
 
@@ -138,7 +147,13 @@ def main() -> None:
     slopes = torch.tensor(alibi_slopes(args.heads), device=device)
     kernels = {"eager": eager, "sdpa + cached bias": sdpa, "sdpa + cached bias, dropout 0.1": sdpa_dropout,
                "sdpa, no bias (reference)": sdpa_no_bias}
-    if device.type == "cuda":
+    if device.type != "cuda":
+        kernels["alibi-flash, matmul passes (CPU)"] = make_alibi_flash(slopes, ReferenceKernel())
+    else:
+        # each private flash op alibi-flash may choose (flash_kernel takes the first that passes its check)
+        for kernel in (CudnnKernel(), FlashKernel()):
+            kernels[f"alibi-flash, {kernel.name} passes"] = make_alibi_flash(slopes, kernel)
+            kernels[f"alibi-flash, {kernel.name} passes, dropout 0.1"] = make_alibi_flash(slopes, kernel, DROPOUT)
         # one compilation per length, pass (two with dropout), grad mode (the error check runs without)
         # and sweep candidate: past the default limit of 8, FlexAttention silently runs its eager path,
         # which materializes the scores (2048 and 8192 on an H200: the 8192 dropout row took 574 ms)

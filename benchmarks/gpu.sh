@@ -135,6 +135,10 @@ for s in $STEPS; do
             "train.engine=flat train.compile=true train.compile_mode=reduce-overhead $PROFILE" 60
         train_run loop-2048-large-flat 2048 8 "train.engine=flat train.compile=true $PROFILE" 40 \
             configs/pile/large-zero-clap.yaml
+        # ALiBi on two causal flash passes without a bias (model/alibi_flash.py), attention dropout 0.1 kept
+        train_run loop-2048-alibi-flash 2048 8 "train.engine=flat model.attention_backend=alibi-flash $PROFILE" 60
+        train_run loop-2048-alibi-flash-compiled 2048 8 \
+            "train.engine=flat train.compile=true model.attention_backend=alibi-flash $PROFILE" 60
         train_run loop-2048-flex-dropout 2048 8 "model.attention_backend=flex train.compile=true" 60
         train_run loop-2048-large 2048 8 "$PROFILE" 40 configs/pile/large-zero-clap.yaml
         train_run loop-8192 8192 2 "$FLEX train.compile=true" 40

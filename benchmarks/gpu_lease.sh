@@ -28,13 +28,17 @@ print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_pr
 cat "$LOGS/device.txt"
 
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows
-# (BENCHMARKS.md); next: the loop on the flat engine (session 22: the host's work per update cut by 58%)
-# next to DeepSpeed's in the same lease, what else keeps the GPU waiting for the host (the profile's host
-# ms per phase, CUDA graphs, bigger micro-batches), the Flex kernel sweep at 2048, the compiled rows
-export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048}
+# (BENCHMARKS.md); next: the loop on the flat engine (session 22: the host's work per update cut by 58%;
+# session 23: no wait for the device between updates) next to DeepSpeed's in the same lease, and on
+# alibi-flash (session 23: ALiBi without a bias, attention being 46% of the kernel time); the attention
+# kernels at 2048 and 8192 (alibi-flash's cuDNN and FlashAttention-2 passes against SDPA + bias); what
+# else keeps the GPU waiting for the host (CUDA graphs, bigger micro-batches), the Flex sweep, the compiled rows
+export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "loop loop-2048 loop-2048-flat loop-2048-flat-compiled loop-2048-flat-cudagraphs loop-2048-large-flat"
+    "loop loop-2048 loop-2048-flat loop-2048-alibi-flash loop-2048-flat-compiled"
+    "attention attention"
+    "loop loop-2048-alibi-flash-compiled loop-2048-flat-cudagraphs loop-2048-large-flat"
     "loop loop-2048-noscan loop-2048-cudagraphs loop-2048-micro16"
     "flex-tune flex-tune"
     "compiled base-baseline-compiled base-zero-clap-flex-compiled base-baseline-cudagraphs"

@@ -35,6 +35,8 @@ score term; padding, document boundaries and patterns are the backend's to expre
          or packed rows alike; a window is the kernel's window_size. CUDA only; no score term (not
          for ALiBi: use flex) and no attention dropout. On CPU a per-sequence SDPA stands in for the
          kernel (tests check the layout with it).
+  alibi-flash  sdpa's layout with ALiBi (fixed slopes) as extra head dimensions of two causal flash
+         passes instead of a bias (alibi_flash.py): O(s) memory, the key-padding mask as the only input.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from torch.nn.attention.flex_attention import AuxRequest
 from megatron.core.transformer.module import MegatronModule
 
 from megamlm.config import GLOBAL_ATTENTION, ConfigError, LayerAttention, ModelConfig
+from megamlm.model.alibi_flash import alibi_flash_attention, flash_kernel
 from megamlm.model.dropout import dropout
 from megamlm.model.flex import attend_with_dropout, compiled_flex_attention, draw_seed, kernel_options
 from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
@@ -69,7 +72,7 @@ class PackedRows:
     precomputed so that compiled layers index with tensors, never with a data-dependent mask."""
     slots: torch.Tensor
     bias: torch.Tensor | None
-    """[n, np|1, L, L] additive bias within each sample (None: `_bias`'s no-mask case)."""
+    """[n, np|1, L, L] additive bias within each sample, alibi-flash's [n, L] key padding (None: no mask)."""
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """[b, np, s, hn] -> [n, np, L, hn], the samples side by side."""
@@ -324,6 +327,32 @@ class VarlenAttention(AttentionBackend):
         return full.view(b, s, np_local, hn).transpose(1, 2)
 
 
+class AlibiFlashAttention(AttentionBackend):
+    """ALiBi on two causal flash passes (module docstring); packed rows are gathered as sdpa gathers them."""
+
+    name = "alibi-flash"
+    additive_bias = False
+
+    @staticmethod
+    def unsupported_here(model: ModelConfig) -> str | None:
+        if model.position != "alibi" or model.alibi_mode == "learned":
+            return "model.attention_backend=alibi-flash needs model.alibi_mode symmetric or offset; use sdpa or flex"
+        if model.local_window is not None or model.document_mask:
+            return "model.attention_backend=alibi-flash has no local attention and no document mask; use sdpa or flex"
+        return None if model.attention_dropout == 0 or torch.cuda.is_available() else (
+            "model.attention_backend=alibi-flash with attention dropout needs a CUDA GPU (the CPU runs a "
+            "reference pass without dropout); set model.attention_dropout=0 or use sdpa")
+
+    def _bias(self, padding, documents, dtype, pattern, any_padding) -> torch.Tensor | None:
+        return padding if any_padding() else None  # [b, s] True on padded keys: all the passes mask
+
+    def _attend(self, q, k, v, key_padding, dropout_p: float, scale: float | None) -> torch.Tensor:
+        # heads are sharded: each TP rank needs its own dropout stream
+        with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
+            return alibi_flash_attention(q, k, v, self.position.slopes, self.position.offset, key_padding,
+                                         dropout_p, scale, flash_kernel(q.device))
+
+
 def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
     """softmax(q·kᵀ·scale + bias), our dropout (the tensor-parallel stream), @ v."""
     scale = scale if scale is not None else q.size(-1) ** -0.5
@@ -340,7 +369,7 @@ def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
-    cls.name: cls for cls in (AttentionBackend, EagerAttention, FlexAttention, VarlenAttention)}
+    cls.name: cls for cls in (AttentionBackend, EagerAttention, FlexAttention, VarlenAttention, AlibiFlashAttention)}
 """model.attention_backend -> backend class (the names of ModelConfig.attention_backend)."""
 
 

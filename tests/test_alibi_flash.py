@@ -1,0 +1,164 @@
+"""model.attention_backend=alibi-flash: ALiBi as extra head dimensions of two causal flash passes
+(model/alibi_flash.py) equals SDPA with the materialized bias, forward and backward, in padded and
+packed rows, in the model and in the loop; on a CPU the flash pass is the reference kernel (a GPU's
+private flash ops are checked against it at first use, and timed by benchmarks/attention.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megamlm.config import ConfigError
+from megamlm.data.batch import collate
+from megamlm.model.alibi_flash import ReferenceKernel, alibi_flash_attention, check_kernel, flash_kernel
+from megamlm.model.attention import ATTENTION_BACKENDS, AlibiFlashAttention, PackedRows
+from megamlm.model.positions import Alibi, alibi_bias, alibi_slopes
+from megamlm.objectives import MaskedLM, get_objective
+from megamlm.train.loop import check_before_work
+from tests.multiproc import run_on_ranks
+from tests.test_packing import _no_corruption, _samples
+from tests.test_train import _train, config, tiny_shards
+from tests.variants import variant_config
+
+
+def _bias(slopes, offset, padding, s):
+    # [np, s, s] ALiBi + [b, 1, 1, s] -inf on padded keys -> [b, np, s, s]
+    return alibi_bias(slopes, slopes, s, s, offset)[None].masked_fill(padding[:, None, None, :], float("-inf"))
+
+
+@pytest.mark.parametrize("mode", ["symmetric", "offset"])
+def test_alibi_flash_equals_sdpa_with_the_bias_forward_and_backward(mode):
+    offset = {"symmetric": 0.0, "offset": 0.5}[mode]
+    b, np_, s, hn = 2, 4, 37, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, np_, s, hn, generator=g, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, np_, s, hn, generator=g)
+    slopes = torch.tensor(alibi_slopes(np_))
+    padding = torch.zeros(b, s, dtype=torch.bool)
+    padding[1, 29:] = True
+    for key_padding in (None, padding):
+        mask = torch.zeros(b, s, dtype=torch.bool) if key_padding is None else key_padding
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=_bias(slopes, offset, mask, s))
+        got = alibi_flash_attention(q, k, v, slopes, offset, key_padding)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+        for ours, theirs in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-6)
+
+
+@pytest.mark.slow
+def test_at_2048_positions_its_error_is_sdpas_with_the_bias():
+    """The key column travels in three parts of the input dtype (24 bits), so bf16 costs what a bf16
+    bias costs (that one rounds only far keys' terms, whose probabilities are 0 anyway); in fp32 the
+    large key terms cost ~1e-4. Padded queries (whose outputs nobody reads) are left out."""
+    b, np_, s, hn = 1, 12, 2048, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, np_, s, hn, generator=g, dtype=torch.float64) for _ in range(3))
+    slopes = torch.tensor(alibi_slopes(np_))
+    padding = torch.zeros(b, s, dtype=torch.bool)
+    padding[0, 1900:] = True
+    bias = _bias(slopes.double(), 0.5, padding, s)
+    exact = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)[:, :, :1900]
+    errors = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        q_, k_, v_ = (t.to(dtype) for t in (q, k, v))
+        sdpa = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=bias.to(dtype))
+        ours = alibi_flash_attention(q_, k_, v_, slopes, 0.5, padding)
+        errors[dtype] = [(t[:, :, :1900].double() - exact).abs().max().item() for t in (sdpa, ours)]
+    print(errors)
+    assert errors[torch.bfloat16][1] < 2 * errors[torch.bfloat16][0]
+    assert errors[torch.float32][1] < 2e-4
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_backend_equals_sdpa_in_padded_and_packed_rows(layout):
+    s, np_, hn = 40, 4, 8
+    g = torch.Generator().manual_seed(0)
+    if layout == "packed":  # samples of 12, 5 and 17 tokens, 6 of padding
+        segments = torch.tensor([[0] * 12 + [1] * 5 + [2] * 17 + [-1] * 6])
+        padding = segments < 0
+    else:
+        segments, padding = None, torch.zeros(2, s, dtype=torch.bool)
+        padding[1, 33:] = True
+    q, k, v = (torch.randn(padding.size(0), np_, s, hn, generator=g) for _ in range(3))
+    position = Alibi(np_, "offset", tp_rank=0, tp_size=1)
+    sdpa, ours = (ATTENTION_BACKENDS[name](position) for name in ("sdpa", "alibi-flash"))
+    prepared = ours.prepare(padding, None, segments, torch.float32)
+    if layout == "packed":  # gathered per sample as sdpa gathers them: [n, L] key padding, no bias
+        assert isinstance(prepared, PackedRows) and prepared.bias.shape == (3, 17)
+    want = sdpa.attend(q, k, v, sdpa.prepare(padding, None, segments, torch.float32), 0.0, None)
+    got = ours.attend(q, k, v, prepared, 0.0, None)
+    real = ~padding[:, None, :, None].expand_as(want)
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=2e-6)
+
+
+def test_a_model_on_alibi_flash_gives_sdpas_loss_and_gradients(world):
+    """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
+    samples = [(s, i) for i, s in enumerate(_samples(1100))]
+    batches = [collate(samples, _no_corruption, 0, 16, pad_id=1),
+               collate(samples, _no_corruption, 0, 56, pad_id=1, packed=True)]
+    models = {name: MaskedLM(variant_config("zero-clap", [f"model.attention_backend={name}"]).model, world, seed=3)
+              for name in ("sdpa", "alibi-flash")}
+    for batch in batches:
+        results = {}
+        for name, model in models.items():
+            model.zero_grad()
+            loss = model(batch.inputs, batch.target_index, batch.documents, batch.segments,
+                         targets=batch.targets).float().mean()
+            loss.backward()
+            results[name] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        for ours, theirs in zip(results["alibi-flash"], results["sdpa"]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return tiny_shards(tmp_path_factory, "alibi-flash")
+
+
+def _two_backends(cfgs):
+    return [_train(cfg)["losses"] for cfg in cfgs]
+
+
+@pytest.mark.slow
+def test_the_loop_trains_sdpas_losses_at_tp1_and_tp2(shards, tmp_path):
+    common = ["model.position=alibi", "model.alibi_mode=offset", "model.attention_dropout=0", "train.steps=4"]
+    cfgs = {name: config(shards, tmp_path / name, *common, f"model.attention_backend={backend}", *extra)
+            for name, backend, extra in (("sdpa", "sdpa", []), ("ours", "alibi-flash", []),
+                                         ("ours-tp2", "alibi-flash", ["parallel.tensor_parallel=2"]))}
+    sdpa, ours = run_on_ranks(_two_backends, 1, [cfgs["sdpa"], cfgs["ours"]])[0]
+    tp2 = run_on_ranks(_two_backends, 2, [cfgs["ours-tp2"]])[0][0]
+    assert len(ours) == 4 and ours[-1] < ours[0]
+    torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=0)
+    torch.testing.assert_close(tp2, ours, rtol=1e-5, atol=0)
+
+
+def test_alibi_flash_refuses_what_it_cannot_compute():
+    def problem(*overrides, variant="zero-clap"):
+        return AlibiFlashAttention.unsupported_here(variant_config(variant, list(overrides)).model)
+
+    assert problem() is None
+    assert "needs model.alibi_mode symmetric or offset" in problem("model.alibi_mode=learned")
+    assert "needs model.alibi_mode symmetric or offset" in problem(variant="baseline")  # learned positions
+    assert "no local attention and no document mask" in problem("model.document_mask=true")
+    assert "with attention dropout needs a CUDA GPU" in problem("model.attention_dropout=0.1")
+    cfg = variant_config("zero-clap", ["model.attention_backend=alibi-flash", "model.attention_dropout=0.1"])
+    with pytest.raises(ConfigError, match="with attention dropout needs a CUDA GPU"):  # before a run does any work
+        check_before_work(cfg, get_objective(cfg))
+
+
+def test_a_flash_kernel_is_used_only_if_it_matches_the_reference():
+    """What a GPU's first use checks of each private flash op; here with stand-ins."""
+
+    class Wrong(ReferenceKernel):
+        def forward(self, q, k, v, dropout_p, scale):
+            out, lse, state = super().forward(q, k, v, dropout_p, scale)
+            return out, lse + 0.5, state  # a log-sum-exp in other units
+
+    class Missing(ReferenceKernel):
+        def forward(self, *args):
+            raise RuntimeError("aten::_private_op has no such overload")
+
+    cpu = torch.device("cpu")
+    assert check_kernel(ReferenceKernel(), cpu) is None
+    assert "differs from the reference pass" in check_kernel(Wrong(), cpu)
+    assert check_kernel(Missing(), cpu) == "RuntimeError: aten::_private_op has no such overload"
+    assert isinstance(flash_kernel(cpu), ReferenceKernel)
