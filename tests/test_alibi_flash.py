@@ -119,16 +119,21 @@ def _two_backends(cfgs):
 
 
 @pytest.mark.slow
-def test_the_loop_trains_sdpas_losses_at_tp1_and_tp2(shards, tmp_path):
+def test_the_loop_trains_sdpas_losses_at_tp1_and_tp2_and_compiled(shards, tmp_path):
     common = ["model.position=alibi", "model.alibi_mode=offset", "model.attention_dropout=0", "train.steps=4"]
     cfgs = {name: config(shards, tmp_path / name, *common, f"model.attention_backend={backend}", *extra)
             for name, backend, extra in (("sdpa", "sdpa", []), ("ours", "alibi-flash", []),
+                                         ("compiled", "alibi-flash", ["train.compile=true", "model.hidden_dropout=0"]),
+                                         ("sdpa-no-dropout", "sdpa", ["model.hidden_dropout=0"]),
                                          ("ours-tp2", "alibi-flash", ["parallel.tensor_parallel=2"]))}
-    sdpa, ours = run_on_ranks(_two_backends, 1, [cfgs["sdpa"], cfgs["ours"]])[0]
+    sdpa, ours, compiled, sdpa_no_dropout = run_on_ranks(
+        _two_backends, 1, [cfgs[name] for name in ("sdpa", "ours", "compiled", "sdpa-no-dropout")])[0]
     tp2 = run_on_ranks(_two_backends, 2, [cfgs["ours-tp2"]])[0][0]
     assert len(ours) == 4 and ours[-1] < ours[0]
     torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=0)
     torch.testing.assert_close(tp2, ours, rtol=1e-5, atol=0)
+    # train.compile (Inductor draws its own dropout masks: hidden dropout off in both)
+    torch.testing.assert_close(compiled, sdpa_no_dropout, rtol=1e-4, atol=0)
 
 
 def test_alibi_flash_refuses_what_it_cannot_compute():
