@@ -162,8 +162,19 @@ def test_a_flash_kernel_is_used_only_if_it_matches_the_reference():
         def forward(self, *args):
             raise RuntimeError("aten::_private_op has no such overload")
 
+    class Seeded(ReferenceKernel):  # a state as the CUDA ops return one: tensors (seeds) and sizes
+        def forward(self, q, k, v, dropout_p, scale):
+            out, lse, _ = super().forward(q, k, v, dropout_p, scale)
+            return out, lse, (torch.tensor(q.size(2)), q.size(2))
+
+        def backward(self, grad_out, q, k, v, out, lse, dropout_p, scale, state):
+            assert [int(x) for x in state] == [q.size(2)] * 2, state  # each pass gets its own state back
+            return super().backward(grad_out, q, k, v, out, lse, dropout_p, scale, state)
+
     cpu = torch.device("cpu")
     assert check_kernel(ReferenceKernel(), cpu) is None
+    assert check_kernel(Seeded(), cpu) is None
     assert "differs from the reference pass" in check_kernel(Wrong(), cpu)
     assert check_kernel(Missing(), cpu) == "RuntimeError: aten::_private_op has no such overload"
     assert isinstance(flash_kernel(cpu), ReferenceKernel)
+    assert isinstance(flash_kernel(torch.device("cuda"), torch.float32), ReferenceKernel)  # flash kernels: 16-bit

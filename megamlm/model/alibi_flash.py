@@ -56,11 +56,12 @@ class ReferenceKernel:
 
     def forward(self, q, k, v, dropout_p: float, scale: float):
         if dropout_p > 0:
-            raise ValueError("the reference flash pass has no dropout (a CUDA kernel has)")
+            raise ValueError("model.attention_backend=alibi-flash has attention dropout on a GPU in bf16 / fp16 "
+                             "only (here its plain-matmul reference pass runs); set model.attention_dropout=0")
         scores = self._scores(q, k, scale)
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.exp(scores - lse[..., None]) @ v.float()
-        return out.to(q.dtype), lse, None
+        return out.to(q.dtype), lse, ()
 
     def backward(self, grad_out, q, k, v, out, lse, dropout_p: float, scale: float, state):
         probs = torch.exp(self._scores(q, k, scale) - lse[..., None])
@@ -115,12 +116,13 @@ KERNELS = {cls.name: cls for cls in (CudnnKernel, FlashKernel, ReferenceKernel)}
 _CHOSEN: dict[torch.device, object] = {}
 
 
-def flash_kernel(device: torch.device):
-    """The flash pass for `device`: on CUDA the first of `KERNELS` whose fused ALiBi attention (forward
-    and backward) matches the reference pass's on a small problem, checked once per device (the private
-    ops' signatures and layouts move between torch versions); elsewhere the reference."""
+def flash_kernel(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The flash pass for `device` and `dtype`: on CUDA in 16 bits the first of `KERNELS` whose fused
+    ALiBi attention (forward and backward) matches the reference pass's on a small problem, checked
+    once per device (the private ops' signatures and layouts move between torch versions); elsewhere
+    (the CPU, fp32, which the flash kernels do not take) the reference."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return ReferenceKernel()
     if device not in _CHOSEN:
         failures = []
@@ -217,23 +219,30 @@ class _AlibiFlash(torch.autograd.Function):
         after_out = torch.nn.functional.pad(out_after.flip(2).float(), (0, 0, 0, 1))
         out = (torch.exp(true_before - lse)[..., None] * out_before.float()
                + torch.exp(true_after - lse)[..., None] * after_out).to(q.dtype)
-        ctx.save_for_backward(q_before, q_after, k_aug, v_aug, out, lse, query_part, after_constant)
-        ctx.states, ctx.dropout_p, ctx.scale, ctx.kernel, ctx.hn = (state_before, state_after), dropout_p, \
-            scale, kernel, q.size(-1)
+        # the passes' states (dropout seeds, kernel layouts): tensors saved as tensors, the rest on ctx
+        states = (*state_before, *state_after)
+        ctx.save_for_backward(q_before, q_after, k_aug, v_aug, out, lse, query_part, after_constant,
+                              *(t for t in states if isinstance(t, torch.Tensor)))
+        ctx.states = [None if isinstance(t, torch.Tensor) else t for t in states]
+        ctx.state_split, ctx.dropout_p, ctx.scale, ctx.kernel, ctx.hn = len(state_before), dropout_p, scale, \
+            kernel, q.size(-1)
         return out[..., :ctx.hn]
 
     @staticmethod
     def backward(ctx, grad):
-        q_before, q_after, k_aug, v_aug, out, lse, query_part, after_constant = ctx.saved_tensors
+        q_before, q_after, k_aug, v_aug, out, lse, query_part, after_constant, *saved = ctx.saved_tensors
+        saved = iter(saved)
+        states = [next(saved) if value is None else value for value in ctx.states]
+        state_before, state_after = states[:ctx.state_split], states[ctx.state_split:]
         kernel, p, scale, hn = ctx.kernel, ctx.dropout_p, ctx.scale, ctx.hn
         g = torch.nn.functional.pad(grad, (0, out.size(-1) - hn)).to(out.dtype).contiguous()
         # each pass's flash backward, given the merged output and log-sum-exp in that pass's units
         dq, dk, dv = kernel.backward(g, q_before, k_aug, v_aug, out, (lse + query_part).contiguous(), p, scale,
-                                     ctx.states[0])
+                                     state_before)
         lse_after = (lse - after_constant)[:, :, :-1].flip(2).contiguous()
         dq_after, dk_after, dv_after = kernel.backward(
             _after_pass(g, 0).contiguous(), _after_pass(q_after, 0), _after_pass(k_aug, 1), _after_pass(v_aug, 1),
-            _after_pass(out, 0).contiguous(), lse_after, p, scale, ctx.states[1])
+            _after_pass(out, 0).contiguous(), lse_after, p, scale, state_after)
         dq, dk, dv = dq.float(), dk.float(), dv.float()
         dq[:, :, :-1] += dq_after.flip(2).float()
         dk[:, :, 1:] += dk_after.flip(2).float()

@@ -344,13 +344,13 @@ class AlibiFlashAttention(AttentionBackend):
             "reference pass without dropout); set model.attention_dropout=0 or use sdpa")
 
     def _bias(self, padding, documents, dtype, pattern, any_padding) -> torch.Tensor | None:
-        flash_kernel(padding.device)  # chosen (a GPU's checked) here, before any compiled layer runs
+        flash_kernel(padding.device, dtype)  # chosen (a GPU's checked) here, before any compiled layer runs
         return padding if any_padding() else None  # [b, s] True on padded keys: all the passes mask
 
     def _attend(self, q, k, v, key_padding, dropout_p: float, scale: float | None) -> torch.Tensor:
         with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
             return alibi_flash_attention(q, k, v, self.position.slopes, self.position.offset, key_padding,
-                                         dropout_p, scale, flash_kernel(q.device))
+                                         dropout_p, scale, flash_kernel(q.device, q.dtype))
 
 
 def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:
