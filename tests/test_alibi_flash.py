@@ -178,3 +178,25 @@ def test_a_flash_kernel_is_used_only_if_it_matches_the_reference():
     assert check_kernel(Missing(), cpu) == "RuntimeError: aten::_private_op has no such overload"
     assert isinstance(flash_kernel(cpu), ReferenceKernel)
     assert isinstance(flash_kernel(torch.device("cuda"), torch.float32), ReferenceKernel)  # flash kernels: 16-bit
+
+
+def test_a_folder_trained_on_it_loads_on_sdpa_where_it_cannot_run(world, tmp_path):
+    """A folder's config names the backend its training used; GLUE on a CPU (attention dropout 0.1)
+    takes sdpa instead, with a warning, and the same attention. A backend the caller names is kept
+    (and refused where it cannot run)."""
+    from megamlm.model.folder import write_model_folder
+    from megamlm.model.reshard import full_state_dict
+    from megamlm.objectives import load_encoder
+
+    cfg = variant_config("zero-clap", ["model.attention_backend=alibi-flash"])
+    write_model_folder(tmp_path / "model", cfg, full_state_dict(MaskedLM(cfg.model, world, seed=5)))
+    with pytest.warns(UserWarning, match="with attention dropout needs a CUDA GPU.*uses model.attention_backend=sdpa"):
+        moved, sdpa = load_encoder(tmp_path / "model", world, ["model.attention_dropout=0.1"])
+    assert moved.model.attention_backend == "sdpa"
+    kept, ours = load_encoder(tmp_path / "model", world, ["model.attention_dropout=0"])  # runs here
+    assert kept.model.attention_backend == "alibi-flash"
+    with pytest.raises(ConfigError, match="with attention dropout needs a CUDA GPU"):  # named: kept, so refused
+        load_encoder(tmp_path / "model", world, ["model.attention_dropout=0.1", "model.attention_backend=alibi-flash"])
+    tokens = torch.randint(4, 1100, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(sdpa(tokens), ours(tokens), rtol=0, atol=1e-5)

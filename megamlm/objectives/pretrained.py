@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,8 +17,16 @@ from megamlm.parallel import ParallelContext, init_distributed
 
 
 def _config(saved, folder, ctx: ParallelContext, overrides: list[str]) -> Config:
-    return replace_config(saved.cfg, [f"parallel.tensor_parallel={ctx.tp_size}", *overrides],
-                          origin=str(Path(folder) / "config.yaml"))
+    """The folder's config at ctx's TP degree with `overrides`. An attention backend the folder's
+    training chose that cannot run here (flex, varlen, alibi-flash with dropout on a CPU) gives way to
+    sdpa, with a warning: every backend computes the same attention. One the overrides name is kept."""
+    origin = str(Path(folder) / "config.yaml")
+    cfg = replace_config(saved.cfg, [f"parallel.tensor_parallel={ctx.tp_size}", *overrides], origin=origin)
+    problem = Encoder.unsupported_here(cfg.model)
+    if problem is not None and not any(o.startswith("model.attention_backend=") for o in overrides):
+        warnings.warn(f"{folder}: {problem}. This run uses model.attention_backend=sdpa instead (the same attention)")
+        cfg = replace_config(cfg, ["model.attention_backend=sdpa"], origin=origin)
+    return cfg
 
 
 def load_pretrained(folder: str | Path, ctx: ParallelContext | None = None,
