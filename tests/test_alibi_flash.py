@@ -44,6 +44,24 @@ def test_alibi_flash_equals_sdpa_with_the_bias_forward_and_backward(mode):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-6)
 
 
+def test_in_fp16_the_padding_column_stays_finite_and_so_do_the_gradients():
+    """The padding column is -MASKED / scale (-40,000 at head dim 64 < fp16's 65,504): an inf there would
+    make the backward's 0 * column products NaN."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 37, 64, generator=g) for _ in range(4))
+    slopes = torch.tensor(alibi_slopes(4))
+    padding = torch.zeros(2, 37, dtype=torch.bool)
+    padding[1, 29:] = True
+    results = {}
+    for dtype in (torch.float16, torch.float32):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = alibi_flash_attention(*inputs, slopes, 0.5, padding)
+        results[dtype] = [out, *torch.autograd.grad(out, inputs, grad.to(dtype))]
+    for half, full in zip(results[torch.float16], results[torch.float32]):
+        assert torch.isfinite(half).all()
+        torch.testing.assert_close(half.float(), full, rtol=0, atol=2e-2)
+
+
 @pytest.mark.slow
 def test_at_2048_positions_its_error_is_sdpas_with_the_bias():
     """The key column travels in three parts of the input dtype (24 bits), so bf16 costs what a bf16

@@ -18,8 +18,8 @@ masks (a kernel's dropout is per score, so the merge keeps it exact).
 The extra head dimensions (64 -> 72, a multiple of 8 as the kernels want):
 - the key column in three parts of the input dtype (hi + mid + lo: 24 bits; in bf16 one column
   alone would round m (j - c) * 8 at 2048 positions to +-16, far coarser than the scores),
-- a padding column, -1e4 / scale on padded keys (0 elsewhere) against a query column of ones: a padded
-  key's probability is exp(-1e4) = 0, whichever side it is on.
+- a padding column, -MASKED / scale on padded keys (0 elsewhere) against a query column of ones: a
+  padded key's probability is exp(-5000) = 0, whichever side it is on.
 
 `KERNELS` holds the flash passes: torch's private FlashAttention-2 and cuDNN ops on CUDA, and
 `ReferenceKernel`, the same contract in plain fp32 matmuls (the CPU, the tests; no dropout).
@@ -34,8 +34,10 @@ import torch
 EXTRA = 4
 """Extra head dimensions: the key column's three parts and the padding column."""
 
-MASKED = 1e4
-"""What a padded key's score is lowered by (its probability underflows to exactly 0 in fp32)."""
+MASKED = 5e3
+"""What a padded key's score is lowered by: its probability underflows to exactly 0 in fp32, and its
+column, -MASKED / scale, stays finite in fp16 (-40,000 at head dim 64; an inf would turn the backward's
+zero products into NaN)."""
 
 
 class ReferenceKernel:
