@@ -35,9 +35,9 @@ EXTRA = 4
 """Extra head dimensions: the key column's three parts and the padding column."""
 
 MASKED = 5e3
-"""What a padded key's score is lowered by: its probability underflows to exactly 0 in fp32, and its
-column, -MASKED / scale, stays finite in fp16 (-40,000 at head dim 64; an inf would turn the backward's
-zero products into NaN)."""
+"""What a padded key's score is lowered by (at most): its probability underflows to exactly 0 in fp32.
+Its column, -MASKED / scale, must stay finite in the input dtype (an inf would turn the backward's zero
+products into NaN): in fp16 it is -40,000 at head dim 64, and capped at half fp16's largest value."""
 
 
 class ReferenceKernel:
@@ -185,7 +185,8 @@ def _augment(q, k, v, slopes, key_padding, scale):
     k_aug[..., :hn] = k
     k_aug[..., hn:hn + 3] = column
     if key_padding is not None:  # [b, s] -> [b, 1, s]: padded keys lowered on both sides
-        k_aug[..., hn + 3] = (key_padding.to(q.dtype) * (-MASKED / scale))[:, None, :]
+        masked = min(MASKED / scale, torch.finfo(q.dtype).max / 2)
+        k_aug[..., hn + 3] = (key_padding.to(q.dtype) * -masked)[:, None, :]
     q_before = q.new_zeros(b, np_local, s, width)
     q_before[..., :hn] = q
     q_before[..., hn:hn + 4] = 1
