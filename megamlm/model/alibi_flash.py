@@ -27,8 +27,6 @@ The extra head dimensions (64 -> 72, a multiple of 8 as the kernels want):
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 EXTRA = 4
@@ -190,10 +188,15 @@ def _augment(q, k, v, slopes, key_padding, scale):
     q_before = q.new_zeros(b, np_local, s, width)
     q_before[..., :hn] = q
     q_before[..., hn:hn + 4] = 1
+    v_aug = torch.nn.functional.pad(v, (0, width - hn))
+    return q_before, _query_after(q_before, hn), k_aug, v_aug
+
+
+def _query_after(q_before: torch.Tensor, hn: int) -> torch.Tensor:
+    """The after pass's queries: the before pass's with the key column's sign turned (-m (j - c))."""
     q_after = q_before.clone()
     q_after[..., hn:hn + 3] = -1
-    v_aug = torch.nn.functional.pad(v, (0, width - hn))
-    return q_before, q_after, k_aug, v_aug
+    return q_after
 
 
 def _after_pass(t: torch.Tensor, first: int) -> torch.Tensor:
@@ -224,7 +227,7 @@ class _AlibiFlash(torch.autograd.Function):
                + torch.exp(true_after - lse)[..., None] * after_out).to(q.dtype)
         # the passes' states (dropout seeds, kernel layouts): tensors saved as tensors, the rest on ctx
         states = (*state_before, *state_after)
-        ctx.save_for_backward(q_before, q_after, k_aug, v_aug, out, lse, query_part, after_constant,
+        ctx.save_for_backward(q_before, k_aug, v_aug, out, lse, query_part, after_constant,
                               *(t for t in states if isinstance(t, torch.Tensor)))
         ctx.states = [None if isinstance(t, torch.Tensor) else t for t in states]
         ctx.state_split, ctx.dropout_p, ctx.scale, ctx.kernel, ctx.hn = len(state_before), dropout_p, scale, \
@@ -233,7 +236,7 @@ class _AlibiFlash(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q_before, q_after, k_aug, v_aug, out, lse, query_part, after_constant, *saved = ctx.saved_tensors
+        q_before, k_aug, v_aug, out, lse, query_part, after_constant, *saved = ctx.saved_tensors
         saved = iter(saved)
         states = [next(saved) if value is None else value for value in ctx.states]
         state_before, state_after = states[:ctx.state_split], states[ctx.state_split:]
@@ -244,7 +247,8 @@ class _AlibiFlash(torch.autograd.Function):
                                      state_before)
         lse_after = (lse - after_constant)[:, :, :-1].flip(2).contiguous()
         dq_after, dk_after, dv_after = kernel.backward(
-            _after_pass(g, 0).contiguous(), _after_pass(q_after, 0), _after_pass(k_aug, 1), _after_pass(v_aug, 1),
+            _after_pass(g, 0).contiguous(), _after_pass(_query_after(q_before, hn), 0), _after_pass(k_aug, 1),
+            _after_pass(v_aug, 1),
             _after_pass(out, 0).contiguous(), lse_after, p, scale, state_after)
         dq, dk, dv = dq.float(), dk.float(), dv.float()
         dq[:, :, :-1] += dq_after.flip(2).float()
@@ -266,5 +270,4 @@ def alibi_flash_attention(q, k, v, slopes: torch.Tensor, offset: float, key_padd
     if q.size(2) < 2:
         raise ValueError("alibi-flash attention needs at least 2 positions")
     kernel = kernel if kernel is not None else ReferenceKernel()
-    assert math.isfinite(scale)
     return _AlibiFlash.apply(q, k, v, slopes, offset, key_padding, dropout_p, scale, kernel)
