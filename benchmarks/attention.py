@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-from megamlm.model.alibi_flash import CudnnKernel, FlashKernel, ReferenceKernel, alibi_flash_attention
+from megamlm.model.alibi_flash import CudnnKernel, FlashKernel, ReferenceKernel, alibi_flash_attention, alibi_terms
 from megamlm.model.flex import attend_with_dropout, kernel_options
 from megamlm.model.positions import alibi_bias, alibi_slopes
 
@@ -95,7 +95,11 @@ def make_flex_dropout(slopes):
 def make_alibi_flash(slopes, kernel, dropout_p: float = 0.0):
     """megamlm's alibi-flash backend: ALiBi-offset as extra head dimensions of two causal flash
     passes of `kernel` (model/alibi_flash.py), no bias tensor."""
-    return lambda q, k, v, bias: alibi_flash_attention(q, k, v, slopes, 0.5, None, dropout_p, None, kernel)
+    def run(q, k, v, bias):
+        terms = alibi_terms(slopes, 0.5, None, q.size(2), q.size(3), q.dtype)  # once per forward in the model
+        return alibi_flash_attention(q, k, v, terms, dropout_p, kernel)
+
+    return run
 
 
 def make_flash_symmetric(slopes):

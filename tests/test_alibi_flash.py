@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from megamlm.config import ConfigError
 from megamlm.data.batch import collate
-from megamlm.model.alibi_flash import ReferenceKernel, alibi_flash_attention, check_kernel, flash_kernel
+from megamlm.model.alibi_flash import ReferenceKernel, alibi_flash_attention, alibi_terms, check_kernel, flash_kernel
 from megamlm.model.attention import ATTENTION_BACKENDS, AlibiFlashAttention, PackedRows
 from megamlm.model.positions import Alibi, alibi_bias, alibi_slopes
 from megamlm.objectives import MaskedLM, get_objective
@@ -38,7 +38,7 @@ def test_alibi_flash_equals_sdpa_with_the_bias_forward_and_backward(mode):
     for key_padding in (None, padding):
         mask = torch.zeros(b, s, dtype=torch.bool) if key_padding is None else key_padding
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=_bias(slopes, offset, mask, s))
-        got = alibi_flash_attention(q, k, v, slopes, offset, key_padding)
+        got = alibi_flash_attention(q, k, v, alibi_terms(slopes, offset, key_padding, s, hn, q.dtype))
         torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
         for ours, theirs in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-6)
@@ -55,7 +55,7 @@ def test_in_fp16_the_padding_column_stays_finite_and_so_do_the_gradients():
     results = {}
     for dtype in (torch.float16, torch.float32):
         inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        out = alibi_flash_attention(*inputs, slopes, 0.5, padding)
+        out = alibi_flash_attention(*inputs, alibi_terms(slopes, 0.5, padding, 37, 64, dtype))
         results[dtype] = [out, *torch.autograd.grad(out, inputs, grad.to(dtype))]
     for half, full in zip(results[torch.float16], results[torch.float32]):
         assert torch.isfinite(half).all()
@@ -79,7 +79,7 @@ def test_at_2048_positions_its_error_is_sdpas_with_the_bias():
     for dtype in (torch.bfloat16, torch.float32):
         q_, k_, v_ = (t.to(dtype) for t in (q, k, v))
         sdpa = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=bias.to(dtype))
-        ours = alibi_flash_attention(q_, k_, v_, slopes, 0.5, padding)
+        ours = alibi_flash_attention(q_, k_, v_, alibi_terms(slopes, 0.5, padding, s, hn, dtype))
         errors[dtype] = [(t[:, :, :1900].double() - exact).abs().max().item() for t in (sdpa, ours)]
     print(errors)
     assert errors[torch.bfloat16][1] < 2 * errors[torch.bfloat16][0]
@@ -98,10 +98,10 @@ def test_the_backend_equals_sdpa_in_padded_and_packed_rows(layout):
         padding[1, 33:] = True
     q, k, v = (torch.randn(padding.size(0), np_, s, hn, generator=g) for _ in range(3))
     position = Alibi(np_, "offset", tp_rank=0, tp_size=1)
-    sdpa, ours = (ATTENTION_BACKENDS[name](position) for name in ("sdpa", "alibi-flash"))
+    sdpa, ours = ATTENTION_BACKENDS["sdpa"](position), AlibiFlashAttention(position, head_dim=hn)
     prepared = ours.prepare(padding, None, segments, torch.float32)
     if layout == "packed":  # gathered per sample as sdpa gathers them: [n, L] key padding, no bias
-        assert isinstance(prepared, PackedRows) and prepared.bias.shape == (3, 17)
+        assert isinstance(prepared, PackedRows) and prepared.bias.key_extra.shape == (3, np_, 17, 8)
     want = sdpa.attend(q, k, v, sdpa.prepare(padding, None, segments, torch.float32), 0.0, None)
     got = ours.attend(q, k, v, prepared, 0.0, None)
     real = ~padding[:, None, :, None].expand_as(want)

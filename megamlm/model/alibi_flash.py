@@ -27,6 +27,8 @@ The extra head dimensions (64 -> 72, a multiple of 8 as the kernels want):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 EXTRA = 4
@@ -153,7 +155,8 @@ def check_kernel(kernel, device: torch.device) -> str | None:
     for candidate in (kernel, ReferenceKernel()):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         try:
-            out = alibi_flash_attention(*inputs, slopes, 0.5, padding, 0.0, None, candidate)
+            out = alibi_flash_attention(*inputs, alibi_terms(slopes, 0.5, padding, 200, 64, torch.bfloat16),
+                                        0.0, candidate)
             results.append([out, *torch.autograd.grad(out, inputs, grad)])
         except Exception as err:  # noqa: BLE001 - a private op this torch lacks or calls otherwise
             return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
@@ -172,31 +175,54 @@ def _split3(column: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack(parts, dim=-1)
 
 
-def _augment(q, k, v, slopes, key_padding, scale):
-    """q, k, v [b, np, s, hn] -> (q for the before pass, q for the after pass, k, v) [b, np, s, hn + pad]."""
-    b, np_local, s, hn = q.shape
-    width = -(-(hn + EXTRA) // 8) * 8
+@dataclass
+class AlibiTerms:
+    """What every layer's alibi-flash attention shares in one forward (`alibi_terms`): the extra head
+    dimensions, and the query parts each pass's log-sum-exp is corrected by."""
+
+    key_extra: torch.Tensor
+    """[b|1, np, s, w]: the key column m (j - c) / scale in three parts, the padding column, zeros to a
+    multiple of 8 (w = 8 at head dim 64)."""
+    query_before: torch.Tensor
+    """[1, 1, 1, w]: the queries' extra dimensions in the before pass (ones), `query_after` (the key
+    column's sign turned: -m (j - c))."""
+    query_after: torch.Tensor
+    query_part: torch.Tensor
+    """[np, s] fp32: m (i - c), which the before pass's scores lack; `after_constant` = m (i - c) + m
+    offset, which the after pass's have too much of."""
+    after_constant: torch.Tensor
+    head_dim: int
+    scale: float
+
+
+def alibi_terms(slopes: torch.Tensor, offset: float, key_padding: torch.Tensor | None, length: int, head_dim: int,
+                dtype: torch.dtype, scale: float | None = None) -> AlibiTerms:
+    """slopes [np] (this rank's heads); offset: ALiBi's for keys after the query (0 symmetric, 0.5
+    "offset"); key_padding [b, s] bool (True: padded) or None; scale: the softmax's (None: 1/sqrt(head_dim))."""
+    scale = scale if scale is not None else head_dim ** -0.5
+    np_local, device = slopes.numel(), slopes.device
+    width = -(-(head_dim + EXTRA) // 8) * 8 - head_dim
     # [np, 1] * [s] -> [np, s]: the key column m (j - c) / scale, in three parts [np, s, 3]
-    positions = torch.arange(s, device=q.device, dtype=torch.float64) - s // 2
-    column = _split3(slopes.double()[:, None] * positions / scale, q.dtype)
-    k_aug = q.new_zeros(b, np_local, s, width)
-    k_aug[..., :hn] = k
-    k_aug[..., hn:hn + 3] = column
+    centered = torch.arange(length, device=device, dtype=torch.float64) - length // 2
+    column = _split3(slopes.double()[:, None] * centered / scale, dtype)
+    batch = 1 if key_padding is None else key_padding.size(0)
+    key_extra = torch.zeros(batch, np_local, length, width, dtype=dtype, device=device)
+    key_extra[..., :3] = column
     if key_padding is not None:  # [b, s] -> [b, 1, s]: padded keys lowered on both sides
-        masked = min(MASKED / scale, torch.finfo(q.dtype).max / 2)
-        k_aug[..., hn + 3] = (key_padding.to(q.dtype) * -masked)[:, None, :]
-    q_before = q.new_zeros(b, np_local, s, width)
-    q_before[..., :hn] = q
-    q_before[..., hn:hn + 4] = 1
-    v_aug = torch.nn.functional.pad(v, (0, width - hn))
-    return q_before, _query_after(q_before, hn), k_aug, v_aug
+        masked = min(MASKED / scale, torch.finfo(dtype).max / 2)
+        key_extra[..., 3] = (key_padding.to(dtype) * -masked)[:, None, :]
+    query_before = torch.zeros(1, 1, 1, width, dtype=dtype, device=device)
+    query_before[..., :4] = 1
+    query_after = query_before.clone()
+    query_after[..., :3] = -1
+    query_part = slopes.float()[:, None] * centered.float()
+    return AlibiTerms(key_extra, query_before, query_after, query_part,
+                      query_part + slopes.float()[:, None] * offset, head_dim, scale)
 
 
-def _query_after(q_before: torch.Tensor, hn: int) -> torch.Tensor:
-    """The after pass's queries: the before pass's with the key column's sign turned (-m (j - c))."""
-    q_after = q_before.clone()
-    q_after[..., hn:hn + 3] = -1
-    return q_after
+def _with(t: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """[b, np, s, hn] and extra [b|1, np|1, s|1, w] -> [b, np, s, hn + w]."""
+    return torch.cat([t, extra.expand(*t.shape[:3], extra.size(-1))], dim=-1)
 
 
 def _after_pass(t: torch.Tensor, first: int) -> torch.Tensor:
@@ -208,66 +234,58 @@ def _after_pass(t: torch.Tensor, first: int) -> torch.Tensor:
 
 class _AlibiFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, slopes, offset, key_padding, dropout_p, scale, kernel):
-        s = q.size(2)
-        q_before, q_after, k_aug, v_aug = _augment(q, k, v, slopes, key_padding, scale)
+    def forward(ctx, q, k, v, terms: AlibiTerms, dropout_p, kernel):
+        hn, scale = q.size(-1), terms.scale
+        q_before, k_aug = _with(q, terms.query_before), _with(k, terms.key_extra)
+        v_aug = torch.nn.functional.pad(v, (0, terms.key_extra.size(-1)))
         out_before, lse_before, state_before = kernel.forward(q_before, k_aug, v_aug, dropout_p, scale)
         out_after, lse_after, state_after = kernel.forward(
-            _after_pass(q_after, 0), _after_pass(k_aug, 1), _after_pass(v_aug, 1), dropout_p, scale)
-        # [np, s]: the query parts m (i - c), added back to each pass's log-sum-exp
-        query_part = slopes.float()[:, None] * (torch.arange(s, device=q.device) - s // 2)
-        after_constant = query_part + slopes.float()[:, None] * offset
-        true_before = lse_before - query_part
+            _after_pass(_with(q, terms.query_after), 0), _after_pass(k_aug, 1), _after_pass(v_aug, 1), dropout_p, scale)
+        true_before = lse_before - terms.query_part
         # the last query has no key after it: its after pass is empty (-inf)
-        true_after = torch.nn.functional.pad(lse_after.flip(2) + after_constant[:, :-1], (0, 1), value=float("-inf"))
+        true_after = torch.nn.functional.pad(lse_after.flip(2) + terms.after_constant[:, :-1], (0, 1),
+                                             value=float("-inf"))
         lse = torch.logaddexp(true_before, true_after)
         # [b, np, s] -> [b, np, s, 1] weights of each pass's normalized output
-        after_out = torch.nn.functional.pad(out_after.flip(2).float(), (0, 0, 0, 1))
-        out = (torch.exp(true_before - lse)[..., None] * out_before.float()
+        after_out = torch.nn.functional.pad(out_after.flip(2), (0, 0, 0, 1))
+        out = (torch.exp(true_before - lse)[..., None] * out_before
                + torch.exp(true_after - lse)[..., None] * after_out).to(q.dtype)
         # the passes' states (dropout seeds, kernel layouts): tensors saved as tensors, the rest on ctx
         states = (*state_before, *state_after)
-        ctx.save_for_backward(q_before, k_aug, v_aug, out, lse, query_part, after_constant,
-                              *(t for t in states if isinstance(t, torch.Tensor)))
+        ctx.save_for_backward(q, k_aug, v_aug, out, lse, *(t for t in states if isinstance(t, torch.Tensor)))
         ctx.states = [None if isinstance(t, torch.Tensor) else t for t in states]
-        ctx.state_split, ctx.dropout_p, ctx.scale, ctx.kernel, ctx.hn = len(state_before), dropout_p, scale, \
-            kernel, q.size(-1)
-        return out[..., :ctx.hn]
+        ctx.state_split, ctx.terms, ctx.dropout_p, ctx.kernel = len(state_before), terms, dropout_p, kernel
+        return out[..., :hn]
 
     @staticmethod
     def backward(ctx, grad):
-        q_before, k_aug, v_aug, out, lse, query_part, after_constant, *saved = ctx.saved_tensors
+        q, k_aug, v_aug, out, lse, *saved = ctx.saved_tensors
         saved = iter(saved)
         states = [next(saved) if value is None else value for value in ctx.states]
         state_before, state_after = states[:ctx.state_split], states[ctx.state_split:]
-        kernel, p, scale, hn = ctx.kernel, ctx.dropout_p, ctx.scale, ctx.hn
-        g = torch.nn.functional.pad(grad, (0, out.size(-1) - hn)).to(out.dtype).contiguous()
+        terms, kernel, p, hn = ctx.terms, ctx.kernel, ctx.dropout_p, q.size(-1)
+        g = torch.nn.functional.pad(grad, (0, out.size(-1) - hn)).to(out.dtype)
         # each pass's flash backward, given the merged output and log-sum-exp in that pass's units
-        dq, dk, dv = kernel.backward(g, q_before, k_aug, v_aug, out, (lse + query_part).contiguous(), p, scale,
-                                     state_before)
-        lse_after = (lse - after_constant)[:, :, :-1].flip(2).contiguous()
+        dq, dk, dv = kernel.backward(g, _with(q, terms.query_before), k_aug, v_aug, out,
+                                     (lse + terms.query_part).contiguous(), p, terms.scale, state_before)
         dq_after, dk_after, dv_after = kernel.backward(
-            _after_pass(g, 0).contiguous(), _after_pass(_query_after(q_before, hn), 0), _after_pass(k_aug, 1),
-            _after_pass(v_aug, 1),
-            _after_pass(out, 0).contiguous(), lse_after, p, scale, state_after)
-        dq, dk, dv = dq.float(), dk.float(), dv.float()
-        dq[:, :, :-1] += dq_after.flip(2).float()
-        dk[:, :, 1:] += dk_after.flip(2).float()
-        dv[:, :, 1:] += dv_after.flip(2).float()
-        dtype = grad.dtype
-        return dq[..., :hn].to(dtype), dk[..., :hn].to(dtype), dv[..., :hn].to(dtype), None, None, None, None, \
-            None, None
+            _after_pass(g, 0), _after_pass(_with(q, terms.query_after), 0), _after_pass(k_aug, 1),
+            _after_pass(v_aug, 1), _after_pass(out, 0), (lse - terms.after_constant)[:, :, :-1].flip(2).contiguous(),
+            p, terms.scale, state_after)
+        dq, dk, dv = dq[..., :hn].float(), dk[..., :hn].float(), dv[..., :hn].float()
+        dq[:, :, :-1] += dq_after.flip(2)[..., :hn]
+        dk[:, :, 1:] += dk_after.flip(2)[..., :hn]
+        dv[:, :, 1:] += dv_after.flip(2)[..., :hn]
+        return dq.to(grad.dtype), dk.to(grad.dtype), dv.to(grad.dtype), None, None, None
 
 
-def alibi_flash_attention(q, k, v, slopes: torch.Tensor, offset: float, key_padding: torch.Tensor | None,
-                          dropout_p: float = 0.0, scale: float | None = None, kernel=None) -> torch.Tensor:
+def alibi_flash_attention(q, k, v, terms: AlibiTerms, dropout_p: float = 0.0, kernel=None) -> torch.Tensor:
     """softmax(q·kᵀ·scale + ALiBi, padded keys masked) (dropout) @ v without a bias tensor.
 
-    q, k, v [b, np, s, hn]; slopes [np] (this rank's heads); offset: ALiBi's for keys after the query
-    (0 symmetric, 0.5 "offset"); key_padding [b, s] bool (True: padded) or None; kernel: a `KERNELS`
-    instance (default: the reference on CPU). -> [b, np, s, hn]."""
-    scale = scale if scale is not None else q.size(-1) ** -0.5
+    q, k, v [b, np, s, hn]; terms: `alibi_terms` for this length, head dim and dtype; kernel: a `KERNELS`
+    instance (default: the reference). -> [b, np, s, hn]."""
     if q.size(2) < 2:
         raise ValueError("alibi-flash attention needs at least 2 positions")
-    kernel = kernel if kernel is not None else ReferenceKernel()
-    return _AlibiFlash.apply(q, k, v, slopes, offset, key_padding, dropout_p, scale, kernel)
+    if q.size(-1) != terms.head_dim:
+        raise ValueError(f"alibi-flash terms prepared for head dim {terms.head_dim}, attention has {q.size(-1)}")
+    return _AlibiFlash.apply(q, k, v, terms, dropout_p, kernel if kernel is not None else ReferenceKernel())

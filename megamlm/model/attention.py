@@ -52,43 +52,13 @@ from torch.nn.attention.flex_attention import AuxRequest
 from megatron.core.transformer.module import MegatronModule
 
 from megamlm.config import GLOBAL_ATTENTION, ConfigError, LayerAttention, ModelConfig
-from megamlm.model.alibi_flash import alibi_flash_attention, flash_kernel
+from megamlm.model.alibi_flash import AlibiTerms, alibi_flash_attention, alibi_terms, flash_kernel
 from megamlm.model.dropout import dropout
 from megamlm.model.flex import attend_with_dropout, compiled_flex_attention, draw_seed, kernel_options
 from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
 from megamlm.model.positions import PositionEncoding, apply_rotation, sample_positions, sample_starts
-from megamlm.model.sequences import LayoutReads, attention_groups, varlen_attention
+from megamlm.model.sequences import LayoutReads, PackedRows, attention_groups, varlen_attention
 from megamlm.parallel import tensor_parallel_rng
-
-
-@dataclass
-class PackedRows:
-    """sdpa's inputs for packed rows: where each sample's positions sit in the flat (b·s) stream."""
-
-    index: torch.Tensor
-    """[n, L] flat position of slot j of sample i (0 in empty slots)."""
-    positions: torch.Tensor
-    """[t] flat positions of the real tokens, and `slots` [t] their slot (i·L + j): the way back,
-    precomputed so that compiled layers index with tensors, never with a data-dependent mask."""
-    slots: torch.Tensor
-    bias: torch.Tensor | None
-    """[n, np|1, L, L] additive bias within each sample, alibi-flash's [n, L] key padding (None: no mask)."""
-
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[b, np, s, hn] -> [n, np, L, hn], the samples side by side."""
-        b, np_local, s, hn = t.shape
-        # [b, np, s, hn] -> [np, b*s, hn] -> [np, n, L, hn] -> [n, np, L, hn]
-        return t.transpose(0, 1).reshape(np_local, b * s, hn)[:, self.index].transpose(0, 1)
-
-    def scatter(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """[n, np, L, hn] -> [b, np, s, hn] shaped like `like` (zeros where no sample is)."""
-        b, np_local, s, hn = like.shape
-        n, _, length, _ = out.shape
-        # [n, np, L, hn] -> [np, n*L, hn]; the filled slots go back to their positions
-        filled = out.transpose(0, 1).reshape(np_local, n * length, hn)[:, self.slots]
-        flat = out.new_zeros(np_local, b * s, hn).index_copy(1, self.positions, filled)
-        # [np, b*s, hn] -> [b, np, s, hn]
-        return flat.view(np_local, b, s, hn).transpose(0, 1)
 
 
 @dataclass
@@ -343,14 +313,24 @@ class AlibiFlashAttention(AttentionBackend):
             "model.attention_backend=alibi-flash with attention dropout needs a CUDA GPU (the CPU runs a "
             "reference pass without dropout); set model.attention_dropout=0 or use sdpa")
 
-    def _bias(self, padding, documents, dtype, pattern, any_padding) -> torch.Tensor | None:
-        flash_kernel(padding.device, dtype)  # chosen (a GPU's checked) here, before any compiled layer runs
-        return padding if any_padding() else None  # [b, s] True on padded keys: all the passes mask
+    def __init__(self, position: PositionEncoding, head_dim: int = 64):
+        super().__init__(position)
+        self.head_dim = head_dim
 
-    def _attend(self, q, k, v, key_padding, dropout_p: float, scale: float | None) -> torch.Tensor:
+    @classmethod
+    def from_config(cls, model: ModelConfig, position: PositionEncoding) -> AlibiFlashAttention:
+        return cls(position, model.head_dim)
+
+    def _bias(self, padding, documents, dtype, pattern, any_padding) -> AlibiTerms:
+        """The extra head dimensions and log-sum-exp corrections every layer shares (padded keys: [b, s])."""
+        flash_kernel(padding.device, dtype)  # chosen (a GPU's checked) here, before any compiled layer runs
+        return alibi_terms(self.position.slopes, self.position.offset, padding if any_padding() else None,
+                           padding.size(1), self.head_dim, dtype)
+
+    def _attend(self, q, k, v, terms: AlibiTerms, dropout_p: float, scale: float | None) -> torch.Tensor:
+        assert scale is None or scale == terms.scale, "alibi-flash prepares its terms for 1/sqrt(head dim)"
         with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
-            return alibi_flash_attention(q, k, v, self.position.slopes, self.position.offset, key_padding,
-                                         dropout_p, scale, flash_kernel(q.device, q.dtype))
+            return alibi_flash_attention(q, k, v, terms, dropout_p, flash_kernel(q.device, q.dtype))
 
 
 def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor:

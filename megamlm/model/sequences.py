@@ -1,10 +1,13 @@
 """The sequences of a batch as attention kernels without padding see them: the groups attention stays
 within (documents, packed samples, rows), their real tokens end to end with their lengths, and the
-varlen kernel (or its CPU stand-in). Reading the lengths needs the data on the host: `LayoutReads` reads
+varlen kernel (or its CPU stand-in); and packed rows' samples gathered side by side (`PackedRows`, what
+sdpa and alibi-flash attend over). Reading the lengths needs the data on the host: `LayoutReads` reads
 them once per forward, from the batch's host copy when it has one (no wait for the device).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,36 @@ def attention_groups(padding: torch.Tensor | None, documents: torch.Tensor | Non
     if documents is not None:
         return documents
     return segments if segments is not None else padding.long().neg()
+
+
+@dataclass
+class PackedRows:
+    """sdpa's inputs for packed rows: where each sample's positions sit in the flat (b·s) stream."""
+
+    index: torch.Tensor
+    """[n, L] flat position of slot j of sample i (0 in empty slots)."""
+    positions: torch.Tensor
+    """[t] flat positions of the real tokens, and `slots` [t] their slot (i·L + j): the way back,
+    precomputed so that compiled layers index with tensors, never with a data-dependent mask."""
+    slots: torch.Tensor
+    bias: torch.Tensor | None
+    """[n, np|1, L, L] additive bias within each sample (None: no mask); alibi-flash's AlibiTerms."""
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, np, s, hn] -> [n, np, L, hn], the samples side by side."""
+        b, np_local, s, hn = t.shape
+        # [b, np, s, hn] -> [np, b*s, hn] -> [np, n, L, hn] -> [n, np, L, hn]
+        return t.transpose(0, 1).reshape(np_local, b * s, hn)[:, self.index].transpose(0, 1)
+
+    def scatter(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """[n, np, L, hn] -> [b, np, s, hn] shaped like `like` (zeros where no sample is)."""
+        b, np_local, s, hn = like.shape
+        n, _, length, _ = out.shape
+        # [n, np, L, hn] -> [np, n*L, hn]; the filled slots go back to their positions
+        filled = out.transpose(0, 1).reshape(np_local, n * length, hn)[:, self.slots]
+        flat = out.new_zeros(np_local, b * s, hn).index_copy(1, self.positions, filled)
+        # [np, b*s, hn] -> [b, np, s, hn]
+        return flat.view(np_local, b, s, hn).transpose(0, 1)
 
 
 class LayoutReads:
