@@ -51,7 +51,9 @@ TINY = ["data.seq_length=128", "model.max_positions=128", "model.hidden_size=64"
 ROWS = ["ZeRO-1 (the Pile configs):", "ZeRO-1, no inf/NaN scan:train.skip_nonfinite_updates=false",
         "ZeRO-0 (DeepSpeed's bf16 optimizer):train.zero_stage=0", "ZeRO-2:train.zero_stage=2",
         "fp32, one rank (no DeepSpeed wrapper):train.precision=fp32", "flat engine:train.engine=flat",
-        "flat engine, no inf/NaN scan:train.engine=flat,train.skip_nonfinite_updates=false"]
+        "flat engine, no inf/NaN scan:train.engine=flat,train.skip_nonfinite_updates=false",
+        # the CPU cannot run alibi-flash's attention dropout; a GPU's flash pass drops inside its kernel
+        "flat engine, alibi-flash:train.engine=flat,model.attention_backend=alibi-flash,model.attention_dropout=0"]
 
 
 class OpCounter(TorchDispatchMode):
@@ -99,6 +101,21 @@ def gpu_paths() -> None:
     # SDPA's dropout is inside its one fused kernel on a GPU
     attention._eager = lambda q, k, v, bias, dropout_p, scale: F.scaled_dot_product_attention(
         q, k, v, attn_mask=bias, scale=scale)
+    # alibi-flash: a private flash op per pass (forward, backward); the CPU's reference pass is matmuls
+    attention.flash_kernel = lambda device, dtype: OnePass()
+
+
+class OnePass:
+    """Stands in for a GPU's flash pass in the counts: one operation forward (its output), one backward
+    (zeros: the stand-in trains nothing, but the loop's numbers stay finite)."""
+
+    name = "one operation"
+
+    def forward(self, q, k, v, dropout_p, scale):
+        return torch.zeros_like(q), torch.zeros(q.shape[:3], device=q.device), ()
+
+    def backward(self, grad_out, q, k, v, out, lse, dropout_p, scale, state):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
 def count_child(config: str, overrides: list[str], work: Path, timed: bool = False) -> dict:
