@@ -207,7 +207,7 @@ def test_compiled_layers_train_the_eager_losses_on_the_flat_engine(shards, tmp_p
 
 
 def test_the_flat_engine_refuses_what_it_does_not_run(shards, tmp_path):
-    for asked in ("train.precision=fp16", "train.zero_stage=2", "train.deepspeed_config=ds.json"):
+    for asked in ("train.zero_stage=2", "train.deepspeed_config=ds.json"):  # (fp16: tests/test_flat_fp16.py)
         with pytest.raises(ConfigError, match=f"{asked} needs train.engine=deepspeed"):
             config(shards, tmp_path, "train.engine=flat", asked)
     with pytest.raises(ConfigError, match="train.engine=flat runs without DeepSpeed"):

@@ -158,8 +158,9 @@ class TrainConfig:
     """What steps the optimizer. deepspeed: DeepSpeed's engine at train.zero_stage. flat: megamlm's own
     ZeRO-1 (train/flat.py): weights and gradients as views of flat buffers, one fused AdamW over this
     data-parallel rank's range, 14-22 host operations per optimizer step instead of DeepSpeed's
-    1,300-3,300 at 12 layers (benchmarks/loop_ops.py); fp32 or bf16, train.zero_stage 0 or 1 (its
-    optimizer state is cut over DP either way). Its checkpoints are in DeepSpeed's stage-0 layout:
+    1,300-3,300 at 12 layers (benchmarks/loop_ops.py); fp32, bf16 or fp16 (its dynamic loss scale on
+    the device, DeepSpeed's rule; also on a CPU), train.zero_stage 0 or 1 (its optimizer state is cut
+    over DP either way). Its checkpoints are in DeepSpeed's stage-0 layout:
     they resume on either engine at any layout and convert as any other."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP). An
@@ -232,11 +233,10 @@ class TrainConfig:
                               "scale is set from the scan it turns off")
         if self.engine == "flat":
             asks = [f"train.{key}={value}" for key, value, ok in (
-                ("precision", self.precision, self.precision != "fp16"),
                 ("zero_stage", self.zero_stage, self.zero_stage in (0, 1)),
                 ("deepspeed_config", self.deepspeed_config, self.deepspeed_config is None)) if not ok]
             if asks:
-                raise ConfigError(f"train.engine=flat runs fp32 or bf16 at ZeRO-1 without a DeepSpeed JSON; "
+                raise ConfigError(f"train.engine=flat runs ZeRO-1 without a DeepSpeed JSON; "
                                   f"{', '.join(asks)} needs train.engine=deepspeed")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(

@@ -24,7 +24,7 @@ pattern lists; megamlm's shard rules already know each parameter's split.
 What is not carried: per-rank random streams (dropout; the tensor-parallel stream) have no meaning
 on another set of ranks, so they are reseeded from (train.seed, update) on every rank; the data
 and masking streams are layout-independent already. fp16's dynamic loss scale restarts at its
-initial value.
+initial value, except from the flat engine's files, which carry it (`loss_scaler`).
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def read_full_state(folder: Path, written: Layout, names: list[str], cfg: Config
     first = (folder / "mp_rank_00_model_states.pt") if written.zero_stage < 3 else \
         (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     engine = {k: v for k, v in _load(first).items() if k in ("global_steps", "global_samples", "skipped_steps",
-                                                               "lr_scheduler")}
+                                                               "lr_scheduler", "loss_scaler")}
     return FullState(per_tp, cfg.model, step, engine)
 
 
@@ -328,3 +328,5 @@ def load_full_state(engine, schedule, state: FullState) -> None:
     engine.global_steps = state.engine["global_steps"]
     engine.global_samples = state.engine["global_samples"]
     engine.skipped_steps = state.engine["skipped_steps"]
+    if flat and engine.scaler is not None and "loss_scaler" in state.engine:  # the flat engine's fp16 files
+        engine.scaler.load_state_dict(state.engine["loss_scaler"])

@@ -18,6 +18,7 @@ from megamlm.config import Config, ConfigError
 from megamlm.model.tp import tp_sharded
 from megamlm.parallel import ParallelContext
 from megamlm.train.flat import FlatEngine
+from megamlm.train.loss_scale import FP16_LOSS_SCALING
 from megamlm.train.schedule import Schedule
 
 
@@ -95,9 +96,7 @@ def deepspeed_config(cfg: Config, dp_size: int, stage: int | None = None) -> dic
         if not train.skip_nonfinite_updates:  # DeepSpeed's default is to scan
             ds["bf16"]["check_grad_overflow"] = False
     elif train.precision == "fp16":
-        # dynamic loss scaling as fairseq: start at 2^7, halve on overflow, double after 1000 clean steps
-        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 7,
-                      "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1e-4}
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, **FP16_LOSS_SCALING}  # dynamic, as the flat engine's
     return ds
 
 
@@ -141,7 +140,8 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stag
     import deepspeed
 
     if cfg.train.precision == "fp16" and ctx.device.type == "cpu":
-        raise ConfigError("train.precision=fp16 needs a GPU; allowed on CPU: fp32, bf16")
+        raise ConfigError("train.precision=fp16 on DeepSpeed needs a GPU; on a CPU: fp32, bf16, or "
+                          "train.engine=flat")
     optim = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
                                   eps=optim.eps, weight_decay=optim.weight_decay,

@@ -19,7 +19,11 @@ cast back, all-gather over DP.
 Memory per parameter (bf16): weights 2 and gradients 2 bytes, an fp32 copy of the gradients (4, the
 whole buffer: what is reduced over DP), masters and moments 12 / DP (`megamlm plan` counts the same).
 
-Skipping updates with a non-finite gradient (train.skip_nonfinite_updates, bf16) costs no host read:
+fp16: the loss is multiplied by a dynamic loss scale kept on the device (train/loss_scale.py, DeepSpeed's
+rule and settings); the norm is the scaled gradients', and one division unscales and clips.
+
+Skipping updates with a non-finite gradient (train.skip_nonfinite_updates, bf16; always in fp16, where
+an overflow also backs the loss scale off) costs no host read:
 the norm's finiteness goes to the fused AdamW as its `found_inf`, which leaves weights, moments and
 step count as they were; `skipped_steps` counts them. The flag also travels to the host without
 blocking, and the next update's step reads it there (by then the GPU has that update's forward and
@@ -46,6 +50,7 @@ from torch import nn
 from megamlm.config import Config
 from megamlm.model.tp import tp_sharded
 from megamlm.parallel import ParallelContext, ToHost
+from megamlm.train.loss_scale import DynamicLossScale
 from megamlm.train.schedule import Schedule
 
 ALIGN = 64
@@ -57,7 +62,7 @@ NORM_ROW = 4096
 millions of elements loses accuracy (a CPU's: 1.3e-4 relative at 3.3M, as in DeepSpeed's per-tensor
 norms of an embedding); two levels keep it near 1e-8. The flat buffers' ranges are whole rows."""
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # The flat collectives, in place as megatron-core's distributed optimizer calls them (NCCL and gloo both
 # take a rank's range of the whole buffer as the output of a reduce-scatter and the input of an
@@ -79,7 +84,9 @@ class FlatEngine:
         self.accumulation = cfg.train.accumulation_steps(ctx.dp_size)
         self.samples_per_update = cfg.train.micro_batch_size * self.accumulation * ctx.dp_size
         self.clip = cfg.optim.clip_grad
-        self.scan = cfg.train.precision == "bf16" and cfg.train.skip_nonfinite_updates
+        # fp16: the loss is scaled (on the device) and an overflow always skips its update
+        self.scaler = DynamicLossScale.from_settings(ctx.device) if cfg.train.precision == "fp16" else None
+        self.scan = self.scaler is not None or (cfg.train.precision == "bf16" and cfg.train.skip_nonfinite_updates)
         dtype = DTYPES[cfg.train.precision]
         # TP-sharded parameters first, so that the norm's two kinds of parameters are two ranges of rows
         sharded = [p for p in model.parameters() if tp_sharded(p)]
@@ -137,7 +144,8 @@ class FlatEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """The loop's weights make the loss of an update a sum over micro-batches and DP ranks of
         `accumulation × DP` means; as DeepSpeed, divide by accumulation here and by DP in the reduction."""
-        (loss / self.accumulation).backward()
+        loss = loss / self.accumulation
+        (loss if self.scaler is None else loss * self.scaler.scale).backward()
 
     def step(self) -> None:
         """Called after every micro-batch; updates at the last one of an update."""
@@ -157,17 +165,26 @@ class FlatEngine:
         for size, group in ((ctx.dp_size, ctx.dp_group), (ctx.tp_size, ctx.tp_group)):
             if size > 1:  # DP ranks hold other ranges, TP ranks other shards
                 dist.all_reduce(squares, group=group)
-        self.norm = squares.sqrt()
-        if self.clip > 0:  # as DeepSpeed clips: by max(1, (norm + 1e-6) / clip)
-            grad.div_(((self.norm + 1e-6) / self.clip).clamp(min=1.0))
+        norm = squares.sqrt()  # fp16: of the scaled gradients
+        # as DeepSpeed clips: by max(1, (norm + 1e-6) / clip); fp16 unscales in the same division
+        if self.scaler is None:
+            self.norm = norm
+            if self.clip > 0:
+                grad.div_(((self.norm + 1e-6) / self.clip).clamp(min=1.0))
+        else:
+            scale = self.scaler.scale
+            self.norm = norm / scale
+            grad.div_(scale if self.clip <= 0 else ((self.norm + 1e-6) / self.clip).clamp(min=1.0) * scale)
         if self.scan:
             self.settle_skip()
-            found_inf = self.norm.isfinite().logical_not().float()
+            found_inf = norm.isfinite().logical_not().float()
             self.optimizer.found_inf = found_inf  # torch's fused AdamW skips the update on the device
             self.skipped += found_inf
             self.skip_in_flight = ToHost(found_inf)
         self.optimizer.step()
         self.schedule.step()
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
         if self.separate_masters:  # bf16: cast the range back
             self.weights[self.start:self.end].copy_(self.master)
         if ctx.dp_size > 1:  # in place: every rank's range of the weights from its owner
@@ -233,7 +250,8 @@ class FlatEngine:
         torch.save({"module": module, "engine": "flat",
                     "optimizer": {"state": moments, "param_groups": [group | {"params": list(range(len(params)))}]},
                     "lr_scheduler": self.schedule.state_dict(), "global_steps": self.global_steps,
-                    "global_samples": self.global_samples, "skipped_steps": skipped},
+                    "global_samples": self.global_samples, "skipped_steps": skipped,
+                    **({} if self.scaler is None else {"loss_scaler": self.scaler.state_dict()})},
                    folder / f"mp_rank_{self.ctx.tp_rank:02d}_model_states.pt")
 
     def _gather(self, part: torch.Tensor) -> torch.Tensor | None:

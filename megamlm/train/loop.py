@@ -294,7 +294,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             eta = (time.perf_counter() - run_start) / done * (cfg.train.steps - state.step)
             values = {"loss": loss, objective.metric: result[objective.metric], "lr": schedule.get_last_lr()[0],
                       "grad_norm": _float(engine.get_global_grad_norm()),
-                      "loss_scale": float(getattr(optimizer, "cur_scale", 1.0) or 1.0),
+                      "loss_scale": _loss_scale(engine, optimizer),
                       "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
                       "fill": window_tokens / window_slots,
                       "corrupt_samples": int(corrupt.item()),
@@ -359,6 +359,13 @@ def _reads_state(cfg: Config, step: int, start_step: int) -> bool:
     return (step == start_step + 1 or step == cfg.train.steps
             or any(step % interval == 0 for interval in (cfg.train.log_interval, cfg.train.eval_interval,
                                                           cfg.train.save_interval)))
+
+
+def _loss_scale(engine, optimizer) -> float:
+    """fp16's current loss scale (1 otherwise): the flat engine's, or DeepSpeed's optimizer's (ZeRO's and
+    the stage-0 fp16 optimizers' `loss_scale`)."""
+    scaler = getattr(engine, "scaler", None)
+    return float(scaler.scale.item() if scaler is not None else getattr(optimizer, "loss_scale", 1.0) or 1.0)
 
 
 def _float(value) -> float:
