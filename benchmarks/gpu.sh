@@ -72,16 +72,17 @@ bench() {  # bench NAME LIMIT_SECONDS ARGUMENTS...: benchmarks/train_throughput.
 }
 
 train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES [CONFIG]: 2 micro-batches per update
+    # (the row's OVERRIDES come after the common ones, so they win: the last value of a key is the one)
     local name=$1 length=${SMOKE_LENGTH:-$2} micro=$3 extra=$4 updates=$5
     local config=${6:-configs/pile/base-zero-clap.yaml}
     [ -z "$SMOKE_LENGTH" ] || { micro=2 updates=3; }
-    step "$name" 420 $PY -m megamlm train --overwrite --config "$config" $extra \
+    step "$name" 420 $PY -m megamlm train --overwrite --config "$config" \
         "data.build_from=[data/wikitext-103/valid.txt,data/wikitext-103/test.txt]" \
         data.shards=cache/wikitext-103-s$length data.seq_length=$length model.max_positions=$length \
         data.long_docs=split data.valid_fraction=0.02 train.precision=bf16 \
         train.micro_batch_size=$micro train.global_batch_size=$((2 * micro)) train.steps=$updates \
         optim.warmup_steps=10 optim.period_steps=$updates train.log_interval=10 train.eval_interval=$updates \
-        train.eval_batches=4 train.save_interval=100000 train.run_dir=$RUNS/$name $SMOKE_TRAIN
+        train.eval_batches=4 train.save_interval=100000 train.run_dir=$RUNS/$name $extra $SMOKE_TRAIN
 }
 
 for s in $STEPS; do
@@ -133,6 +134,8 @@ for s in $STEPS; do
         train_run loop-2048-flat-compiled 2048 8 "train.engine=flat train.compile=true $PROFILE" 60
         train_run loop-2048-flat-cudagraphs 2048 8 \
             "train.engine=flat train.compile=true train.compile_mode=reduce-overhead $PROFILE" 60
+        # the Pile configs' own precision (fp16, dynamic loss scale on the device): train_run sets bf16, this overrides it
+        train_run loop-2048-flat-fp16 2048 8 "train.engine=flat train.precision=fp16 $PROFILE" 60
         train_run loop-2048-large-flat 2048 8 "train.engine=flat train.compile=true $PROFILE" 40 \
             configs/pile/large-zero-clap.yaml
         # ALiBi on two causal flash passes without a bias (model/alibi_flash.py), attention dropout 0.1 kept

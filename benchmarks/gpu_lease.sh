@@ -38,7 +38,7 @@ export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTIO
 ROWS=(
     "loop loop-2048 loop-2048-flat loop-2048-alibi-flash loop-2048-flat-compiled"
     "attention attention"
-    "loop loop-2048-alibi-flash-compiled loop-2048-flat-cudagraphs loop-2048-large-flat"
+    "loop loop-2048-alibi-flash-compiled loop-2048-flat-cudagraphs loop-2048-large-flat loop-2048-flat-fp16"
     "loop loop-2048-noscan loop-2048-cudagraphs loop-2048-micro16"
     "flex-tune flex-tune"
     "compiled base-baseline-compiled base-zero-clap-flex-compiled base-baseline-cudagraphs"
