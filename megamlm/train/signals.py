@@ -8,7 +8,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from megamlm.parallel import ToHost
+from megamlm.parallel import ToHost, host_to_device
 
 
 class Preemption:
@@ -29,6 +29,7 @@ class Preemption:
     def start_check(self, device) -> ToHost:
         """Whether any rank received a signal (1 or 0), all-reduced and on its way to the host: every rank
         reads the same answer after the same update, without waiting for the device now."""
-        flag = torch.tensor([float(self.signal is not None)], device=device)
+        # through pinned memory: a copy from pageable memory would wait for every queued kernel
+        flag = host_to_device(torch.tensor([float(self.signal is not None)]), device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return ToHost(flag)
