@@ -27,6 +27,7 @@ The extra head dimensions (64 -> 72, a multiple of 8 as the kernels want):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +135,8 @@ def flash_kernel(device: torch.device, dtype: torch.dtype = torch.bfloat16):
             problem = check_kernel(cls(), device)
             if problem is None:
                 _CHOSEN[device] = cls()
+                if failures:  # which op runs, and why not the preferred one (the GPU lease reads it)
+                    warnings.warn(f"alibi-flash runs {cls.name} passes; not taken: {'; '.join(failures)}")
                 break
             failures.append(f"{cls.name}: {problem}")
         else:
