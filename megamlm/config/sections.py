@@ -157,7 +157,7 @@ class TrainConfig:
     engine: Literal["deepspeed", "flat"] = "deepspeed"
     """What steps the optimizer. deepspeed: DeepSpeed's engine at train.zero_stage. flat: megamlm's own
     ZeRO-1 (train/flat.py): weights and gradients as views of flat buffers, one fused AdamW over this
-    data-parallel rank's range, 14-22 host operations per optimizer step instead of DeepSpeed's
+    data-parallel rank's range, 14-49 host operations per optimizer step instead of DeepSpeed's
     1,300-3,300 at 12 layers (benchmarks/loop_ops.py); fp32, bf16 or fp16 (its dynamic loss scale on
     the device, DeepSpeed's rule; also on a CPU), train.zero_stage 0 or 1 (its optimizer state is cut
     over DP either way). Its checkpoints are in DeepSpeed's stage-0 layout:

@@ -104,7 +104,7 @@ class FlatEngine:
         part = total // ctx.dp_size
         self.start, self.end = ctx.dp_rank * part, (ctx.dp_rank + 1) * part
         # fp32: the weights are their own masters (AdamW steps this rank's range of them in place);
-        # bf16: fp32 copies made from the bf16 weights, as DeepSpeed makes its masters
+        # bf16 / fp16: fp32 copies made from the 16-bit weights, as DeepSpeed makes its masters
         self.separate_masters = dtype != torch.float32
         self.grads32 = torch.zeros(total, device=ctx.device) if self.separate_masters else self.grads
         self.master = self.weights[self.start:self.end]
@@ -185,7 +185,7 @@ class FlatEngine:
         self.schedule.step()
         if self.scaler is not None:
             self.scaler.update(found_inf)
-        if self.separate_masters:  # bf16: cast the range back
+        if self.separate_masters:  # bf16 / fp16: cast the range back
             self.weights[self.start:self.end].copy_(self.master)
         if ctx.dp_size > 1:  # in place: every rank's range of the weights from its owner
             _all_gather(self.weights, self.weights[self.start:self.end], group=ctx.dp_group)

@@ -272,8 +272,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
                 rolled_back = True
                 break
             losses.append(loss)
-        if rolled_back:
-            pending = None
+        if rolled_back:  # (pending is None: a rollback leaves the loop before `finished` is kept)
             continue
         profiler.update_done(state.step, log)  # train.profile_updates: records a few updates after warm-up
         if pending is not None:
