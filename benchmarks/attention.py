@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
+from megamlm.errors import error_line
 from megamlm.model.alibi_flash import CudnnKernel, FlashKernel, ReferenceKernel, alibi_flash_attention, alibi_terms
 from megamlm.model.flex import attend_with_dropout, kernel_options
 from megamlm.model.positions import alibi_bias, alibi_slopes
@@ -192,7 +193,7 @@ def main() -> None:
                 with torch.no_grad():
                     error = (fn(q, k, v, bias).double().cpu() - reference).abs().max().item()
             except Exception as err:  # noqa: BLE001 - a kernel that cannot run here is a row, not the end
-                print(f"{length:>7}  {name:<{width}}  failed: {type(err).__name__}: {str(err).splitlines()[0][:60]}")
+                print(f"{length:>7}  {name:<{width}}  failed: {type(err).__name__}: {error_line(err)[:60]}")
                 continue
             finally:
                 del q, k, v, bias  # before the next kernel's peak is counted

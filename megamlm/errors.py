@@ -15,3 +15,12 @@ class MegamlmError(ValueError):
 
 class CorruptFileError(MegamlmError):
     """A file megamlm wrote no longer matches the size or hash it recorded when writing it."""
+
+
+def error_line(err: BaseException) -> str:
+    """One line for an error: OSErrors as "<file>: <reason>", others by their message, or by their
+    type where the message is empty (a bare StopIteration, an assert)."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    return " ".join(text.split()) or type(err).__name__

@@ -189,9 +189,24 @@ def test_a_flash_kernel_is_used_only_if_it_matches_the_reference():
             assert [int(x) for x in state] == [q.size(2)] * 2, state  # each pass gets its own state back
             return super().backward(grad_out, q, k, v, out, lse, dropout_p, scale, state)
 
+    class Undefined(ReferenceKernel):  # the CUDA ops' undefined tensors (cum_seq_q of a dense batch) are None
+        def forward(self, q, k, v, dropout_p, scale):
+            out, lse, _ = super().forward(q, k, v, dropout_p, scale)
+            return out, lse, (None, torch.tensor(q.size(2)), None, q.size(2))
+
+        def backward(self, grad_out, q, k, v, out, lse, dropout_p, scale, state):
+            assert state[0] is None and state[2] is None and int(state[1]) == state[3] == q.size(2), state
+            return super().backward(grad_out, q, k, v, out, lse, dropout_p, scale, state)
+
+    class Silent(ReferenceKernel):
+        def backward(self, *args):
+            raise StopIteration  # an error with no message
+
     cpu = torch.device("cpu")
     assert check_kernel(ReferenceKernel(), cpu) is None
     assert check_kernel(Seeded(), cpu) is None
+    assert check_kernel(Undefined(), cpu) is None
+    assert check_kernel(Silent(), cpu) == "StopIteration: StopIteration"
     assert "differs from the reference pass" in check_kernel(Wrong(), cpu)
     assert check_kernel(Missing(), cpu) == "RuntimeError: aten::_private_op has no such overload"
     assert isinstance(flash_kernel(cpu), ReferenceKernel)

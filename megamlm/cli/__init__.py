@@ -15,7 +15,7 @@ from megamlm.cli.glue import add_glue_args, cmd_glue
 from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
-from megamlm.errors import MegamlmError
+from megamlm.errors import MegamlmError, error_line
 from megamlm.files import check_writable
 
 
@@ -299,14 +299,6 @@ COMMANDS = {"shards": cmd_shards, "hostfile": cmd_hostfile, "fill-mask": cmd_fil
 """Verbs with their own arguments; the VERBS above read a config first."""
 
 
-def _error_line(err: BaseException) -> str:
-    """One line for a user's error: OSErrors as "<file>: <reason>", others by their message."""
-    if isinstance(err, OSError) and err.filename is not None and err.strerror:
-        return f"{err.filename}: {err.strerror}"
-    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-    return " ".join(text.split()) or type(err).__name__
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -330,12 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         kind = "config error" if isinstance(err, ConfigError) else args.verb
-        print(f"megamlm: {kind}: {_error_line(err)}", file=sys.stderr)
+        print(f"megamlm: {kind}: {error_line(err)}", file=sys.stderr)
         return 2
     except Exception as err:
         if debug:
             raise
-        print(f"megamlm: {args.verb}: internal error: {type(err).__name__}: {_error_line(err)} "
+        print(f"megamlm: {args.verb}: internal error: {type(err).__name__}: {error_line(err)} "
               f"(rerun with --debug for the traceback)", file=sys.stderr)
         return 1
 

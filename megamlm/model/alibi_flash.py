@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megamlm.errors import error_line
+
 EXTRA = 4
 """Extra head dimensions: the key column's three parts and the padding column."""
 
@@ -106,9 +108,9 @@ class CudnnKernel:
 
     def backward(self, grad_out, q, k, v, out, lse, dropout_p: float, scale: float, state):
         cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = state
-        no_bias = torch.empty(0, device=q.device, dtype=q.dtype)
+        # attn_bias None (an undefined tensor, as autograd passes it): torch 2.11 took an empty one for a bias
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse.reshape(lse_shape).contiguous(), seed, offset, no_bias, cum_q, cum_k,
+            grad_out, q, k, v, out, lse.reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k,
             max_q, max_k, dropout_p, True, scale=scale)
 
 
@@ -162,7 +164,7 @@ def check_kernel(kernel, device: torch.device) -> str | None:
                                         0.0, candidate)
             results.append([out, *torch.autograd.grad(out, inputs, grad)])
         except Exception as err:  # noqa: BLE001 - a private op this torch lacks or calls otherwise
-            return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            return f"{type(err).__name__}: {error_line(err)[:120]}"
     # relative to each tensor's largest value; bf16 rounding gives ~1e-2
     worst = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(*results))
     return None if worst < 0.05 else f"differs from the reference pass by {worst:.3g} (relative)"
@@ -235,6 +237,10 @@ def _after_pass(t: torch.Tensor, first: int) -> torch.Tensor:
     return t[:, :, first:first + s - 1].flip(2)
 
 
+_SAVED = object()
+"""In `_AlibiFlash`'s ctx.states: this state is a tensor, in ctx.saved_tensors."""
+
+
 class _AlibiFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, terms: AlibiTerms, dropout_p, kernel):
@@ -253,10 +259,11 @@ class _AlibiFlash(torch.autograd.Function):
         after_out = torch.nn.functional.pad(out_after.flip(2), (0, 0, 0, 1))
         out = (torch.exp(true_before - lse)[..., None] * out_before
                + torch.exp(true_after - lse)[..., None] * after_out).to(q.dtype)
-        # the passes' states (dropout seeds, kernel layouts): tensors saved as tensors, the rest on ctx
+        # the passes' states (dropout seeds, kernel layouts): tensors saved as tensors, the rest (sizes,
+        # the None of an undefined tensor) on ctx
         states = (*state_before, *state_after)
         ctx.save_for_backward(q, k_aug, v_aug, out, lse, *(t for t in states if isinstance(t, torch.Tensor)))
-        ctx.states = [None if isinstance(t, torch.Tensor) else t for t in states]
+        ctx.states = [_SAVED if isinstance(t, torch.Tensor) else t for t in states]
         ctx.state_split, ctx.terms, ctx.dropout_p, ctx.kernel = len(state_before), terms, dropout_p, kernel
         return out[..., :hn]
 
@@ -264,7 +271,7 @@ class _AlibiFlash(torch.autograd.Function):
     def backward(ctx, grad):
         q, k_aug, v_aug, out, lse, *saved = ctx.saved_tensors
         saved = iter(saved)
-        states = [next(saved) if value is None else value for value in ctx.states]
+        states = [next(saved) if value is _SAVED else value for value in ctx.states]
         state_before, state_after = states[:ctx.state_split], states[ctx.state_split:]
         terms, kernel, p, hn = ctx.terms, ctx.kernel, ctx.dropout_p, q.size(-1)
         g = torch.nn.functional.pad(grad, (0, out.size(-1) - hn)).to(out.dtype)

@@ -169,6 +169,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             warnings.warn("train.compile with train.activation_checkpointing at TP > 1: the layers run uncompiled "
                           "(torch.compile cannot replay each TP rank's dropout stream; megamlm/train/layers.py)")
         compile_layers(model, cfg.train.compile_mode)
+    graphs = cfg.train.compile and cfg.train.compile_mode == "reduce-overhead"
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
     tag = None if resume is None else resume_tag(checkpoints, resume, log)
@@ -237,6 +238,9 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         weight = (ctx.dp_size * accumulation / counts).float()
         update_totals = LossTotals(objective, counts)
         for batch in micro_batches:
+            if graphs:  # each micro-batch a new step of Inductor's CUDA graphs; DeepSpeed's engine hid the
+                # boundary (H200: "accessing tensor output of CUDAGraphs that has been overwritten")
+                torch.compiler.cudagraph_mark_step_begin()
             with phase("forward"):
                 out = objective.loss(engine, batch.to(ctx.device))
             with phase("backward"):
