@@ -132,6 +132,13 @@ for s in $STEPS; do
         # megamlm's flat engine: ~2,800 host operations per update against ZeRO-1's ~6,600 (loop_ops.py)
         train_run loop-2048-flat 2048 8 "train.engine=flat $PROFILE" 60
         train_run loop-2048-flat-compiled 2048 8 "train.engine=flat train.compile=true $PROFILE" 60
+        # session 24's H200: the flat, compiled loop kept the GPU 89% busy; twice the tokens per launch
+        train_run loop-2048-flat-compiled-micro16 2048 16 "train.engine=flat train.compile=true $PROFILE" 30
+        # the same loop with learned positions (no bias: cuDNN's bias-free kernel): what ALiBi's bias costs in it
+        train_run loop-2048-baseline-flat-compiled 2048 8 "train.engine=flat train.compile=true $PROFILE" 60 \
+            configs/pile/base-baseline.yaml
+        # ALiBi on Flex with the reference's attention dropout 0.1, on the flat engine
+        train_run loop-2048-flex-flat 2048 8 "train.engine=flat model.attention_backend=flex train.compile=true $PROFILE" 60
         train_run loop-2048-flat-cudagraphs 2048 8 \
             "train.engine=flat train.compile=true train.compile_mode=reduce-overhead $PROFILE" 60
         # the Pile configs' own precision (fp16, dynamic loss scale on the device): train_run sets bf16, this overrides it

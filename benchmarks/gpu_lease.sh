@@ -27,21 +27,19 @@ print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_pr
 } >"$LOGS/device.txt" 2>&1
 cat "$LOGS/device.txt"
 
-# STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows
-# (BENCHMARKS.md); next: the loop on the flat engine (session 22: the host's work per update cut by 58%;
-# session 23: no wait for the device between updates) next to DeepSpeed's in the same lease, and on
-# alibi-flash (session 23: ALiBi without a bias, attention being 46% of the kernel time); the attention
-# kernels at 2048 and 8192 (alibi-flash's cuDNN and FlashAttention-2 passes against SDPA + bias); what
-# else keeps the GPU waiting for the host (CUDA graphs, bigger micro-batches), the Flex sweep, the compiled rows
+# STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows, session
+# 24's two the flat engine (BENCHMARKS.md). Next: the attention kernels at 2048 and 8192 (alibi-flash's
+# cuDNN passes, whose backward call failed there; its FlashAttention-2 passes lost to SDPA + bias), the
+# flat compiled loop with micro-batches of 16, without ALiBi's bias, on Flex with dropout, on alibi-flash;
+# the Flex sweep (an acceptance row never measured); CUDA graphs on DeepSpeed (failed in session 24)
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "loop loop-2048 loop-2048-flat loop-2048-alibi-flash loop-2048-flat-compiled"
     "attention attention"
-    "loop loop-2048-alibi-flash-compiled loop-2048-flat-cudagraphs loop-2048-large-flat loop-2048-flat-fp16"
-    "loop loop-2048-noscan loop-2048-cudagraphs loop-2048-micro16"
+    "loop loop-2048-flat-compiled-micro16 loop-2048-baseline-flat-compiled loop-2048-alibi-flash-compiled loop-2048-flex-flat"
     "flex-tune flex-tune"
-    "compiled base-baseline-compiled base-zero-clap-flex-compiled base-baseline-cudagraphs"
+    "loop loop-2048-cudagraphs loop-2048-noscan"
+    "compiled base-baseline-cudagraphs"
     "throughput base-zero-clap-flex-dropout base-baseline"
     "loop loop-2048-compiled loop-2048-large"
     "modernbert modernbert-sdpa modernbert-flex modernbert-varlen"

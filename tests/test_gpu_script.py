@@ -74,3 +74,17 @@ def test_a_lease_runs_only_the_named_rows_and_skips_what_its_deadline_leaves_no_
     assert late.returncode == 0, late.stdout + late.stderr
     assert re.findall(r"^=== (\S+): skipped", late.stdout, re.M) == ["base-baseline"]
     assert "skipped: base-baseline (GPU_SH_DEADLINE)" in late.stdout
+
+
+def test_every_row_the_lease_names_is_a_command_of_its_step(tmp_path):
+    """benchmarks/gpu_lease.sh's list: a misspelled row would be skipped without a word, its lease time
+    spent on nothing. PYTHON=echo lists each step's commands."""
+    lease = (ROOT / "benchmarks/gpu_lease.sh").read_text()
+    rows = re.search(r"^ROWS=\(\n(.*?)^\)", lease, re.M | re.S).group(1)
+    env = {**{k: v for k, v in os.environ.items() if k != "GPU_SH_SMOKE"}, "PYTHON": "echo"}
+    for line in re.findall(r'"([^"]+)"', rows):
+        step, *names = line.split()
+        run = subprocess.run(["bash", str(SCRIPT), str(tmp_path), step], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, env=env)
+        commands = set(re.findall(r"^=== (\S+): echo", run.stdout, re.M))
+        assert names and set(names) <= commands, (line, sorted(commands))
