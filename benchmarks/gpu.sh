@@ -33,11 +33,12 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_BENCH="--model tiny --seq-length 16 --batch 1 --rounds 1 --steps 1"
     SMOKE_ATTENTION="--lengths 128,256 --batch 1 --heads 2 --repeats 1"
     SMOKE_HOST="--device cpu --rounds 1 --steps 2"
+    SMOKE_ROWS="--device cpu --rows 1000 --rounds 1"
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
@@ -109,7 +110,9 @@ for s in $STEPS; do
         bench modernbert-varlen 300 $MB --set model.attention_backend=varlen ;;
     attention)
         step attention 300 $PY benchmarks/attention.py --lengths "${ATTENTION_LENGTHS:-512,1024,2048,4096,8192}" --dtype bf16 \
-            --heads 12 --batch 2 $SMOKE_ATTENTION ;;
+            --heads 12 --batch 2 $SMOKE_ATTENTION
+        # CLAP's table normalization, forward + backward: autograd's chain vs the closed-form backward
+        step row-normalize 60 $PY benchmarks/row_normalize.py --device cuda $SMOKE_ROWS ;;
     flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64
         step flex-tune 540 $PY benchmarks/attention.py --lengths "${FLEX_TUNE_LENGTHS:-2048,4096,8192}" --dtype bf16 --heads 12 \
             --batch 2 --repeats 10 --flex-sweep $SMOKE_ATTENTION ;;

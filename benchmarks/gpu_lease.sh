@@ -35,7 +35,7 @@ cat "$LOGS/device.txt"
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "attention attention"
+    "attention attention row-normalize"
     "loop loop-2048-flat-compiled-micro16 loop-2048-baseline-flat-compiled loop-2048-alibi-flash-compiled loop-2048-flex-flat"
     "flex-tune flex-tune"
     "loop loop-2048-cudagraphs loop-2048-noscan"
@@ -60,6 +60,6 @@ tar czf "$OUT_DIR/gpu-logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 echo "=== summary (full logs in gpu-logs.tar.gz)"
 for log in "$LOGS"/*.log; do
     echo "--- $(basename "$log" .log)"
-    grep -E "^(megamlm|hf|flex|sdpa|eager)[ ,]|^ *[0-9]+ +[0-9.]|per round|^update [0-9]+/|^profile:|^done|Error" "$log" |
+    grep -E "^(megamlm|hf|flex|sdpa|eager|bf16|fp16)[ ,]|^ *[0-9]+ +[0-9.]|per round|^update [0-9]+/|^profile:|^done|Error" "$log" |
         tail -n 8 | cut -c1-230
 done
