@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu.sh [LOG_DIR] [STEP ...]      # default: every step, logs in benchmarks/results/gpu
 # Steps: throughput (roberta.base at 2048: baseline vs Hugging Face, zero-clap = ALiBi-offset + CLAP
 # with SDPA + bias and with FlexAttention, without and with attention dropout), compiled (the same with
-# torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192),
+# torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192), head
+# (CLAP's table normalization; the MLM head + loss unfused vs fused at base/2048),
 # flex-tune (FlexAttention kernel_options candidates at 2048..8192), profile (megamlm base's top
 # kernels; the host time of a launch-bound step vs transformers), loop (the real training loop, base zero-clap at 2048 with the reference's attention dropout
 # on SDPA, eager and compiled, and on compiled FlexAttention, large zero-clap on SDPA; at 8192 on FlexAttention, also with
@@ -25,7 +26,7 @@
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}
 shift || true
-STEPS=${*:-throughput compiled large attention flex-tune profile loop packed modernbert}
+STEPS=${*:-throughput compiled large attention head flex-tune profile loop packed modernbert}
 mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
 TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
@@ -34,11 +35,12 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_ATTENTION="--lengths 128,256 --batch 1 --heads 2 --repeats 1"
     SMOKE_HOST="--device cpu --rounds 1 --steps 2"
     SMOKE_ROWS="--device cpu --rows 1000 --rounds 1"
+    SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HEAD="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
@@ -110,9 +112,13 @@ for s in $STEPS; do
         bench modernbert-varlen 300 $MB --set model.attention_backend=varlen ;;
     attention)
         step attention 300 $PY benchmarks/attention.py --lengths "${ATTENTION_LENGTHS:-512,1024,2048,4096,8192}" --dtype bf16 \
-            --heads 12 --batch 2 $SMOKE_ATTENTION
+            --heads 12 --batch 2 $SMOKE_ATTENTION ;;
+    head)
         # CLAP's table normalization, forward + backward: autograd's chain vs the closed-form backward
-        step row-normalize 60 $PY benchmarks/row_normalize.py --device cuda $SMOKE_ROWS ;;
+        step row-normalize 60 $PY benchmarks/row_normalize.py --device cuda $SMOKE_ROWS
+        # the head + loss unfused vs fused (one chunk: 134M elements hold base/2048's ~2,100 x 50,304 logits)
+        step head-memory 240 $PY benchmarks/head_memory.py --model base --variant zero-clap --seq-length 2048 --batch 8 \
+            --dtype bf16 --chunks 2097152 16777216 134217728 $SMOKE_HEAD ;;
     flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64
         step flex-tune 540 $PY benchmarks/attention.py --lengths "${FLEX_TUNE_LENGTHS:-2048,4096,8192}" --dtype bf16 --heads 12 \
             --batch 2 --repeats 10 --flex-sweep $SMOKE_ATTENTION ;;
@@ -141,6 +147,9 @@ for s in $STEPS; do
         train_run loop-2048-baseline-flat-compiled 2048 8 "train.engine=flat train.compile=true $PROFILE" 60 \
             configs/pile/base-baseline.yaml
         # ALiBi on Flex with the reference's attention dropout 0.1, on the flat engine
+        # the fused head + loss in one chunk: no fp32 copy of the [n, V] logits, no separate softmax passes
+        train_run loop-2048-flat-compiled-fused-head 2048 8 \
+            "train.engine=flat train.compile=true model.head_loss=fused model.head_loss_chunk=134217728 $PROFILE" 60
         train_run loop-2048-flex-flat 2048 8 "train.engine=flat model.attention_backend=flex train.compile=true $PROFILE" 60
         train_run loop-2048-flat-cudagraphs 2048 8 \
             "train.engine=flat train.compile=true train.compile_mode=reduce-overhead $PROFILE" 60
@@ -165,7 +174,7 @@ for s in $STEPS; do
         train_run packed-2048-baseline-padded-sdpa 2048 8 "model.attention_dropout=0" 60 $BASE
         train_run packed-2048-baseline-varlen 2048 8 "model.attention_dropout=0 model.attention_backend=varlen \
             data.packing=packed" 60 $BASE ;;
-    *) echo "unknown step $s (throughput compiled large attention flex-tune profile loop packed modernbert)"; exit 2 ;;
+    *) echo "unknown step $s (throughput compiled large attention head flex-tune profile loop packed modernbert)"; exit 2 ;;
     esac
 done
 [ -z "$SKIPPED" ] || echo "skipped:$SKIPPED (GPU_SH_DEADLINE)"

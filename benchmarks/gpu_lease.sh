@@ -30,13 +30,16 @@ cat "$LOGS/device.txt"
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows, session
 # 24's two the flat engine (BENCHMARKS.md). Next: the attention kernels at 2048 and 8192 (alibi-flash's
 # cuDNN passes, whose backward call failed there; its FlashAttention-2 passes lost to SDPA + bias), the
-# flat compiled loop with micro-batches of 16, without ALiBi's bias, on Flex with dropout, on alibi-flash;
+# head's kernels (CLAP's normalization, the fused head + loss), the flat compiled loop with
+# micro-batches of 16, with the fused head, without ALiBi's bias, on alibi-flash, on Flex with dropout;
 # the Flex sweep (an acceptance row never measured); CUDA graphs on DeepSpeed (failed in session 24)
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "attention attention row-normalize"
-    "loop loop-2048-flat-compiled-micro16 loop-2048-baseline-flat-compiled loop-2048-alibi-flash-compiled loop-2048-flex-flat"
+    "attention attention"
+    "head row-normalize head-memory"
+    "loop loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-fused-head loop-2048-baseline-flat-compiled"
+    "loop loop-2048-alibi-flash-compiled loop-2048-flex-flat"
     "flex-tune flex-tune"
     "loop loop-2048-cudagraphs loop-2048-noscan"
     "compiled base-baseline-cudagraphs"

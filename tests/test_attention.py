@@ -1,13 +1,16 @@
 """Core attention: the FlexAttention score_mod equals SDPA with the materialized ALiBi bias;
 the tensor-parallel dropout stream is separate and reproducible."""
 
+import contextlib
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megamlm.config import GLOBAL_ATTENTION, LayerAttention
-from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, LayerInputs
+from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, LayerInputs, sdpa_kernels
 from megamlm.model.patterns import flex_block_mask
 from megamlm.model.encoder import transformer_config
 from megamlm.model.positions import Alibi, alibi_bias
@@ -203,3 +206,22 @@ def test_sdpa_takes_no_mask_when_every_key_is_visible():
     assert sdpa.prepare(equal < 0, None, equal, torch.float32).bias is None
     unequal = torch.tensor([[0] * 10 + [1] * 14, [2] * 12 + [3] * 12])
     assert sdpa.prepare(unequal < 0, None, unequal, torch.float32).bias.shape == (4, 1, 1, 14)
+
+
+def test_sdpa_avoids_cudnn_where_its_masked_backward_returns_nan():
+    """pytorch#196678 (torch >= 2.11, Hopper): cuDNN's masked backward gives NaN dQ at key lengths 64
+    mod 128, which every bf16 eager H200 run hit at update 23 (a 1,856-wide micro-batch). Those
+    batches run without cuDNN; every other case keeps torch's choice."""
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # cuDNN allowed outside
+        with sdpa_kernels("cuda", 1856, masked=True):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    for case in (("cuda", 2048, True), ("cuda", 1856, False), ("cuda", 1992, True), ("cpu", 1856, True)):
+        assert isinstance(sdpa_kernels(*case), contextlib.nullcontext), case
+    # entered anywhere, attention stays exact (the CPU runs its own kernels under the same list)
+    q, k, v = (torch.randn(2, 3, 192, 16) for _ in range(3))
+    bias = torch.zeros(2, 1, 1, 192).masked_fill(torch.rand(2, 1, 1, 192) < 0.2, float("-inf"))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    with sdpa_kernels("cuda", 192, masked=True):
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=bias), want)

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import AuxRequest
 from megatron.core.transformer.module import MegatronModule
 
@@ -174,8 +175,20 @@ class AttentionBackend:
         if dropout_p > 0 and q.device.type == "cpu":
             return _eager(q, k, v, bias, dropout_p, scale)
         # heads are sharded: each TP rank needs its own dropout stream
-        with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext():
+        with tensor_parallel_rng.fork(q.device) if dropout_p > 0 else contextlib.nullcontext(), \
+                sdpa_kernels(q.device.type, k.size(-2), bias is not None):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+
+
+def sdpa_kernels(device_type: str, key_length: int, masked: bool):
+    """SDPA's kernels for these keys: torch's choice, except cuDNN's where it is wrong. From torch 2.11
+    on Hopper, cuDNN's backward with a mask returns NaN in dQ when the key length is 64 mod 128 and a
+    query's log-sum-exp is below -88.7 (pytorch#196678), which ALiBi gives padded queries far from the
+    real keys: every bf16 eager run on the H200 skipped update 23, whose micro-batch was 1,856 wide
+    (BENCHMARKS.md). Such batches run on the memory-efficient kernel (exact, slower)."""
+    if device_type == "cuda" and masked and key_length % 128 == 64:
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 class EagerAttention(AttentionBackend):
