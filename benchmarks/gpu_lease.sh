@@ -30,7 +30,8 @@ cat "$LOGS/device.txt"
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows, session
 # 24's two the flat engine (BENCHMARKS.md). Next: the attention kernels at 2048 and 8192 (alibi-flash's
 # cuDNN passes, whose backward call failed there; its FlashAttention-2 passes lost to SDPA + bias), the
-# head's kernels (CLAP's normalization, the fused head + loss), the flat compiled loop with
+# head's kernels (CLAP's normalization, the fused head + loss), an eager run without the inf/NaN scan
+# (session 24's diverged at update 23: cuDNN's masked backward, now avoided), the flat compiled loop with
 # micro-batches of 16, with the fused head, without ALiBi's bias, on alibi-flash, on Flex with dropout;
 # the Flex sweep (an acceptance row never measured); CUDA graphs on DeepSpeed (failed in session 24)
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
@@ -38,10 +39,11 @@ export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTIO
 ROWS=(
     "attention attention"
     "head row-normalize head-memory"
-    "loop loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-fused-head loop-2048-baseline-flat-compiled"
+    "loop loop-2048-noscan loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-fused-head"
+    "loop loop-2048-baseline-flat-compiled"
     "loop loop-2048-alibi-flash-compiled loop-2048-flex-flat"
     "flex-tune flex-tune"
-    "loop loop-2048-cudagraphs loop-2048-noscan"
+    "loop loop-2048-cudagraphs"
     "compiled base-baseline-cudagraphs"
     "throughput base-zero-clap-flex-dropout base-baseline"
     "loop loop-2048-compiled loop-2048-large"
