@@ -147,6 +147,11 @@ for s in $STEPS; do
         train_run loop-2048-baseline-flat-compiled 2048 8 "train.engine=flat train.compile=true $PROFILE" 60 \
             configs/pile/base-baseline.yaml
         # ALiBi on Flex with the reference's attention dropout 0.1, on the flat engine
+        # the Pile recipe's own update (configs/pile/base.yaml: micro-batch 4 x 16 accumulation, fp16) on one GPU:
+        # DeepSpeed's step is amortized over 16 micro-batches there, so whether flat should be its default is open
+        train_run loop-2048-recipe 2048 4 "train.global_batch_size=64 train.precision=fp16 $PROFILE" 30
+        train_run loop-2048-recipe-flat 2048 4 \
+            "train.global_batch_size=64 train.precision=fp16 train.engine=flat train.compile=true $PROFILE" 30
         # the fused head + loss in one chunk: no fp32 copy of the [n, V] logits, no separate softmax passes
         train_run loop-2048-flat-compiled-fused-head 2048 8 \
             "train.engine=flat train.compile=true model.head_loss=fused model.head_loss_chunk=134217728 $PROFILE" 60

@@ -140,7 +140,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stag
     import deepspeed
 
     if cfg.train.precision == "fp16" and ctx.device.type == "cpu":
-        raise ConfigError("train.precision=fp16 on DeepSpeed needs a GPU; on a CPU: fp32, bf16, or "
+        raise ConfigError("train.precision=fp16 on DeepSpeed needs a CUDA GPU; on a CPU: fp32, bf16, or "
                           "train.engine=flat")
     optim = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
