@@ -108,7 +108,8 @@ class CudnnKernel:
 
     def backward(self, grad_out, q, k, v, out, lse, dropout_p: float, scale: float, state):
         cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = state
-        # attn_bias None (an undefined tensor, as autograd passes it): torch 2.11 took an empty one for a bias
+        # attn_bias None, an undefined tensor as autograd passes it: torch 2.11 checks an empty tensor as a
+        # bias ("expects either a 2D, 3D, or 4D attn_bias but got 1D", the H200, session 24)
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad_out, q, k, v, out, lse.reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k,
             max_q, max_k, dropout_p, True, scale=scale)
