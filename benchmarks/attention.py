@@ -119,21 +119,45 @@ TAKES_BIAS = {"eager", "sdpa + cached bias", "sdpa + cached bias, dropout 0.1"}
 
 
 def bench(fn, q, k, v, bias, repeats: int, device) -> tuple[float, float]:
-    """(median seconds of forward + backward, peak memory GiB or nan)."""
-    times = []
-    for i in range(repeats + 1):
+    """(median seconds of forward + backward, peak memory GiB or nan). On a GPU: the device time between
+    two events around `repeats` calls queued back to back (as a GPU-bound training loop queues them; a
+    host clock around each call also counted its launches), the median of 3 such windows, after 3
+    warm-up calls (compilation, cuDNN's plan). On a CPU: the host clock per call, after one."""
+    def call():
         for t in (q, k, v):
             t.grad = None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
         fn(q, k, v, bias).sum().backward()
-        if device.type == "cuda":
+
+    for _ in range(3 if device.type == "cuda" else 1):
+        call()
+    if device.type == "cuda":
+        windows = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                call()
+            end.record()
             torch.cuda.synchronize()
-        if i:  # the first call compiles / warms up
-            times.append(time.perf_counter() - start)
-    memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return statistics.median(times), memory
+            windows.append(start.elapsed_time(end) / 1e3 / repeats)
+        return statistics.median(windows), torch.cuda.max_memory_allocated() / 2**30
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), float("nan")
+
+
+def warm_clocks(seconds: float = 2.0) -> None:
+    """Bring an idle GPU to its working clock before the first row: a lease's first command found the
+    H200 at 345 MHz, and its first 2048 row read 0.94 ms where a later lease read 0.58 (session 24)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -143,7 +167,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10, help="calls per timed window (a GPU: 3 windows)")
     parser.add_argument("--flex-sweep", action="store_true",
                         help="GPU: also time FlexAttention under each FLEX_CANDIDATES kernel_options")
     args = parser.parse_args()
@@ -171,6 +195,8 @@ def main() -> None:
             kernels["flash-attn-2 symmetric (reference)"] = make_flash_symmetric(slopes)
         except ImportError:
             pass
+    if device.type == "cuda":
+        warm_clocks()
     print(f"ALiBi-offset attention fwd+bwd, batch {args.batch}, {args.heads} heads x {args.head_dim}, {args.dtype}, "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}")
     width = max(36, *(len(name) + 2 for name in kernels))
