@@ -39,7 +39,7 @@ class _RowNormalize(torch.autograd.Function):
     """F.normalize with its backward in closed form: dx = (g - y (g · y)) / n, n = max(‖x‖, eps) (g / n
     where the norm is clamped). Autograd's chain through F.normalize (norm, clamp, expand, division)
     runs ~11 passes over the [V, h] head table per micro-batch, several of them broadcasting; this is
-    4 (2.4x faster fwd + bwd at 50,304 x 768 on a CPU, the same error against float64:
+    4 (2.5x faster fwd + bwd at 50,304 x 768 on a CPU, the same error against float64:
     BENCHMARKS.md)."""
 
     @staticmethod
