@@ -5,7 +5,8 @@
 # On the lent machine, with `.whl` carried (benchmarks/gpu_wheels.sh fills it here). Each row is one
 # command of benchmarks/gpu.sh (GPU_SH_ONLY); GPU_SH_DEADLINE cuts the last ones short or skips them, so
 # the call ends in time and the logs come back. OUT_DIR gets one archive (the device tool returns at
-# most 8 files): every command's log, the loop runs' profile.txt and log.jsonl, the device's state.
+# most 8 files): every command's log, the loop runs' profile.txt and log.jsonl, the device's state;
+# it is rewritten after every row, so a call that runs past its timeout still brings back the rows done.
 set -u
 OUT_DIR=${1:?usage: gpu_lease.sh OUT_DIR [SECONDS]}
 BUDGET=${2:-500}
@@ -53,16 +54,20 @@ ROWS=(
     "profile host-overhead"
 )
 [ -z "${LEASE_ROWS:-}" ] || IFS=';' read -r -a ROWS <<<"$LEASE_ROWS"
+pack() {  # the archive as it stands: rewritten after every row, so a call cut short still returns what ran
+    for run in runs/*/; do  # the loop rows' own profile and event log
+        [ -d "$run" ] || continue
+        name=$(basename "$run")
+        for f in profile.txt log.jsonl; do [ -f "$run$f" ] && cp "$run$f" "$LOGS/$name.$f"; done
+    done
+    tar czf "$OUT_DIR/gpu-logs.tar.gz.part" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" &&
+        mv "$OUT_DIR/gpu-logs.tar.gz.part" "$OUT_DIR/gpu-logs.tar.gz"
+}
 for row in "${ROWS[@]}"; do
     read -r step names <<<"$row"
     GPU_SH_ONLY="$names" bash benchmarks/gpu.sh "$LOGS" "$step"
+    pack
 done
-
-for run in runs/*/; do  # the loop rows' own profile and event log
-    name=$(basename "$run")
-    for f in profile.txt log.jsonl; do [ -f "$run$f" ] && cp "$run$f" "$LOGS/$name.$f"; done
-done
-tar czf "$OUT_DIR/gpu-logs.tar.gz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 echo "=== summary (full logs in gpu-logs.tar.gz)"
 for log in "$LOGS"/*.log; do
     echo "--- $(basename "$log" .log)"
