@@ -68,6 +68,9 @@ for row in "${ROWS[@]}"; do
     GPU_SH_ONLY="$names" bash benchmarks/gpu.sh "$LOGS" "$step"
     pack
 done
+echo "=== kernel time by kind (benchmarks/profile_summary.py)"
+compgen -G "$LOGS/*.profile.txt" >/dev/null &&
+    python3 benchmarks/profile_summary.py "$LOGS"/*.profile.txt | grep -E "kernels per update|attention|matmul|beyond"
 echo "=== summary (full logs in gpu-logs.tar.gz)"
 for log in "$LOGS"/*.log; do
     echo "--- $(basename "$log" .log)"
