@@ -119,9 +119,10 @@ for s in $STEPS; do
         # the head + loss unfused vs fused (one chunk: 134M elements hold base/2048's ~2,100 x 50,304 logits)
         step head-memory 240 $PY benchmarks/head_memory.py --model base --variant zero-clap --seq-length 2048 --batch 8 \
             --dtype bf16 --chunks 2097152 16777216 134217728 $SMOKE_HEAD ;;
-    flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64
+    flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64, at the
+        # loop's micro-batch of 8 (the attention step keeps batch 2, comparable across leases)
         step flex-tune 540 $PY benchmarks/attention.py --lengths "${FLEX_TUNE_LENGTHS:-2048,4096,8192}" --dtype bf16 --heads 12 \
-            --batch 2 --repeats 10 --flex-sweep $SMOKE_ATTENTION ;;
+            --batch 8 --repeats 10 --flex-sweep $SMOKE_ATTENTION ;;
     profile)
         bench profile-base-baseline 240 --model base --batch 8 --rounds 1 --profile
         # launch-bound steps: megamlm (one-rank plain linears, megatron's) vs transformers, host time per step
