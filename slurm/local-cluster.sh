@@ -121,6 +121,12 @@ start() {
 }
 
 stop() {
+    # a job still running at the stop: its batch script (in the spool) and that script's sruns outlive
+    # the daemons (seen after the test suite: a requeued job's script and two sruns, 20 minutes on)
+    for pid in $(pgrep -f "$ROOT_DIR/spool" || true); do
+        pkill -KILL -P "$pid" 2>/dev/null || true
+        kill -KILL "$pid" 2>/dev/null || true
+    done
     for pidfile in "$ROOT_DIR"/slurmd-*.pid "$ROOT_DIR"/slurmctld.pid; do
         if [ -f "$pidfile" ]; then
             kill "$(cat "$pidfile")" 2>/dev/null || true
