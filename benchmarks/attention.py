@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from megamlm.errors import error_line
 from megamlm.model.alibi_flash import CudnnKernel, FlashKernel, ReferenceKernel, alibi_flash_attention, alibi_terms
 from megamlm.model.flex import attend_with_dropout, kernel_options
 from megamlm.model.positions import alibi_bias, alibi_slopes
+from timing import timed, warm_clocks
 
 DROPOUT = 0.1  # the reference recipe's attention dropout
 
@@ -131,33 +131,10 @@ def bench(fn, q, k, v, bias, repeats: int, device) -> tuple[float, float]:
     for _ in range(3 if device.type == "cuda" else 1):
         call()
     if device.type == "cuda":
-        windows = []
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                call()
-            end.record()
-            torch.cuda.synchronize()
-            windows.append(start.elapsed_time(end) / 1e3 / repeats)
+        windows = [timed(lambda: [call() for _ in range(repeats)], device) / repeats for _ in range(3)]
         return statistics.median(windows), torch.cuda.max_memory_allocated() / 2**30
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
+    times = [timed(call, device) for _ in range(repeats)]
     return statistics.median(times), float("nan")
-
-
-def warm_clocks(seconds: float = 2.0) -> None:
-    """Bring an idle GPU to its working clock before the first row: a lease's first command found the
-    H200 at 345 MHz, and its first 2048 row read 0.94 ms where a later lease read 0.58 (session 24)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
 
 
 def main() -> None:

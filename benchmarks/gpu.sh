@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu.sh [LOG_DIR] [STEP ...]      # default: every step, logs in benchmarks/results/gpu
 # Steps: throughput (roberta.base at 2048: baseline vs Hugging Face, zero-clap = ALiBi-offset + CLAP
 # with SDPA + bias and with FlexAttention, without and with attention dropout), compiled (the same with
-# torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192), head
+# torch.compile per layer), large (roberta.large at 2048), attention (ALiBi kernels 512..8192; Flex
+# dropout's hash on int64 vs int32 lanes), head
 # (CLAP's table normalization; the MLM head + loss unfused vs fused at base/2048),
 # flex-tune (FlexAttention kernel_options candidates at 2048..8192), profile (megamlm base's top
 # kernels; the host time of a launch-bound step vs transformers), loop (the real training loop, base zero-clap at 2048 with the reference's attention dropout
@@ -35,12 +36,13 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_ATTENTION="--lengths 128,256 --batch 1 --heads 2 --repeats 1"
     SMOKE_HOST="--device cpu --rounds 1 --steps 2"
     SMOKE_ROWS="--device cpu --rows 1000 --rounds 1"
+    SMOKE_HASH="--device cpu --shape 1,2,64,64 --rounds 1"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HEAD="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_HEAD="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
@@ -112,7 +114,9 @@ for s in $STEPS; do
         bench modernbert-varlen 300 $MB --set model.attention_backend=varlen ;;
     attention)
         step attention 300 $PY benchmarks/attention.py --lengths "${ATTENTION_LENGTHS:-512,1024,2048,4096,8192}" --dtype bf16 \
-            --heads 12 --batch 2 $SMOKE_ATTENTION ;;
+            --heads 12 --batch 2 $SMOKE_ATTENTION
+        # Flex attention dropout's keep mask over the loop's [b, np, s, s] grid: int64 lanes vs int32 lanes
+        step dropout-hash 120 $PY benchmarks/dropout_hash.py --device cuda --shape 8,12,2048,2048 $SMOKE_HASH ;;
     head)
         # CLAP's table normalization, forward + backward: autograd's chain vs the closed-form backward
         step row-normalize 60 $PY benchmarks/row_normalize.py --device cuda $SMOKE_ROWS

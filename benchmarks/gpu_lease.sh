@@ -39,7 +39,7 @@ cat "$LOGS/device.txt"
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "attention attention"
+    "attention attention dropout-hash"
     "head row-normalize head-memory"
     "loop loop-2048-noscan loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-fused-head"
     "loop loop-2048-baseline-flat-compiled loop-2048-recipe loop-2048-recipe-flat"

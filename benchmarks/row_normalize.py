@@ -16,32 +16,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from megamlm.model.norm import l2_normalize
+from timing import timed, warm_clocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 CALLS = 5
 """Forward + backward calls per timed window, queued back to back as the loop queues its work."""
-
-
-def timed(work, device: torch.device) -> float:
-    """Seconds `work()` takes: the device time between two CUDA events on a GPU, a host clock on a CPU."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        work()
-        return time.perf_counter() - start
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    work()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def main() -> None:
@@ -55,6 +41,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtypes = args.dtypes or (["fp32", "bf16"] if device.type == "cpu" else ["bf16", "fp16"])
+    if device.type == "cuda":
+        warm_clocks()
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"row normalization fwd + bwd, [{args.rows}, {args.hidden}], {where}, torch {torch.__version__}")
     print(f"{'dtype':<6} {'implementation':<26} {'ms':>9} {'error':>10}")

@@ -158,6 +158,44 @@ def test_hashed_mask_drops_p_of_the_entries_independently():
     assert keep_scale(0.1) == pytest.approx(1 / 0.9, rel=1e-9)
 
 
+def _murmur_bits(seed: int, b: int, h: int, q: int, k: int) -> int:
+    """The mask's hash in Python's unbounded integers: murmur3's finalizer chained over the indices."""
+    def fmix(x):
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) % 2**32
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) % 2**32
+        return x ^ (x >> 16)
+
+    return fmix(fmix(fmix(seed ^ (b << 16 | h)) ^ q) ^ k)
+
+
+def test_hashed_mask_is_murmur3_on_int32_lanes_eager_and_compiled():
+    """The int32 lanes (wrapping products, logical shifts, the signed compare) keep exactly the
+    unsigned hash's entries: against Python integers, at seeds and indices that set the sign bit,
+    and through Inductor (the kernel FlexAttention's score_mod becomes on a GPU)."""
+    from megamlm.model.flex import dropped_levels, kept_at_level, random_bits
+
+    rows, heads = torch.tensor([0, 1, 7, 32767]), torch.tensor([0, 3, 11, 65535])
+    queries = torch.tensor([0, 1, 2047, 8191, 2**31 - 1])
+    keys = torch.tensor([0, 5, 4095, 2**30 + 3, 2**31 - 1])
+    grids = (rows[:, None, None, None], heads[None, :, None, None], queries[None, None, :, None],
+             keys[None, None, None, :])
+    for seed in (0, 12345, 2**31 - 1):
+        bits = random_bits(torch.tensor(seed), *grids)
+        assert bits.dtype == torch.int32
+        want = torch.tensor([[[[_murmur_bits(seed, b, h, q, k) for k in keys.tolist()] for q in queries.tolist()]
+                              for h in heads.tolist()] for b in rows.tolist()])
+        assert torch.equal(bits.to(torch.int64) % 2**32, want)
+        for p in (1e-9, 0.1, 0.5, 0.999):
+            assert torch.equal(kept_at_level(torch.tensor(seed), dropped_levels(p), *grids),
+                               want >= dropped_levels(p)), (seed, p)
+    # what Inductor generates from the same expression (C++ here; Triton on a GPU) keeps the same entries
+    dropped, seed, grid = dropped_levels(0.1), torch.tensor(2**31 - 7), _grids(2, 3, 64)
+    compiled = torch.compile(lambda s, *g: kept_at_level(s, dropped, *g), dynamic=False)
+    assert torch.equal(compiled(seed, *grid), kept_at_level(seed, dropped, *grid))
+
+
 def test_kernel_options_parse_and_bad_ones_are_refused_before_any_work():
     from megamlm.config import ConfigError
     from megamlm.model.attention import FlexAttention

@@ -15,7 +15,9 @@ it computes only the scores and their logsumexp, no probability-value product of
 FlexAttention differentiates through the logsumexp it returns, so the backward is exact too.
 
 The mask is a hash of (seed, row, head, query, key): murmur3's 32-bit finalizer chained over them,
-key j kept when the hash is at or above round(p · 2^32). Nothing [s, s] is stored; the backward pass
+key j kept when the hash is at or above round(p · 2^32). It runs on int32 lanes (wrapping products,
+masked logical shifts): the same bits as on int64, at half the work on a CPU's vector lanes and
+without a GPU's emulated 64-bit products, in the innermost loop of both passes and their backward. Nothing [s, s] is stored; the backward pass
 recomputes the mask from the indices. The seed is drawn per call from the tensor-parallel stream
 (`tensor_parallel_rng`, as SDPA's dropout), so each TP rank's heads get their own masks and activation
 recomputation, which replays that stream, redraws the same one (compiled at TP=1: the default
@@ -36,7 +38,7 @@ from megamlm.config import ConfigError
 from megamlm.parallel import tensor_parallel_rng
 
 _LEVELS = 2**32  # the hash's range; the drop probability is round(p · 2^32) / 2^32
-_LOW32 = _LEVELS - 1
+_SIGN = -(2**31)  # int32's sign bit: x ^ _SIGN orders 32 unsigned bits as signed int32 compares them
 _LSE_WIDTH = 16  # the zero value's head width in the logsumexp pass: the kernels' smallest tile
 
 ScoreMod = Callable[..., torch.Tensor]
@@ -46,22 +48,32 @@ Attend = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 the layer's BlockMask and scale."""
 
 
+def _int32(constant: int) -> int:
+    """A 32-bit constant as the int32 with its bits (int32 tensors refuse larger Python ints)."""
+    return constant - _LEVELS if constant >= 2**31 else constant
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The logical right shift of int32 bits (>> on int32 copies the sign bit)."""
+    return (x >> n) & ((1 << (32 - n)) - 1)
+
+
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's finalizer on int64 holding 32-bit values: each input bit flips each output bit
-    with probability about 1/2."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _LOW32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _LOW32
-    return x ^ (x >> 16)
+    """murmur3's finalizer on int32 bits (products wrap modulo 2^32): each input bit flips each
+    output bit with probability about 1/2."""
+    x = x ^ _shift_right(x, 16)
+    x = x * _int32(0x85EBCA6B)
+    x = x ^ _shift_right(x, 13)
+    x = x * _int32(0xC2B2AE35)
+    return x ^ _shift_right(x, 16)
 
 
 def random_bits(seed: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:
-    """32 uniform bits (as int64) per (seed, row, head, query, key); broadcasts like the indices."""
-    row_head = (b.to(torch.int64) << 16) | h.to(torch.int64)  # < 2^16 heads per rank
-    x = _fmix32(seed ^ row_head)
-    x = _fmix32(x ^ q_idx.to(torch.int64))
-    return _fmix32(x ^ kv_idx.to(torch.int64))
+    """32 uniform bits (int32) per (seed < 2^31, row, head, query, key); broadcasts like the indices."""
+    row_head = (b.to(torch.int32) << 16) | h.to(torch.int32)  # < 2^16 heads per rank, < 2^15 rows
+    x = _fmix32(seed.to(torch.int32) ^ row_head)
+    x = _fmix32(x ^ q_idx.to(torch.int32))
+    return _fmix32(x ^ kv_idx.to(torch.int32))
 
 
 def dropped_levels(p: float) -> int:
@@ -78,7 +90,8 @@ def kept_at_level(seed: torch.Tensor, dropped: int, b, h, q_idx, kv_idx) -> torc
     """keep_mask with the threshold `dropped_levels(p)` given as a Python int, as a score_mod captures
     it: a captured float reaches FlexAttention as a graph input that torch 2.11 refuses ("all unwrapped
     values must be FakeTensor, int, or SymInt", the attention benchmark on an H200)."""
-    return random_bits(seed, b, h, q_idx, kv_idx) >= dropped
+    # the bits as unsigned >= dropped, in int32's signed order
+    return (random_bits(seed, b, h, q_idx, kv_idx) ^ _SIGN) >= dropped + _SIGN
 
 
 def keep_scale(p: float) -> float:
