@@ -225,3 +225,26 @@ def test_sdpa_avoids_cudnn_where_its_masked_backward_returns_nan():
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     with sdpa_kernels("cuda", 192, masked=True):
         torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=bias), want)
+
+
+def test_the_hf_exports_copy_of_the_cudnn_rule_agrees():
+    """The exported modeling_megamlm.py cannot import megamlm; its copy of `sdpa_kernels` must pick the
+    same kernels, or fine-tuning an ALiBi export on a Hopper GPU meets pytorch#196678's NaN."""
+    import importlib.util
+
+    from megamlm.convert.hf_export import MODELING_FILE
+
+    spec = importlib.util.spec_from_file_location("exported_modeling_megamlm", MODELING_FILE)
+    exported = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exported)
+
+    def enabled(choose, *case):
+        with choose(*case):
+            return (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                    torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+
+    cases = [(device, length, masked) for device in ("cuda", "cpu") for length in (64, 192, 1856, 1857, 2048)
+             for masked in (True, False)]
+    for case in cases:
+        assert enabled(exported.sdpa_kernels, *case) == enabled(sdpa_kernels, *case), case
+    assert enabled(exported.sdpa_kernels, "cuda", 1856, True)[0] is False

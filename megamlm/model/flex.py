@@ -14,15 +14,16 @@ the pass that computes out') and lse the one over every key (a second pass with 
 it computes only the scores and their logsumexp, no probability-value product of head width).
 FlexAttention differentiates through the logsumexp it returns, so the backward is exact too.
 
-The mask is a hash of (seed, row, head, query, key): murmur3's 32-bit finalizer chained over them,
-key j kept when the hash is at or above round(p · 2^32). It runs on int32 lanes (wrapping products,
-masked logical shifts): the same bits as on int64, at half the work on a CPU's vector lanes and
-without a GPU's emulated 64-bit products, in the innermost loop of both passes and their backward. Nothing [s, s] is stored; the backward pass
-recomputes the mask from the indices. The seed is drawn per call from the tensor-parallel stream
-(`tensor_parallel_rng`, as SDPA's dropout), so each TP rank's heads get their own masks and activation
-recomputation, which replays that stream, redraws the same one (compiled at TP=1: the default
-generator, which torch.compile can trace and checkpointing replays; parallel.py). The masks differ from SDPA's (its
-Philox stream) and from eager's: the runs agree in distribution, not bit for bit.
+The mask is a hash of (seed, row, head, query, key): murmur3's 32-bit finalizer chained over them, key j
+kept when the hash is at or above round(p · 2^32). It runs on int32 lanes (wrapping products, masked
+logical shifts): the same bits as on int64, at half the work on a CPU's vector lanes and without a GPU's
+emulated 64-bit products, in the innermost loop of both passes and their backward. Nothing [s, s] is
+stored; the backward pass recomputes the mask from the indices. The seed is drawn per call from the
+tensor-parallel stream (`tensor_parallel_rng`, as SDPA's dropout), so each TP rank's heads get their own
+masks and activation recomputation, which replays that stream, redraws the same one (compiled at TP=1:
+the default generator, which torch.compile can trace and checkpointing replays; parallel.py). The masks
+differ from SDPA's (its Philox stream) and from eager's: the runs agree in distribution, not bit for
+bit.
 """
 
 from __future__ import annotations

@@ -6,12 +6,14 @@ Standalone (torch + transformers only); parameter names are megamlm's full (TP=1
 exported model.safetensors is megamlm's state dict. Token ids are fairseq dictionary ids (pad 1).
 """
 
+import contextlib
 import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
@@ -114,6 +116,17 @@ class Embedding(nn.Module):
         return x * ~padding[..., None]
 
 
+def sdpa_kernels(device_type, key_length, masked):
+    """SDPA's kernels for these keys: torch's choice, except cuDNN's where it is wrong. From torch 2.11
+    on Hopper, cuDNN's backward with a mask returns NaN in dQ when the key length is 64 mod 128 and a
+    query's log-sum-exp is below -88.7 (pytorch#196678), which ALiBi gives padded queries; such batches
+    run on the memory-efficient kernel. A copy of megamlm.model.attention.sdpa_kernels (this file
+    imports only torch and transformers; tests/test_attention.py checks that the two agree)."""
+    if device_type == "cuda" and masked and key_length % 128 == 64:
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+    return contextlib.nullcontext()
+
+
 class SelfAttention(nn.Module):
     def __init__(self, m):
         super().__init__()
@@ -125,7 +138,8 @@ class SelfAttention(nn.Module):
         b, s, h = x.shape
         # megatron's fused layout: [b, s, 3h] -> [b, s, np, 3, hn] -> q, k, v [b, np, s, hn]
         q, k, v = self.linear_qkv(x).view(b, s, self.heads, 3, -1).permute(3, 0, 2, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        with sdpa_kernels(q.device.type, k.size(-2), bias is not None):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, h))
 
 
