@@ -60,8 +60,10 @@ def sdpa_dropout(q, k, v, bias):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=DROPOUT)
 
 
-def make_flex(slopes, options: str = ""):
-    compiled, score_mod = torch.compile(flex_attention), _alibi_offset(slopes)
+def make_flex(slopes, options: str = "", mode: str | None = None):
+    """FlexAttention with the ALiBi-offset score_mod, compiled in torch.compile's `mode`
+    (max-autotune-no-cudagraphs: Inductor times its own kernel configurations and keeps the fastest)."""
+    compiled, score_mod = torch.compile(flex_attention, mode=mode), _alibi_offset(slopes)
     chosen = kernel_options(options) or None
     return lambda q, k, v, bias: compiled(q, k, v, score_mod=score_mod, kernel_options=chosen)
 
@@ -146,7 +148,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--repeats", type=int, default=10, help="calls per timed window (a GPU: 3 windows)")
     parser.add_argument("--flex-sweep", action="store_true",
-                        help="GPU: also time FlexAttention under each FLEX_CANDIDATES kernel_options")
+                        help="GPU: also time FlexAttention under each FLEX_CANDIDATES kernel_options, and as "
+                             "max-autotune-no-cudagraphs compiles it (Inductor picks its fastest configuration)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -168,6 +171,7 @@ def main() -> None:
         kernels["flex score_mod, dropout 0.1"] = make_flex_dropout(slopes)
         if args.flex_sweep:
             kernels.update({f"flex {options}": make_flex(slopes, options) for options in FLEX_CANDIDATES[1:]})
+            kernels["flex, max-autotune-no-cudagraphs"] = make_flex(slopes, mode="max-autotune-no-cudagraphs")
         try:
             kernels["flash-attn-2 symmetric (reference)"] = make_flash_symmetric(slopes)
         except ImportError:

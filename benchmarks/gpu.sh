@@ -161,6 +161,9 @@ for s in $STEPS; do
         train_run loop-2048-flat-compiled-fused-head 2048 8 \
             "train.engine=flat train.compile=true model.head_loss=fused model.head_loss_chunk=134217728 $PROFILE" 60
         train_run loop-2048-flex-flat 2048 8 "train.engine=flat model.attention_backend=flex train.compile=true $PROFILE" 60
+        # the same with Inductor timing its own matmul and FlexAttention configurations (minutes of compilation)
+        train_run loop-2048-flex-flat-autotune 2048 8 \
+            "train.engine=flat model.attention_backend=flex train.compile=true train.compile_mode=max-autotune-no-cudagraphs $PROFILE" 60
         train_run loop-2048-flat-cudagraphs 2048 8 \
             "train.engine=flat train.compile=true train.compile_mode=reduce-overhead $PROFILE" 60
         # the Pile configs' own precision (fp16, dynamic loss scale on the device): train_run sets bf16, this overrides it

@@ -29,11 +29,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import typing
 from pathlib import Path
 
 import torch
 
-from megamlm.config import ParallelConfig, load_config
+from megamlm.config import ParallelConfig, TrainConfig, load_config
 from megamlm.convert.hf import hf_config_values
 from megamlm.convert.hf_export import hf_format
 from megamlm.model.encoder import encoder_flops_per_token
@@ -123,7 +124,8 @@ def main() -> None:
     parser.add_argument("--variant", default="baseline", help="configs/variants/<name>.yaml for megamlm")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="megamlm config overrides")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
-    parser.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"),
+    parser.add_argument("--compile-mode", default="default",
+                        choices=typing.get_args(typing.get_type_hints(TrainConfig)["compile_mode"]),
                         help="torch.compile's mode with --compile (train.compile_mode); reduce-overhead: CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="also print megamlm's top kernels (torch.profiler)")
     args = parser.parse_args()

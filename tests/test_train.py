@@ -153,6 +153,22 @@ def test_compiled_training_gives_the_eager_losses_and_reports_the_compile_time(s
     assert logged(tmp_path / "eager", "compile", "first_update_s") == {}
 
 
+def test_every_compile_mode_is_torchs_and_the_loop_knows_which_record_cuda_graphs():
+    """train.compile_mode's values are torch.compile's modes (torch refuses others), and the loop marks
+    a CUDA-graph step per micro-batch for each mode that records graphs, max-autotune included (its
+    replays would otherwise overwrite the previous micro-batch's outputs, as session 24's lease saw)."""
+    import typing
+
+    from megamlm.config import TrainConfig
+    from megamlm.train.layers import records_cuda_graphs
+
+    modes = typing.get_args(typing.get_type_hints(TrainConfig)["compile_mode"])
+    assert {mode for mode in modes if records_cuda_graphs(mode)} == {"reduce-overhead", "max-autotune"}
+    assert {"default", "max-autotune-no-cudagraphs"} <= set(modes)
+    with pytest.raises(RuntimeError, match="Unrecognized mode"):
+        records_cuda_graphs("reduce_overhead")
+
+
 @pytest.mark.slow
 def test_profiled_updates_keep_the_losses_and_leave_an_operator_table(shards, tmp_path):
     """train.profile_updates: after two warm-up updates the next ones are recorded (here all the run

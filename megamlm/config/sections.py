@@ -197,12 +197,13 @@ class TrainConfig:
     eager (BENCHMARKS.md); measure before turning it on. The first update compiles; its time is logged
     once (event "compile", first_update_s) so that the cost of compiling is visible next to the later
     updates."""
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """torch.compile's mode under train.compile. reduce-overhead: Inductor also records each layer as a
     CUDA graph (no per-kernel launch cost; train.compile's one batch shape makes that possible);
-    max-autotune: also searches matmul / Triton configurations (minutes of compilation). GPU options,
-    to be measured (benchmarks/train_throughput.py --compile --compile-mode); on CPU they compile as
-    default."""
+    max-autotune: also searches matmul / Triton configurations, FlexAttention's kernels among them
+    (minutes of compilation), with CUDA graphs; max-autotune-no-cudagraphs: the search alone. GPU
+    options, to be measured (benchmarks/train_throughput.py --compile --compile-mode); on CPU they
+    compile as default."""
     profile_updates: int = 0
     """Updates to record with torch.profiler after two warm-up updates (rank 0; 0: none): prints the
     operator table (by device time on a GPU), writes it to run_dir/profile.txt and logs a `profile`

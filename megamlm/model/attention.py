@@ -129,8 +129,12 @@ class AttentionBackend:
         """any_padding() -> whether a key of `padding` is padded (asked only where it decides)."""
         b, s = padding.shape
         score = self.position.score_bias(s, dtype)
-        if score is None and documents is None and pattern.window is None and not any_padding():
-            return None  # every query sees every key of its row: no mask, so SDPA may take its flash path
+        if documents is None and pattern.window is None and not any_padding():
+            if score is None:
+                return None  # every query sees every key of its row: no mask, so SDPA may take its flash path
+            # [1, np, s, s] -> [b, np, s, s] with stride 0 over the rows: the kernels read one copy (contiguous
+            # per head: the score may be a slice of a longer cached table)
+            return score[None].contiguous().expand(b, -1, -1, -1)
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
         bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))

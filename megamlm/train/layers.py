@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch._inductor
 import torch.utils.checkpoint
 from torch import nn
 
@@ -63,6 +64,13 @@ def _checkpointed_replaying_the_stream(forward, *args, **kwargs):
     streams to replay) a compiled, checkpointed layer runs eagerly (the loop warns)."""
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
                                              context_fn=_replay_tensor_parallel_rng, **kwargs)
+
+
+def records_cuda_graphs(mode: str) -> bool:
+    """Whether torch.compile's `mode` (train.compile_mode) records CUDA graphs on a GPU, as torch's own
+    table of modes says (reduce-overhead and max-autotune do): the loop then marks a new graph step
+    before each micro-batch, whose outputs the next replay would overwrite."""
+    return bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs", False))
 
 
 def compile_layers(model: nn.Module, mode: str = "default") -> None:
