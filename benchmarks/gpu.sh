@@ -11,7 +11,8 @@
 # on SDPA, eager and compiled, and on compiled FlexAttention, large zero-clap on SDPA; at 8192 on FlexAttention, also with
 # attention kept within each packed document (the BlockMask skips the other documents' blocks), bf16,
 # WikiText-103), packed (the same loop at 2048 with data.packing=packed on SDPA and on compiled
-# FlexAttention, next to the padded SDPA row, and the learned-position baseline padded on SDPA vs packed
+# FlexAttention (also on the flat engine, without and with attention dropout), next to the padded SDPA row, and the
+# learned-position baseline padded on SDPA vs packed
 # on varlen FlashAttention; real tokens/s and the fill are in each log's update lines), modernbert
 # (modernbert-base at 8192, 14 of 22 layers through a 128-token window, vs transformers'
 # ModernBertForMaskedLM: SDPA with the window in the bias, Flex whose BlockMask skips the blocks outside
@@ -182,6 +183,11 @@ for s in $STEPS; do
         train_run packed-2048-padded-sdpa 2048 8 "" 60
         train_run packed-2048-sdpa 2048 8 "data.packing=packed" 60
         train_run packed-2048-flex 2048 8 "$FLEX train.compile=true data.packing=packed" 60
+        # no compute on padding at all: packed rows (fill 95-98%), the BlockMask skips other samples' blocks,
+        # on the flat engine (the host limit gone); without and with the recipe's attention dropout 0.1
+        train_run packed-2048-flex-flat 2048 8 "train.engine=flat $FLEX train.compile=true data.packing=packed $PROFILE" 60
+        train_run packed-2048-flex-flat-dropout 2048 8 \
+            "train.engine=flat model.attention_backend=flex train.compile=true data.packing=packed $PROFILE" 60
         # varlen FlashAttention has no ALiBi score term: the learned-position baseline, padded and packed
         BASE=configs/pile/base-baseline.yaml
         train_run packed-2048-baseline-padded-sdpa 2048 8 "model.attention_dropout=0" 60 $BASE

@@ -34,7 +34,8 @@ cat "$LOGS/device.txt"
 # head's kernels (CLAP's normalization, the fused head + loss), an eager run without the inf/NaN scan
 # (session 24's diverged at update 23: cuDNN's masked backward, now avoided), the flat compiled loop with
 # micro-batches of 16, with the fused head, without ALiBi's bias; the Pile recipe's update (4 x 16, fp16)
-# on DeepSpeed and on flat; the flat loop on alibi-flash, on Flex with dropout;
+# on DeepSpeed and on flat; the flat loop on alibi-flash, on Flex with dropout; packed rows on Flex and flat
+# (no compute on padding), without and with dropout;
 # the Flex sweep (an acceptance row never measured); CUDA graphs on DeepSpeed (failed in session 24)
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
@@ -44,6 +45,7 @@ ROWS=(
     "loop loop-2048-noscan loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-fused-head"
     "loop loop-2048-baseline-flat-compiled loop-2048-recipe loop-2048-recipe-flat"
     "loop loop-2048-alibi-flash-compiled loop-2048-flex-flat"
+    "packed packed-2048-flex-flat packed-2048-flex-flat-dropout"
     "flex-tune flex-tune"
     "loop loop-2048-cudagraphs"
     "compiled base-baseline-cudagraphs"
