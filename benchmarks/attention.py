@@ -150,6 +150,8 @@ def main() -> None:
     parser.add_argument("--flex-sweep", action="store_true",
                         help="GPU: also time FlexAttention under each FLEX_CANDIDATES kernel_options, and as "
                              "max-autotune-no-cudagraphs compiles it (Inductor picks its fastest configuration)")
+    parser.add_argument("--kernels", default="", help="comma-separated beginnings of the kernel names to time "
+                        "(e.g. sdpa,flex for the sweep); default: every kernel")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -176,6 +178,8 @@ def main() -> None:
             kernels["flash-attn-2 symmetric (reference)"] = make_flash_symmetric(slopes)
         except ImportError:
             pass
+    if args.kernels:
+        kernels = {name: fn for name, fn in kernels.items() if name.startswith(tuple(args.kernels.split(",")))}
     if device.type == "cuda":
         warm_clocks()
     print(f"ALiBi-offset attention fwd+bwd, batch {args.batch}, {args.heads} heads x {args.head_dim}, {args.dtype}, "

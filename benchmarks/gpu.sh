@@ -127,7 +127,7 @@ for s in $STEPS; do
     flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64, at the
         # loop's micro-batch of 8 (the attention step keeps batch 2, comparable across leases)
         step flex-tune 540 $PY benchmarks/attention.py --lengths "${FLEX_TUNE_LENGTHS:-2048,4096,8192}" --dtype bf16 --heads 12 \
-            --batch 8 --repeats 10 --flex-sweep $SMOKE_ATTENTION ;;
+            --batch 8 --repeats 10 --flex-sweep --kernels sdpa,flex $SMOKE_ATTENTION ;;
     profile)
         bench profile-base-baseline 240 --model base --batch 8 --rounds 1 --profile
         # launch-bound steps: megamlm (one-rank plain linears, megatron's) vs transformers, host time per step
