@@ -21,7 +21,8 @@ score term; padding, document boundaries and patterns are the backend's to expre
   sdpa   PyTorch scaled_dot_product_attention with one additive bias [b, np|1, s, s] (-inf on padded
          keys, other documents and outside the pattern, plus the position's score term), CPU and GPU;
          no bias at all when there is nothing to add (no score term, pattern or documents, no padded
-         key in the batch: SDPA's flash / cuDNN path, CPU's fused kernel). Packed rows are
+         key in the batch: SDPA's flash / cuDNN path, CPU's fused kernel), and only the score term,
+         one [np, s, s] table the rows share (stride 0), when that is all there is. Packed rows are
          first gathered per sample into [n, np, L, hn] (L the longest sample), so nothing of size
          [T, T] is built for a row of T tokens and the bias is [n, np|1, L, L].
   eager  the same math unfused: softmax, then our dropout. sdpa runs it on CPU whenever attention
