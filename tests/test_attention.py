@@ -208,31 +208,6 @@ def test_sdpa_takes_no_mask_when_every_key_is_visible():
     assert sdpa.prepare(unequal < 0, None, unequal, torch.float32).bias.shape == (4, 1, 1, 14)
 
 
-def test_an_unpadded_alibi_batch_shares_one_bias_across_its_rows():
-    """No padded key, documents or pattern: the ALiBi bias is one [np, s, s] table the rows share (stride
-    0), not b copies, and attention is the materialized bias's, forward and backward; a width below the
-    cached table's gets a contiguous table of its own."""
-    b, np_, s, hn = 3, 4, 24, 8
-    alibi = Alibi(np_, "offset", tp_rank=0, tp_size=1)
-    sdpa = ATTENTION_BACKENDS["sdpa"](alibi)
-    alibi(40, torch.float32)  # a longer table is cached first: the batch's is a slice of it
-    full = torch.zeros(b, s, dtype=torch.bool)
-    bias = sdpa.prepare(full, None, None, torch.float32)
-    assert bias.shape == (b, np_, s, s) and bias.stride()[0] == 0 and bias[0].is_contiguous()
-    torch.testing.assert_close(bias, alibi(s, torch.float32)[None].repeat(b, 1, 1, 1), rtol=0, atol=0)
-    g = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(b, np_, s, hn, generator=g, requires_grad=True) for _ in range(3))
-    got = sdpa.attend(q, k, v, bias, 0.0, None)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.contiguous())
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
-    for g_got, g_want in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
-        torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-5)
-    padded = full.clone()
-    padded[2, 20:] = True  # one padded key brings back the rows' own biases
-    assert sdpa.prepare(padded, None, None, torch.float32).stride()[0] != 0
-
-
 def test_sdpa_avoids_cudnn_where_its_masked_backward_returns_nan():
     """pytorch#196678 (torch >= 2.11, Hopper): cuDNN's masked backward gives NaN dQ at key lengths 64
     mod 128, which every bf16 eager H200 run hit at update 23 (a 1,856-wide micro-batch). Those
