@@ -106,6 +106,17 @@ def test_pooling_places_each_sequence():
     assert Pooling.of(starts, [3, 2, 2], 8, "mean")(hidden).flatten().tolist() == [5, 0.5, 2.5]
 
 
+def test_mean_pooling_gradient_reaches_each_sequence_s_tokens_only():
+    """Mean pooling is a matmul (deterministic on a GPU, unlike index_add_): each position's gradient is
+    its sequence's output gradient over the sequence's length, and padding gets none."""
+    hidden = torch.randn(4, 2, 3, requires_grad=True)  # [s=4, b=2, h=3]
+    upstream = torch.tensor([[1.0, 2, 3], [4, 5, 6], [7, 8, 9]])
+    Pooling.of(torch.tensor([4, 0, 2]), [3, 2, 2], 8, "mean")(hidden).backward(upstream)
+    want = torch.zeros(2, 4, 3)  # [b, s, h]
+    want[1, :3], want[0, :2], want[0, 2:] = upstream[0] / 3, upstream[1] / 2, upstream[2] / 2
+    torch.testing.assert_close(hidden.grad, want.transpose(0, 1), rtol=0, atol=1e-7)
+
+
 def test_fine_tuning_a_modernbert_folder_starts_from_its_mlm_head(world, tmp_path):
     from megamlm.glue.run import run_task
 

@@ -45,8 +45,9 @@ class Pooling:
 
     first: torch.Tensor
     """[n] the flat position of each sequence's first token."""
-    owner: torch.Tensor | None = None
-    """[b * s] the sequence each position belongs to (n on padding); mean pooling only."""
+    members: torch.Tensor | None = None
+    """[n, b * s] bool: the positions of each sequence; mean pooling only. Pooling sums through a
+    matmul with it: deterministic on a GPU, where index_add_'s atomics are not."""
     length: torch.Tensor | None = None
     """[n, 1] each sequence's tokens; mean pooling only."""
 
@@ -56,23 +57,22 @@ class Pooling:
         if kind == "cls":
             return cls(starts)
         count = torch.tensor(lengths)
-        span = torch.cat([torch.arange(start, start + n) for start, n in zip(starts.tolist(), lengths)])
-        owner = torch.full((positions,), len(lengths), dtype=torch.long)
-        owner[span] = torch.repeat_interleave(torch.arange(len(lengths)), count)
-        return cls(starts, owner, count.unsqueeze(1))
+        # [1, b * s] flat positions vs [n, 1] spans -> [n, b * s]
+        index = torch.arange(positions)[None, :]
+        members = (index >= starts[:, None]) & (index < starts[:, None] + count[:, None])
+        return cls(starts, members, count.unsqueeze(1))
 
     def to(self, device: torch.device) -> Pooling:
-        parts = (self.first, self.owner, self.length)
+        parts = (self.first, self.members, self.length)
         return Pooling(*(None if t is None else host_to_device(t, device) for t in parts))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [s, b, h] -> features [n, h]."""
         width = hidden.size(0)
-        if self.owner is None:
+        if self.members is None:
             return hidden[self.first % width, self.first // width]  # [n, h]
         flat = hidden.transpose(0, 1).reshape(-1, hidden.size(-1))  # [s, b, h] -> [b * s, h]
-        n = self.first.numel()
-        sums = flat.new_zeros(n + 1, flat.size(1)).index_add_(0, self.owner, flat)[:n]  # padding -> row n
+        sums = self.members.to(flat.dtype) @ flat  # [n, b * s] x [b * s, h] -> [n, h]
         return sums / self.length.to(sums.dtype)
 
 
