@@ -1,11 +1,16 @@
 """fp16 on the flat engine: its dynamic loss scale follows DeepSpeed's rule (DeepSpeed's own
 DynamicLossScaler as the oracle) on the device, an update is AdamW on the unscaled, clipped gradients,
-an overflow is skipped and backs the scale off without a host read, and a run trains and resumes bit
-for bit with its scale (DeepSpeed runs fp16 on GPUs only; the flat engine also on a CPU)."""
+an overflow is skipped and backs the scale off without a host read, an overflow at the scale's floor
+rolls the run back (where DeepSpeed stops it), and a run trains and resumes bit for bit with its scale
+(DeepSpeed runs fp16 on GPUs only; the flat engine also on a CPU)."""
+
+import json
+import math
 
 import pytest
 import torch
 
+from megamlm.train import loss_scale
 from megamlm.train.loss_scale import DynamicLossScale
 from tests.test_flat_engine import _setup
 from tests.test_host_sync import HostReads
@@ -32,6 +37,36 @@ def test_the_loss_scale_follows_deepspeeds_rule(monkeypatch):
         assert (ours.scale.item(), int(ours.hysteresis.item())) == (theirs.cur_scale, theirs.cur_hysteresis)
     assert min(trajectory) == 16 and max(trajectory) > 128  # the floor and growth were both reached
     assert ours.state_dict()["cur_iter"] == theirs.cur_iter == 60
+
+
+def test_an_overflow_at_the_floor_is_flagged_where_deepspeed_raises(monkeypatch):
+    """DeepSpeed's scaler raises on an overflow that would halve a scale already at its floor; ours flags
+    the same updates (and both go on alike when DeepSpeed is told not to raise)."""
+    from deepspeed.runtime.fp16 import loss_scaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *args, **kwargs: 0)
+    ours = DynamicLossScale(torch.device("cpu"), initial_scale_power=7, loss_scale_window=3, hysteresis=2,
+                            min_loss_scale=16)
+    theirs = DynamicLossScaler(init_scale=2.0**7, scale_window=3, min_scale=16, delayed_shift=2,
+                               consecutive_hysteresis=False, raise_error_at_min_scale=True)
+    flags = [True] * 6 + [False] * 4 + [True] * 4 + [False] * 2
+    raised = []
+    for overflow in flags:
+        ours.update(torch.tensor(float(overflow)))
+        try:
+            theirs.update_scale(overflow)
+            raised.append(False)
+        except Exception as err:  # DeepSpeed raises a bare Exception, its state untouched
+            assert "minimum" in str(err)
+            raised.append(True)
+            theirs.raise_error_at_min_scale = False
+            theirs.update_scale(overflow)
+            theirs.raise_error_at_min_scale = True
+        assert bool(ours.floor_overflow.item()) == raised[-1]
+        assert (ours.scale.item(), int(ours.hysteresis.item())) == (theirs.cur_scale, theirs.cur_hysteresis)
+    # the floor is reached after hysteresis and three halvings, and again after the scale grew back
+    assert [i for i, r in enumerate(raised) if r] == [4, 5, 12, 13]
 
 
 def test_an_fp16_update_is_adamw_on_the_unscaled_clipped_gradients(world):
@@ -94,3 +129,46 @@ def test_an_fp16_run_trains_and_resumes_bit_for_bit_with_its_loss_scale(shards, 
     assert logged(tmp_path / "straight", key="loss_scale")[6] == 128.0  # logged from the flat engine
     saved = torch.load(tmp_path / "straight/checkpoints/step00000003/mp_rank_00_model_states.pt", weights_only=False)
     assert saved["loss_scaler"] == {"cur_scale": 128.0, "cur_hysteresis": 2, "cur_iter": 3, "last_overflow_iter": -1}
+
+
+def _overflowing_updates(monkeypatch, count: int):
+    """The flat engine's steps from update 3 on see an inf gradient, `count` updates in all; the loss
+    scale's floor is 32, so the fourth overflow in a row (128: hysteresis, 64, 32, then the floor)
+    is one at the floor."""
+    from megamlm.train.flat import FlatEngine
+
+    monkeypatch.setitem(loss_scale.FP16_LOSS_SCALING, "min_loss_scale", 32)
+    step, left = FlatEngine.step, [count]
+
+    def step_with_infs(engine):
+        last_call = engine.micro_steps % engine.accumulation == engine.accumulation - 1
+        if last_call and engine.global_steps >= 2 and left[0]:
+            left[0] -= 1
+            next(iter(engine.module.parameters())).grad.view(-1)[0] = float("inf")
+        step(engine)
+
+    monkeypatch.setattr(FlatEngine, "step", step_with_infs)
+
+
+def test_an_overflow_at_the_loss_scales_floor_rolls_the_run_back(shards, tmp_path, monkeypatch, capsys):
+    """Updates 3-6 overflow: the losses stay finite, and update 6 overflows at the floor. The loop rolls
+    back to update 4's checkpoint (scale 64) and trains on; without a checkpoint it stops, saying why."""
+    common = ["train.precision=fp16", "train.engine=flat", "train.global_batch_size=8"]
+    _overflowing_updates(monkeypatch, 4)
+    run = _train(config(shards, tmp_path / "run", *common, "train.steps=8", "train.save_interval=2"))
+    assert run["rollbacks"] == 1 and run["steps"] == 8 and all(math.isfinite(loss) for loss in run["losses"])
+    printed = capsys.readouterr().out
+    assert ("update 6: the gradients of update 6 overflowed fp16 with the loss scale at its minimum (32) -> "
+            "rolled back to step00000004") in printed
+    events = [json.loads(line) for line in (tmp_path / "run/log.jsonl").read_text().splitlines()]
+    scales = [(e["step"], e["loss_scale"]) for e in events if e["event"] == "train"]
+    assert [e["step"] for e in events if e["event"] == "rollback"] == [6]
+    # 2^7, hysteresis, halved twice (update 6, at the floor, is rolled back before its line); then
+    # update 4's checkpoint (64) and no overflow
+    assert scales == [(1, 128.0), (2, 128.0), (3, 128.0), (4, 64.0), (5, 32.0),
+                      (5, 64.0), (6, 64.0), (7, 64.0), (8, 64.0)]
+
+    _overflowing_updates(monkeypatch, 4)
+    with pytest.raises(RuntimeError, match=r"training diverged at update 6: the gradients of update 6 "
+                                           r"overflowed fp16 .* no checkpoint to roll back to"):
+        _train(config(shards, tmp_path / "unsaved", *common, "train.steps=8"))

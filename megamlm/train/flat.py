@@ -20,7 +20,8 @@ Memory per parameter (bf16): weights 2 and gradients 2 bytes, an fp32 copy of th
 whole buffer: what is reduced over DP), masters and moments 12 / DP (`megamlm plan` counts the same).
 
 fp16: the loss is multiplied by a dynamic loss scale kept on the device (train/loss_scale.py, DeepSpeed's
-rule and settings); the norm is the scaled gradients', and one division unscales and clips.
+rule and settings); the norm is the scaled gradients', and one division unscales and clips. An overflow
+at the scale's floor reaches the loop as a `fault`, and the loop rolls back (DeepSpeed stops there).
 
 Skipping updates with a non-finite gradient (train.skip_nonfinite_updates, bf16; always in fp16, where
 an overflow also backs the loss scale off) costs no host read:
@@ -122,7 +123,11 @@ class FlatEngine:
         self.norm = torch.zeros((), device=ctx.device)
         self.skipped = torch.zeros((), device=ctx.device)
         self.skip_in_flight: ToHost | None = None
-        """The last update's found_inf on its way to the host."""
+        """The last update's found_inf (fp16: and the scale's floor_overflow) on its way to the host."""
+        self.flags_update = 0
+        """The update whose flags those are."""
+        self.floor_overflow_update: int | None = None
+        """The first update known on the host to have overflowed at the loss scale's floor."""
         self.micro_steps = self.global_steps = self.global_samples = 0
 
     def _place(self, params: list[nn.Parameter], first: int) -> int:
@@ -180,11 +185,14 @@ class FlatEngine:
             found_inf = norm.isfinite().logical_not().float()
             self.optimizer.found_inf = found_inf  # torch's fused AdamW skips the update on the device
             self.skipped += found_inf
-            self.skip_in_flight = ToHost(found_inf)
+            if self.scaler is None:
+                self.skip_in_flight = ToHost(found_inf.view(1))
+            else:
+                self.scaler.update(found_inf)
+                self.skip_in_flight = ToHost(torch.stack([found_inf, self.scaler.floor_overflow]))
+            self.flags_update = self.global_steps + 1
         self.optimizer.step()
         self.schedule.step()
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
         if self.separate_masters:  # bf16 / fp16: cast the range back
             self.weights[self.start:self.end].copy_(self.master)
         if ctx.dp_size > 1:  # in place: every rank's range of the weights from its owner
@@ -195,12 +203,29 @@ class FlatEngine:
 
     def settle_skip(self) -> None:
         """If the previous update was skipped, step the schedule back, before this update's AdamW takes
-        its learning rate (waits for the previous update's step only)."""
+        its learning rate (waits for the previous update's step only); fp16: note an overflow at the
+        loss scale's floor (`floor_overflow_update`)."""
         if self.skip_in_flight is None:
             return
-        skipped, self.skip_in_flight = self.skip_in_flight.get(), None
-        if skipped.item():
+        flags, self.skip_in_flight = self.skip_in_flight.get().tolist(), None
+        if flags[0]:
             self.schedule.step_back()
+        self._note_floor(flags)
+
+    def _note_floor(self, flags: list[float]) -> None:
+        if flags[1:] == [1.0] and self.floor_overflow_update is None:
+            self.floor_overflow_update = self.flags_update
+
+    def fault(self, step: int) -> str | None:
+        """Why the run cannot go on from update `step`, whose loss the loop has read (so its flags have
+        reached the host; a later update's arrive with the step after it): an fp16 overflow with the
+        loss scale at its minimum, which DeepSpeed stops a run for."""
+        if self.scaler is not None and self.skip_in_flight is not None and self.flags_update <= step:
+            self._note_floor(self.skip_in_flight.get().tolist())  # the schedule waits for the next step
+        if self.floor_overflow_update is None:
+            return None
+        return (f"the gradients of update {self.floor_overflow_update} overflowed fp16 with the loss scale at "
+                f"its minimum ({self.scaler.min_scale:g})")
 
     def get_global_grad_norm(self) -> torch.Tensor:
         """The last update's gradient norm before clipping (on the device)."""
@@ -220,7 +245,7 @@ class FlatEngine:
         """Set by a load (`elastic.load_full_state`), with the loaded schedule: a skip still in flight
         from before it concerns the replaced state, not the loaded one."""
         self.skipped.fill_(value)
-        self.skip_in_flight = None
+        self.skip_in_flight = self.floor_overflow_update = None
 
     # ---- checkpoints -----------------------------------------------------------------------------
 

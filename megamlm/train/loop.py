@@ -267,7 +267,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             loss = result.pop("loss")
             if loss_hook is not None:
                 loss = loss_hook(update.step, loss)
-            reason = guard.check(loss)
+            reason = guard.check(loss) or _engine_fault(engine, update.step)
             if reason is not None:  # the update after it (in flight) is discarded with the rest
                 state = roll_back(cfg, ctx, engine, schedule, checkpoints, state, update.step, log, reason)
                 stream = train_stream(cfg, ctx, data, state)
@@ -362,6 +362,12 @@ def _reads_state(cfg: Config, step: int, start_step: int) -> bool:
     return (step == start_step + 1 or step == cfg.train.steps
             or any(step % interval == 0 for interval in (cfg.train.log_interval, cfg.train.eval_interval,
                                                           cfg.train.save_interval)))
+
+
+def _engine_fault(engine, step: int) -> str | None:
+    """Why the engine cannot train on from update `step` (the flat engine says; DeepSpeed raises)."""
+    fault = getattr(engine, "fault", None)
+    return fault(step) if fault is not None else None
 
 
 def _loss_scale(engine, optimizer) -> float:

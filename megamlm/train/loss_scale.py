@@ -6,9 +6,12 @@ The rule is DeepSpeed's `DynamicLossScaler` with megamlm's settings (`FP16_LOSS_
   hysteresis is used up, and otherwise uses up one unit of hysteresis;
 - after `loss_scale_window` clean updates since the last overflow, the scale doubles and the
   hysteresis is restored.
-Each update's rule is a handful of `torch.where`s on 0-dim tensors: no host read. Where DeepSpeed
-stops a run whose scale is at the minimum, the scale here stays at the minimum and the skipped updates
-show in the log (`skipped_updates`) and, for a diverging run, the spike guard.
+Each update's rule is a handful of `torch.where`s on 0-dim tensors: no host read.
+
+An overflow that would halve a scale already at the minimum means the gradients overflow at any
+scale: DeepSpeed stops the run there ("Current loss scale already at minimum"). Here `floor_overflow`
+flags that update on the device, the flat engine brings the flag to the host with the skip flag, and
+the loop rolls back to the last checkpoint as it does for a non-finite loss (or stops, saying why).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class DynamicLossScale:
         self.hysteresis = torch.tensor(float(hysteresis), device=device)
         self.iteration = torch.zeros((), dtype=torch.int64, device=device)
         self.last_overflow = torch.full((), -1, dtype=torch.int64, device=device)
+        self.floor_overflow = torch.zeros((), device=device)
+        """1 if the last update overflowed with the scale at the minimum and no hysteresis left (where
+        DeepSpeed raises), else 0."""
 
     @classmethod
     def from_settings(cls, device: torch.device) -> DynamicLossScale:
@@ -40,6 +46,7 @@ class DynamicLossScale:
         """found_inf: 0-dim, 1 if this update's gradients held an inf/NaN (it was skipped)."""
         overflow = found_inf > 0
         shrink = overflow & (self.hysteresis <= 1)
+        self.floor_overflow = (shrink & (self.scale <= self.min_scale)).float()
         stable = self.iteration - self.last_overflow - 1
         grow = ~overflow & (stable > 0) & (stable % self.window == 0)
         self.scale = torch.where(shrink, (self.scale / 2).clamp(min=self.min_scale),
