@@ -85,6 +85,58 @@ def test_a_packed_row_gives_every_sample_its_padded_logits(world, variant, docum
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_packed_row_trains_every_variant_with_fp16_parameters(world, variant):
+    """fp16 parameters (the Pile configs' precision; the flat engine runs it on a CPU too): the packed
+    row's loss is the padded batch's and every gradient is finite. Before: BERT and ALBERT (LayerNorm
+    eps 1e-12) had NaN gradients, from the all-zero rows of the packed row's padding in the layers'
+    LayerNorm, whose CPU kernel kept 1/σ = 1e6 in fp16 (model/norm.py: LayerNorm)."""
+    cfg = variant_config(variant)
+    samples = [(s, i) for i, s in enumerate(_samples(cfg.model.vocab_size))]
+    padded = collate(samples, _no_corruption, 0, 16, pad_id=1)
+    packed = collate(samples, _no_corruption, 0, 56, pad_id=1, packed=True)
+    losses = []
+    for batch in (padded, packed):
+        model = MaskedLM(cfg.model, world, seed=3).train().half()
+        logits = model(batch.inputs, batch.target_index, batch.documents, batch.segments)
+        loss = model.loss(logits, batch.targets)
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert [n for n, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()] == []
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-2)
+
+
+def test_layer_norm_keeps_fp32_statistics_for_fp16_on_a_cpu():
+    """model/norm.py's LayerNorm: in fp16 on a CPU, the output is torch's bit for bit, the gradients
+    are fp32's to fp16 rounding, and a zero row that receives no gradient gives none (torch's CPU
+    kernel: NaN in that row and in the weights' gradients, from its fp16 1/σ)."""
+    from megamlm.model.norm import LayerNorm
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64).half(), torch.randn(64).half()
+    x, g = torch.randn(32, 64).half(), torch.randn(32, 64).half()
+    x[5], g[5] = 0, 0  # a padding row
+    norms, inputs = [], []
+    for cls, dtype in ((LayerNorm, torch.float16), (torch.nn.LayerNorm, torch.float16),
+                       (torch.nn.LayerNorm, torch.float32)):
+        norm = cls(64, eps=1e-12).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+            norm.bias.copy_(bias)
+        inputs.append(x.to(dtype, copy=True).requires_grad_())
+        norm(inputs[-1]).backward(g.to(dtype))
+        norms.append(norm)
+    ours, theirs, exact = norms
+    assert torch.equal(ours(x), theirs(x)) and ours(x).dtype == torch.float16
+    assert inputs[1].grad[5].isnan().all() and theirs.weight.grad.isnan().all()  # torch's, on this CPU
+    assert torch.equal(inputs[0].grad[5], torch.zeros(64, dtype=torch.float16))
+    for got, want in ((inputs[0].grad, inputs[2].grad), (ours.weight.grad, exact.weight.grad),
+                      (ours.bias.grad, exact.bias.grad)):
+        assert got.dtype == torch.float16  # sums of 32 rows' fp16 products: a few units of fp16's roundoff
+        assert (got.float() - want).abs().max() < 4e-3 * want.abs().max(), (got, want)
+
+
 @pytest.mark.parametrize("mode", ["symmetric", "offset", "learned"])
 def test_flex_and_sdpa_agree_on_packed_rows(mode):
     import warnings

@@ -2,16 +2,17 @@
 
 megatron's layer slots build a norm as `build_module(spec, config=, hidden_size=, eps=)`; `norm_spec`
 is that slot for our configuration, and `norm` builds the norms outside the layers (embedding norm,
-MLM head). LayerNorm with a bias keeps megatron's choice (apex's fused LayerNorm on a GPU when apex
-is installed, torch's otherwise); a LayerNorm without bias (ModernBERT) or an RMSNorm is torch's.
+MLM head). LayerNorm with a bias keeps megatron's choice on a GPU (apex's fused LayerNorm when apex
+is installed, torch's otherwise); elsewhere a LayerNorm is `LayerNorm` (torch's, with fp32 statistics
+in fp16 on a CPU) and an RMSNorm is torch's.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from torch import nn
 
 from megamlm.config import ModelConfig
@@ -20,11 +21,25 @@ NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
 """The norm modules this package builds (initialization sets them to 1 / 0)."""
 
 
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm, whose statistics are fp32 for fp16 input on a CPU too, as a GPU's kernel keeps
+    them. torch's CPU kernel saves 1/σ in the input's dtype: with BERT's and ALBERT's eps, 1e-12, a zero
+    row's 1/σ is 1e6 = inf in fp16, and its backward NaN even where no gradient arrives (the zero rows
+    of a packed batch's padding, after the layers' zero-initialized biases). fp32 weights select the
+    kernel's fp32 statistics; the output stays fp16. Other dtypes and devices run torch's unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float16 or x.device.type != "cpu":
+            return super().forward(x)
+        return F.layer_norm(x, self.normalized_shape, self.weight.float(),
+                            None if self.bias is None else self.bias.float(), self.eps)
+
+
 def norm(model: ModelConfig, size: int) -> nn.Module:
     """A norm over the last `size` features: LayerNorm (bias = model.bias) or RMSNorm."""
     if model.normalization == "rmsnorm":
         return nn.RMSNorm(size, eps=model.layernorm_epsilon)
-    return nn.LayerNorm(size, eps=model.layernorm_epsilon, bias=model.bias)
+    return LayerNorm(size, eps=model.layernorm_epsilon, bias=model.bias)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +88,6 @@ class _SlotNorm:
 
 def norm_spec(model: ModelConfig) -> ModuleSpec | type:
     """The norm slots of megatron's layers and block for `model`."""
-    if model.normalization == "layernorm" and model.bias:
-        # apex's fused LayerNorm when apex and a GPU are present, else torch's LayerNorm
-        return LocalSpecProvider().layer_norm() if torch.cuda.is_available() else WrappedTorchNorm
+    if model.normalization == "layernorm" and model.bias and torch.cuda.is_available():
+        return LocalSpecProvider().layer_norm()  # apex's fused LayerNorm when apex is present, else torch's
     return ModuleSpec(module=_SlotNorm, params={"model": model})
