@@ -275,6 +275,34 @@ def test_electra_runs_fine_tune_with_one_linear_layer_on_the_first_token(world):
             torch.testing.assert_close(classify(model, sequences, 1, packing, world.device), want, rtol=0, atol=1e-5)
 
 
+def test_dense_heads_drop_out_as_transformers_electra_and_distilbert_classifiers():
+    """In training (dropout 0.1), dense_gelu is transformers' ElectraClassificationHead and dense_relu
+    DistilBertForSequenceClassification's pre_classifier -> ReLU -> dropout -> classifier, bit for bit
+    under the same seed: the same dropout draws in the same places."""
+    from transformers import ElectraConfig
+    from transformers.models.electra.modeling_electra import ElectraClassificationHead
+
+    from megamlm.objectives.classification import CLASSIFIER_HEADS
+
+    model = variant_config("baseline").model
+    features = torch.randn(5, 7, model.hidden_size)  # [b, s, h]: the heads read the first token's
+    electra = ElectraClassificationHead(ElectraConfig(hidden_size=model.hidden_size, num_labels=3,
+                                                      hidden_dropout_prob=0.1, hidden_act="relu")).train()
+    ours = {name: CLASSIFIER_HEADS[name](model, 3, dropout=0.1).train() for name in ("dense_gelu", "dense_relu")}
+    for head in ours.values():
+        head.load_state_dict(electra.state_dict())  # dense, out_proj: the same names
+    distilbert = lambda x: ours["dense_relu"].out_proj(  # noqa: E731  (transformers' lines, its modules)
+        torch.nn.functional.dropout(torch.relu(ours["dense_relu"].dense(x)), 0.1, training=True))
+    for name, theirs in (("dense_gelu", electra), ("dense_relu", lambda x: distilbert(x[:, 0]))):
+        torch.manual_seed(7)
+        want = theirs(features)
+        torch.manual_seed(7)
+        got = ours[name](features[:, 0])
+        assert torch.equal(got, want), name
+        torch.manual_seed(8)
+        assert not torch.equal(ours[name](features[:, 0]), want)  # dropout draws
+
+
 def test_layerwise_lr_decay_scales_each_depth_and_zero_freezes_the_body(world):
     from megamlm.glue.finetune import finetune, layer_lr_scales
     from megamlm.glue.tasks import TASKS, Example

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from megamlm.config import ConfigError
+from megamlm.config import ConfigError, replace_config
 from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf_export import SequenceClassifier
 from megamlm.convert.pipeline import convert
 from megamlm.glue.finetune import FinetuneOptions
 from megamlm.glue.run import run_glue
 from megamlm.glue.tasks import TASKS, read_examples
-from megamlm.model.folder import read_model_folder
+from megamlm.model.folder import read_model_folder, write_model_folder
 from megamlm.objectives import load_pretrained
 from tests.faults_common import run_cli
 from tests.test_glue import GLUE
@@ -144,3 +144,46 @@ def test_classification_head_from_hf_needs_a_sequence_classifier(world, tmp_path
         convert("hf", "megamlm", SOURCES["Bert"](tmp_path / "mlm"), tmp_path / "out",
                 classifier=SequenceClassifier("rte"), **QUIET)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("architecture,head", [("Electra", "dense_gelu"), ("DistilBert", "dense_relu")])
+def test_electra_and_distilbert_classifiers_convert_both_ways_with_transformers_logits(world, tmp_path,
+                                                                                       architecture, head):
+    """ElectraForSequenceClassification (dense -> GELU, whatever ELECTRA's hidden_act) and
+    DistilBertForSequenceClassification (pre_classifier -> ReLU): imported as the encoder and that head (the
+    conversion checks the logits against transformers'), exported back as the same class, the same tensors.
+    (Their dropout in training: test_glue_heads.py.)"""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.test_electra_hf import save_electra
+    from tests.test_hf_distilbert import save_distilbert
+
+    masked = (save_electra(tmp_path / "mlm", hidden_act="gelu_new") if architecture == "Electra"
+              else save_distilbert(tmp_path / "mlm"))
+    source = as_sequence_classifier(masked, tmp_path / "cls", {0: "a", 1: "b"}, finetuning_task="Task")
+    report = convert("hf", "megamlm", source, tmp_path / "megamlm", **QUIET)
+    assert report["max_diff"]["hf source"] < 1e-5
+    saved = read_model_folder(tmp_path / "megamlm")
+    assert saved.cfg.model.classifier == head and sorted(saved.heads) == [
+        "task.dense.bias", "task.dense.weight", "task.out_proj.bias", "task.out_proj.weight"]
+    back = convert("megamlm", "hf", tmp_path / "megamlm", tmp_path / "back",
+                   classifier=SequenceClassifier("task", ("a", "b")), **QUIET)
+    assert back["max_diff"][f"transformers {architecture}ForSequenceClassification"] < 1e-5
+    theirs = AutoModelForSequenceClassification.from_pretrained(source).state_dict()
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "back")
+    assert type(exported).__name__ == f"{architecture}ForSequenceClassification"
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+
+    # a pooler head on the same encoder is not this class's function: refused in one line
+    pooler = replace_config(saved.cfg, ["model.classifier=pooler"])
+    write_model_folder(tmp_path / "pooler", pooler, saved.full, heads=saved.heads)
+    if architecture == "Electra":
+        with pytest.raises(ConversionError, match="ElectraForSequenceClassification computes "
+                                                  "model.classifier=dense_gelu, this folder's head is pooler"):
+            convert("megamlm", "hf", tmp_path / "pooler", tmp_path / "x", classifier=SequenceClassifier("task"),
+                    **QUIET)
+    else:  # DistilBERT's shape with tanh is RoBERTa's classifier (as a fine-tuned DistilBERT folder goes out)
+        report = convert("megamlm", "hf", tmp_path / "pooler", tmp_path / "x", classifier=SequenceClassifier("task"),
+                         **QUIET)
+        assert report["max_diff"]["transformers RobertaForSequenceClassification"] < 1e-5

@@ -182,11 +182,13 @@ class ModelConfig:
     at ±2σ with σ = init_std for the embeddings, QKV and the first FFN linear and σ = init_std /
     sqrt(2 · num_layers) for each layer's output projections (attention out, second FFN linear) and the
     MLM head's dense layer. Biases 0 and norms 1 in both."""
-    classifier: Literal["pooler", "mlm_head", "linear"] = "pooler"
+    classifier: Literal["pooler", "dense_gelu", "dense_relu", "mlm_head", "linear"] = "pooler"
     """The sentence-classification head fine-tuning puts on the encoder (`megamlm glue`;
     objectives/classification.py CLASSIFIER_HEADS). pooler: dense -> tanh -> out_proj (fairseq's
     RobertaClassificationHead; BERT's pooler + classifier, dense started from the folder's pretrained
-    pooler when it has one, else drawn); mlm_head: the MLM head's transform (dense ->
+    pooler when it has one, else drawn); dense_gelu / dense_relu: the same with GELU (transformers'
+    ElectraForSequenceClassification) / ReLU (DistilBertForSequenceClassification); mlm_head: the MLM
+    head's transform (dense ->
     activation -> norm), started from the folder's pretrained MLM head, -> out_proj (transformers'
     ModernBertForSequenceClassification, whose `head` is the masked-LM model's); linear: out_proj alone
     (ELECTRA's fine-tuning code)."""

@@ -94,7 +94,8 @@ def _check_sequence_head(fmt: HFFormat | None, model: ModelConfig, name: str) ->
         what = "this model has no transformers class" if fmt is None else f"{fmt.architecture} has none"
         raise ConversionError(f"--classification-head {name}: exports as a *ForSequenceClassification with the "
                               f"same function, and {what} for model.classifier={model.classifier} (RoBERTa, BERT and "
-                              f"ALBERT shapes with `pooler`, ModernBERT's with `mlm_head`); nothing was written")
+                              f"ALBERT shapes with `pooler`, ModernBERT's with `mlm_head`, ELECTRA's with "
+                              f"`dense_gelu`, DistilBERT's with `dense_relu`); nothing was written")
     if fmt.sequence_head[0] != model.classifier:
         raise ConversionError(f"--classification-head {name}: {fmt.sequence_classification} computes "
                               f"model.classifier={fmt.sequence_head[0]}, this folder's head is "
@@ -234,13 +235,15 @@ def _transformers_logits(loaded, cfg: ModelConfig, tokens: torch.Tensor, order: 
 
 def _export_format(model: ModelConfig, objective: str, tokenizer, classifier: bool) -> HFFormat | None:
     """hf_format's class, refined by the tokenizer where the same model came as another class: XLM-R's and
-    CamemBERT's (the class their tokenizer names) and, for the masked LM, DistilBERT's (a BERT vocabulary and
-    its LayerNorm eps: RoBERTa's positions would read id 1 as padding; it has no classifier megamlm computes)."""
+    CamemBERT's (the class their tokenizer names) and DistilBERT's (a BERT vocabulary and its LayerNorm eps:
+    RoBERTa's positions would read id 1 as padding) for the masked LM and its own classifier (dense_relu;
+    a `pooler` head goes out as RoBERTa's classifier, the same function)."""
     fmt = hf_format(model, objective)
     if fmt is not ROBERTA:
         return fmt
     fmt = TOKENIZER_FORMATS.get(getattr(tokenizer, "tokenizer_class", None), ROBERTA)
-    if (fmt is ROBERTA and not classifier and isinstance(tokenizer, WordPieceTokenizer)
+    if (fmt is ROBERTA and (not classifier or model.classifier == DISTILBERT.sequence_head[0])
+            and isinstance(tokenizer, WordPieceTokenizer)
             and model.layernorm_epsilon == DISTILBERT.variant["layernorm_epsilon"]):
         return DISTILBERT
     return fmt

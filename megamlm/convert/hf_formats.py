@@ -27,8 +27,9 @@ non-renaming steps are written next to it:
   pretraining class (`HFFormat.pretraining`);
 - a fine-tuned folder's classification head (`megamlm glue --save`) exports as the format's
   *ForSequenceClassification (`sequence_head`: RoBERTa's classifier.dense/out_proj, BERT's and ALBERT's
-  pooler + classifier for the `pooler` head; ModernBERT's head + classifier for `mlm_head`), and such a
-  class imports as the encoder with that classification head (no MLM head);
+  pooler + classifier for the `pooler` head; ModernBERT's head + classifier for `mlm_head`; ELECTRA's
+  classifier.dense/out_proj for `dense_gelu`; DistilBERT's pre_classifier + classifier for `dense_relu`),
+  and such a class imports as the encoder with that classification head (no MLM head);
 - vocabulary rows: roberta-base's ids are fairseq's; XLM-R's SentencePiece, BERT's WordPiece and ALBERT's
   SentencePiece ids are permuted into megamlm's (data/pieces.py: vocab_order; XLM-R's is the identity) by
   the importer / exporter, which hold the vocab.
@@ -137,7 +138,7 @@ class HFFormat:
     @property
     def sequence_classification(self) -> str:
         """The sequence-classification class of a format with a `sequence_head`."""
-        return self.architecture.replace("ForMaskedLM", "ForSequenceClassification")
+        return self.architecture.split("For")[0] + "ForSequenceClassification"
 
     @property
     def base_model(self) -> str:
@@ -231,7 +232,8 @@ ELECTRA = HFFormat(
                                          names.DISCRIMINATOR_PREDICTION)],
     qkv="electra.encoder.layer.{i}.attention.self.{part}.{kind}", head="", position_rows_dropped=POSITION_OFFSET,
     fixed={}, config=(("embedding_size", "embedding_size"),), variant={"classifier": "linear"}, mlm_head=False,
-    objective="electra")
+    objective="electra", sequence_head=("dense_gelu", (("dense.{kind}", "classifier.dense.{kind}"),
+                                                       ("out_proj.{kind}", "classifier.out_proj.{kind}"))))
 ELECTRA_GENERATOR = HFFormat(
     "ElectraForMaskedLM", "electra",
     _body("electra") + [*weight_and_bias("electra.embeddings_project.{kind}", names.EMBEDDING_PROJECTION),
@@ -259,6 +261,7 @@ DISTILBERT = HFFormat(
     qkv=f"{DISTILBERT_LAYER}.attention.{{part}}_lin.{{kind}}", head="", position_rows_dropped=POSITION_OFFSET,
     fixed={}, tied_decoder="vocab_projector.{kind}",
     qkv_parts=("q", "k", "v"), token_type_table=False, variant={"token_types": 0, "layernorm_epsilon": 1e-12},
+    sequence_head=("dense_relu", (("dense.{kind}", "pre_classifier.{kind}"), ("out_proj.{kind}", "classifier.{kind}"))),
     config_names=(("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
                   ("intermediate_size", "hidden_dim"), ("hidden_dropout_prob", "dropout"),
                   ("attention_probs_dropout_prob", "attention_dropout"), ("hidden_act", "activation"),

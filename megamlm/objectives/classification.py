@@ -1,8 +1,12 @@
 """Sentence-classification heads for fine-tuning, chosen by name (model.classifier), and the pooling
 of each sequence's features they read (model.classifier_pooling).
 
-    pooler    features -> dense -> tanh -> out_proj                 fairseq's RobertaClassificationHead,
+    pooler      features -> dense -> tanh -> out_proj               fairseq's RobertaClassificationHead,
                                                                      BERT's / ALBERT's pooler + classifier
+    dense_gelu  features -> dense -> GELU -> out_proj               transformers' ElectraForSequence-
+                                                                     Classification
+    dense_relu  features -> dense -> ReLU -> out_proj               transformers' DistilBertForSequence-
+                                                                     Classification
     mlm_head  features -> dense -> activation -> norm -> out_proj   transformers' ModernBertForSequence-
                                                                      Classification (head + classifier)
     linear    features -> out_proj                                  ELECTRA's fine-tuning (google-research/
@@ -27,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megamlm.config import ModelConfig
@@ -130,15 +135,12 @@ class ClassificationHead(nn.Module):
         return _take(self, self.PRETRAINED, pretrained)
 
 
-class PoolerHead(ClassificationHead):
-    """fairseq's RobertaClassificationHead (= BERT's pooler + classifier); parameter names match fairseq's
-    `classification_heads.<name>.*`. Its dense layer starts from the folder's pretrained pooler when it
-    has one, as BertForSequenceClassification and AlbertForSequenceClassification start from the
-    checkpoint's: a sentence-pair model's (`pair_head.pooler`), or one kept by conversion as the
-    classification head of its objective (`classification_heads.nsp.dense`, `...sop.dense`)."""
+class DenseHead(ClassificationHead):
+    """features -> dense -> ACTIVATION -> out_proj at the hidden width, with dropout on out_proj's input
+    (and on dense's, DROP_FEATURES); parameter names match fairseq's `classification_heads.<name>.*`."""
 
-    PRETRAINED = {"dense.{kind}": ["pair_head.pooler.{kind}",
-                                   *(f"{names.CLASSIFICATION_HEADS}{kind}.dense.{{kind}}" for kind in PAIR_KINDS)]}
+    ACTIVATION = staticmethod(torch.tanh)
+    DROP_FEATURES = False
 
     def __init__(self, model: ModelConfig, num_classes: int, dropout: float = 0.0):
         super().__init__(dropout)
@@ -146,7 +148,34 @@ class PoolerHead(ClassificationHead):
         self.out_proj = nn.Linear(model.hidden_size, num_classes)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(self.drop(torch.tanh(self.dense(features))))
+        if self.DROP_FEATURES:
+            features = self.drop(features)
+        return self.out_proj(self.drop(self.ACTIVATION(self.dense(features))))
+
+
+class PoolerHead(DenseHead):
+    """fairseq's RobertaClassificationHead (= BERT's pooler + classifier), tanh. Its dense layer starts
+    from the folder's pretrained pooler when it has one, as BertForSequenceClassification and
+    AlbertForSequenceClassification start from the checkpoint's: a sentence-pair model's
+    (`pair_head.pooler`), or one kept by conversion as the classification head of its objective
+    (`classification_heads.nsp.dense`, `...sop.dense`)."""
+
+    PRETRAINED = {"dense.{kind}": ["pair_head.pooler.{kind}",
+                                   *(f"{names.CLASSIFICATION_HEADS}{kind}.dense.{{kind}}" for kind in PAIR_KINDS)]}
+
+
+class DenseGeluHead(DenseHead):
+    """transformers' ElectraClassificationHead (ElectraForSequenceClassification): exact GELU, whatever
+    model.activation is, and dropout on both layers' inputs."""
+
+    ACTIVATION = staticmethod(F.gelu)
+    DROP_FEATURES = True
+
+
+class DenseReluHead(DenseHead):
+    """DistilBertForSequenceClassification's pre_classifier -> ReLU -> classifier."""
+
+    ACTIVATION = staticmethod(F.relu)
 
 
 class MLMHeadClassifier(ClassificationHead):
@@ -187,6 +216,7 @@ class LinearHead(ClassificationHead):
         return self.out_proj(self.drop(features))
 
 
-CLASSIFIER_HEADS: dict[str, type[ClassificationHead]] = {"pooler": PoolerHead, "mlm_head": MLMHeadClassifier,
-                                                "linear": LinearHead}
+CLASSIFIER_HEADS: dict[str, type[ClassificationHead]] = {"pooler": PoolerHead, "dense_gelu": DenseGeluHead,
+                                                          "dense_relu": DenseReluHead, "mlm_head": MLMHeadClassifier,
+                                                          "linear": LinearHead}
 """model.classifier -> its head (the names of ModelConfig.classifier)."""
