@@ -275,6 +275,15 @@ def test_electra_runs_fine_tune_with_one_linear_layer_on_the_first_token(world):
             torch.testing.assert_close(classify(model, sequences, 1, packing, world.device), want, rtol=0, atol=1e-5)
 
 
+def test_every_classifier_name_the_config_allows_has_a_head():
+    import typing
+
+    from megamlm.config import ModelConfig
+    from megamlm.objectives.classification import CLASSIFIER_HEADS
+
+    assert set(CLASSIFIER_HEADS) == set(typing.get_args(typing.get_type_hints(ModelConfig)["classifier"]))
+
+
 def test_dense_heads_drop_out_as_transformers_electra_and_distilbert_classifiers():
     """In training (dropout 0.1), dense_gelu is transformers' ElectraClassificationHead and dense_relu
     DistilBertForSequenceClassification's pre_classifier -> ReLU -> dropout -> classifier, bit for bit

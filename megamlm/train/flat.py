@@ -213,7 +213,8 @@ class FlatEngine:
         self._note_floor(flags)
 
     def _note_floor(self, flags: list[float]) -> None:
-        if flags[1:] == [1.0] and self.floor_overflow_update is None:
+        """flags: [found_inf] (bf16), or [found_inf, floor_overflow] (fp16)."""
+        if len(flags) > 1 and flags[1] and self.floor_overflow_update is None:
             self.floor_overflow_update = self.flags_update
 
     def fault(self, step: int) -> str | None:
