@@ -13,6 +13,7 @@ import torch
 from megamlm.train import loss_scale
 from megamlm.train.loss_scale import DynamicLossScale
 from tests.test_flat_engine import _setup
+from tests.multiproc import run_on_ranks
 from tests.test_host_sync import HostReads
 from tests.test_train import _train, config, logged, tiny_shards
 
@@ -172,3 +173,22 @@ def test_an_overflow_at_the_loss_scales_floor_rolls_the_run_back(shards, tmp_pat
     with pytest.raises(RuntimeError, match=r"training diverged at update 6: the gradients of update 6 "
                                            r"overflowed fp16 .* no checkpoint to roll back to"):
         _train(config(shards, tmp_path / "unsaved", *common, "train.steps=8"))
+
+
+def _train_with_overflows(cfg, count: int):
+    """_train with `_overflowing_updates` (on a rank of its own: run_on_ranks)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _overflowing_updates(monkeypatch, count)
+        return _train(cfg)
+
+
+@pytest.mark.slow
+def test_an_overflow_at_the_floor_rolls_back_every_data_parallel_rank_alike(shards, tmp_path):
+    """DP=2: the overflow flag is the norm's, reduced over DP, so both ranks roll back at update 6 to
+    update 4's checkpoint together and train on to the same losses."""
+    cfg = config(shards, tmp_path / "dp2", "train.precision=fp16", "train.engine=flat", "train.global_batch_size=8",
+                 "train.steps=8", "train.save_interval=2")
+    ranks = run_on_ranks(_train_with_overflows, 2, cfg, 4)
+    assert [r["rollbacks"] for r in ranks] == [1, 1] and ranks[0]["losses"] == ranks[1]["losses"]
+    assert [e["step"] for e in map(json.loads, (tmp_path / "dp2/log.jsonl").read_text().splitlines())
+            if e["event"] == "rollback"] == [6]
