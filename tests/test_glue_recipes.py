@@ -155,3 +155,28 @@ def test_the_glue_command_records_each_tasks_recipe(tiny_folder, tmp_path, capsy
         cli(["glue", "--checkpoint", str(tiny_folder), "--data-dir", str(GLUE), "--recipe", "bert"])
     assert refused.value.code == 2
     assert "invalid choice: 'bert'" in capsys.readouterr().err
+
+
+def test_a_folder_whose_objective_has_its_own_recipe_says_so_under_another(world, tmp_path):
+    """An ELECTRA folder fine-tuned with the default (fairseq) recipe: one line names ELECTRA's; the
+    recipe itself stays the one asked for (a comparison of objectives fine-tunes them alike)."""
+    from megamlm.config import load_config
+    from megamlm.glue.run import run_glue
+    from megamlm.model.folder import write_model_folder
+    from megamlm.model.reshard import full_state_dict
+    from megamlm.objectives import get_objective
+    from tests.variants import CONFIGS, TINY
+
+    cfg = load_config([CONFIGS / "variants/baseline.yaml", CONFIGS / "objectives/electra.yaml"],
+                      TINY + ["model.vocab_size=50265", "objective.generator_size=0.5"])
+    write_model_folder(tmp_path / "electra", cfg, full_state_dict(get_objective(cfg).build_model(world)))
+    for recipe in ("fairseq", "electra"):
+        lines = []
+        report = run_glue(str(tmp_path / "electra"), str(GLUE), ["RTE"], [1], str(tmp_path / recipe),
+                          FinetuneOptions(recipe=recipe, epochs=1, batch_size=4), max_train=4, max_eval=4,
+                          log=lines.append)
+        assert report["options"]["recipe"] == recipe
+        notes = [line for line in lines if "note:" in line]
+        assert notes == ([] if recipe == "electra" else [
+            "RTE: note: the folder was pretrained with objective.name=electra, whose paper fine-tunes as "
+            "--recipe electra; this run: --recipe fairseq"])

@@ -104,6 +104,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            per_size={"small": {"lr": 3e-4}, "large": {"lr": 5e-5, "layerwise_lr_decay": 0.9}}),
 ]}
 """--recipe name -> recipe (the first: the default)."""
+PAPER_RECIPES = {"electra": "electra"}
+"""objective.name -> the recipe of the paper that introduced it, where that is not the default; `megamlm
+glue` notes it when another one fine-tunes such a folder (the default stays: one recipe compares objectives)."""
 
 
 class AdamWeightDecay(torch.optim.Optimizer):

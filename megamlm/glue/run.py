@@ -27,6 +27,7 @@ from megamlm.glue.submission import prediction_lines, write_submission
 from megamlm.glue.tasks import (TASKS, GlueDataError, read_examples, read_test_examples, task_extra_dev_files,
                                 task_files, task_test_files)
 from megamlm.glue.metrics import best_of
+from megamlm.glue.recipes import PAPER_RECIPES
 from megamlm.model import names
 from megamlm.model.folder import ModelFolder, read_model_folder, write_model_folder
 from megamlm.model.reshard import full_state_dict
@@ -71,6 +72,10 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
         if seed == seeds[0]:
             log(f"{name}: classifier {cfg.model.classifier} on {cfg.model.classifier_pooling} features, "
                 + (f"started from {', '.join(model.pretrained)}" if model.pretrained else "drawn fresh"))
+            paper = PAPER_RECIPES.get(saved.cfg.objective.name, options.recipe)
+            if paper != options.recipe:  # the same recipe for every objective compares them; say so, no more
+                log(f"{name}: note: the folder was pretrained with objective.name={saved.cfg.objective.name}, "
+                    f"whose paper fine-tunes as --recipe {paper}; this run: --recipe {options.recipe}")
         result["seeds"][seed] = finetune(model, task, train, dev, tokenizer, options, seed, ctx, log=log, test=tests,
                                          extra_dev=extra_dev)
         predicted = result["seeds"][seed].get("test", {})
