@@ -1,16 +1,16 @@
 """Sentence-classification heads for fine-tuning, chosen by name (model.classifier), and the pooling
 of each sequence's features they read (model.classifier_pooling).
 
-    pooler      features -> dense -> tanh -> out_proj               fairseq's RobertaClassificationHead,
-                                                                     BERT's / ALBERT's pooler + classifier
-    dense_gelu  features -> dense -> GELU -> out_proj               transformers' ElectraForSequence-
-                                                                     Classification
-    dense_relu  features -> dense -> ReLU -> out_proj               transformers' DistilBertForSequence-
-                                                                     Classification
-    mlm_head  features -> dense -> activation -> norm -> out_proj   transformers' ModernBertForSequence-
-                                                                     Classification (head + classifier)
-    linear    features -> out_proj                                  ELECTRA's fine-tuning (google-research/
-                                                                     electra: `[CLS]` features, one dense layer)
+    pooler      features -> dense -> tanh -> out_proj                   fairseq's RobertaClassificationHead,
+                                                                        BERT's / ALBERT's pooler + classifier
+    dense_gelu  features -> dense -> GELU -> out_proj                   transformers' ElectraForSequence-
+                                                                        Classification
+    dense_relu  features -> dense -> ReLU -> out_proj                   transformers' DistilBertForSequence-
+                                                                        Classification
+    mlm_head    features -> dense -> activation -> norm -> out_proj     transformers' ModernBertForSequence-
+                                                                        Classification (head + classifier)
+    linear      features -> out_proj                                    ELECTRA's fine-tuning (google-research/
+                                                                        electra: `[CLS]` features, one dense layer)
 
 ModernBertForSequenceClassification's `head` is the same module, under the same name, as
 ModernBertForMaskedLM's, so fine-tuning a masked-LM checkpoint starts it from the pretrained MLM
