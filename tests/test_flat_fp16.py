@@ -13,6 +13,7 @@ import torch
 from megamlm.train import loss_scale
 from megamlm.train.loss_scale import DynamicLossScale
 from tests.test_flat_engine import _setup
+from tests.faults_common import run_cli
 from tests.multiproc import run_on_ranks
 from tests.test_host_sync import HostReads
 from tests.test_train import _train, config, logged, tiny_shards
@@ -169,11 +170,15 @@ def test_an_overflow_at_the_loss_scales_floor_rolls_the_run_back(shards, tmp_pat
     assert scales == [(1, 128.0), (2, 128.0), (3, 128.0), (4, 64.0), (5, 32.0),
                       (5, 64.0), (6, 64.0), (7, 64.0), (8, 64.0)]
 
-    _overflowing_updates(monkeypatch, 4)
-    with pytest.raises(RuntimeError, match=r"training diverged at update 6: the gradients of update 6 "
-                                           r"overflowed fp16 .* no checkpoint to roll back to"):
-        _train(config(shards, tmp_path / "unsaved", *common, "train.steps=8"))
+    # without a checkpoint: the run stops, and the CLI says why in one line (not as an internal error)
+    import megamlm.cli
 
+    _overflowing_updates(monkeypatch, 4)
+    unsaved = config(shards, tmp_path / "unsaved", *common, "train.steps=8")
+    monkeypatch.setitem(megamlm.cli.VERBS, "train", (lambda cfg, args: _train(unsaved), "", None))
+    assert run_cli(capsys, "train") == (2, "megamlm: train: training diverged at update 6: the gradients of update "
+                                           "6 overflowed fp16 with the loss scale at its minimum (32); no checkpoint "
+                                           "to roll back to (lower train.save_interval)")
 
 def _train_with_overflows(cfg, count: int):
     """_train with `_overflowing_updates` (on a rank of its own: run_on_ranks)."""

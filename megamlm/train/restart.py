@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megamlm.config import Config, ConfigError
-from megamlm.errors import CorruptFileError
+from megamlm.errors import CorruptFileError, MegamlmError
 from megamlm.parallel import ParallelContext
 from megamlm.train.checkpoint import Checkpoints, TrainState
 from megamlm.train.log import Log
@@ -45,6 +45,11 @@ def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, en
     return state
 
 
+class TrainingDiverged(MegamlmError, RuntimeError):
+    """A run that diverged with no rollback left (none saved, or train.max_rollbacks used): the CLI says so
+    in one line (exit 2), not as an internal error. (A RuntimeError too, as before it had a class.)"""
+
+
 def roll_back(cfg: Config, ctx: ParallelContext, engine, schedule, checkpoints: Checkpoints,
               state: TrainState, step: int, log: Log, reason: str) -> TrainState:
     """Update `step` failed the spike guard: reload the last good checkpoint, change the data seed,
@@ -57,7 +62,7 @@ def roll_back(cfg: Config, ctx: ParallelContext, engine, schedule, checkpoints: 
         why = ("no checkpoint to roll back to (lower train.save_interval)" if tag is None
                else f"gave up after {cfg.train.max_rollbacks} rollbacks (train.max_rollbacks)")
         log.event("abort", step, f"update {step}: {reason}; {why}")
-        raise RuntimeError(f"training diverged at update {step}: {reason}; {why}")
+        raise TrainingDiverged(f"training diverged at update {step}: {reason}; {why}")
     restored = checkpoints.load(engine, schedule, tag, cfg, ctx)
     restored.rollbacks = rollbacks
     restored.data_seed = cfg.train.seed + 1000 * rollbacks
