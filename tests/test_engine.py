@@ -122,3 +122,33 @@ def test_zero1_without_the_contiguous_gradient_buffer_trains_the_same_losses(sha
     buffered = config(shards, tmp_path / "buffered", *common, f"train.deepspeed_config={buffered_file}")
     losses = [run_on_ranks(_train, 2, cfg)[0]["losses"] for cfg in (default, buffered)]
     assert len(losses[0]) == 4 and losses[0] == losses[1]
+
+
+def test_deepspeeds_stop_at_the_fp16_scale_floor_is_told_as_a_diverged_run(monkeypatch):
+    """DeepSpeed's own scaler raises its bare Exception at the floor; the fp16 engine's step says it as
+    TrainingDiverged (the CLI: one line, exit 2). Other errors pass through unchanged."""
+    import types
+
+    from deepspeed.runtime.fp16 import loss_scaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from megamlm.train.engine import stopping_at_the_scale_floor
+    from megamlm.train.guard import TrainingDiverged
+
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *args, **kwargs: 0)
+    scaler = DynamicLossScaler(init_scale=16, scale_window=1000, min_scale=16, delayed_shift=1,
+                               consecutive_hysteresis=False, raise_error_at_min_scale=True)
+    engine = types.SimpleNamespace(global_steps=41)
+    step = stopping_at_the_scale_floor(lambda: scaler.update_scale(True), engine)
+    with pytest.raises(TrainingDiverged, match=r"^training diverged at update 42: its fp16 gradients overflowed "
+                                               r"with DeepSpeed's loss scale at its minimum \(0\.0001\); resume from "
+                                               r"an earlier checkpoint \(--resume TAG\), or train with "
+                                               r"train.engine=flat") as diverged:
+        step()
+    assert isinstance(diverged.value, RuntimeError) and "already at minimum" in str(diverged.value.__cause__)
+
+    def failing():
+        raise ValueError("something else")
+
+    with pytest.raises(ValueError, match="something else"):
+        stopping_at_the_scale_floor(failing, engine)()

@@ -8,6 +8,7 @@ then take the sequence-parallel path and drop model-parallel handling.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ from megamlm.config import Config, ConfigError
 from megamlm.model.tp import tp_sharded
 from megamlm.parallel import ParallelContext
 from megamlm.train.flat import FlatEngine
+from megamlm.train.guard import TrainingDiverged
 from megamlm.train.loss_scale import FP16_LOSS_SCALING
 from megamlm.train.schedule import Schedule
 
@@ -156,4 +158,31 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stag
         lr_scheduler=lambda opt: Schedule(opt, cfg.optim, cfg.train.steps))
     if _plain_fp32(cfg, stage) and not cfg.train.deepspeed_config:
         optimizer.register_step_pre_hook(GradNorm(engine, optimizer, ctx, cfg.optim.clip_grad))
+    if cfg.train.precision == "fp16":
+        engine.step = stopping_at_the_scale_floor(engine.step, engine)
     return engine, optimizer, schedule
+
+
+DEEPSPEED_SCALE_FLOOR = "Current loss scale already at minimum"
+"""The start of the message of the bare Exception DeepSpeed's DynamicLossScaler raises on an overflow
+with the fp16 loss scale at its minimum."""
+
+
+def stopping_at_the_scale_floor(step, engine):
+    """DeepSpeed's engine.step, with its stop at the loss scale's floor told as a diverged run (one line,
+    what to do) instead of a bare Exception. (The flat engine rolls back by itself there.)"""
+
+    @functools.wraps(step)
+    def wrapped(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        except Exception as err:
+            if not str(err).startswith(DEEPSPEED_SCALE_FLOOR):
+                raise
+            raise TrainingDiverged(
+                f"training diverged at update {engine.global_steps + 1}: its fp16 gradients overflowed with "
+                f"DeepSpeed's loss scale at its minimum ({FP16_LOSS_SCALING['min_loss_scale']:g}); resume from "
+                f"an earlier checkpoint (--resume TAG), or train with train.engine=flat, which rolls back by "
+                f"itself with a new data seed") from err
+
+    return wrapped

@@ -7,6 +7,14 @@ import math
 from collections import deque
 from statistics import median
 
+from megamlm.errors import MegamlmError
+
+
+class TrainingDiverged(MegamlmError, RuntimeError):
+    """A run that diverged with no rollback left (none saved, or train.max_rollbacks used), or that its
+    engine stopped: the CLI says so in one line (exit 2), not as an internal error. (A RuntimeError
+    too, as it was before it had a class.)"""
+
 
 class SpikeGuard:
     """Flags a non-finite loss at once, or `patience` consecutive losses above

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from megamlm.config import Config, ConfigError
-from megamlm.errors import CorruptFileError, MegamlmError
+from megamlm.errors import CorruptFileError
 from megamlm.parallel import ParallelContext
 from megamlm.train.checkpoint import Checkpoints, TrainState
+from megamlm.train.guard import TrainingDiverged
 from megamlm.train.log import Log
 
 
@@ -43,11 +44,6 @@ def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, en
     where += f"; {state.note}" if state.note else ""
     log.event("resume", state.step, where, message=where, resharded=state.resharded)
     return state
-
-
-class TrainingDiverged(MegamlmError, RuntimeError):
-    """A run that diverged with no rollback left (none saved, or train.max_rollbacks used): the CLI says so
-    in one line (exit 2), not as an internal error. (A RuntimeError too, as before it had a class.)"""
 
 
 def roll_back(cfg: Config, ctx: ParallelContext, engine, schedule, checkpoints: Checkpoints,
