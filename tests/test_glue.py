@@ -137,6 +137,12 @@ def test_glue_command_reports_a_missing_data_dir_without_traceback(capsys, tmp_p
     assert "RTE | skipped | missing" in capsys.readouterr().out
     assert cli(["glue", "--checkpoint", str(tiny_folder), "--data-dir", str(GLUE), "--tasks", "WNLI"]) == 2
     assert "unknown GLUE task(s) ['WNLI']" in capsys.readouterr().err
+    # a wrong --checkpoint is said first, whatever the data dir holds
+    assert cli(["glue", "--checkpoint", str(tmp_path / "typo"), "--data-dir", str(tmp_path / "none"), "--tasks",
+                "RTE", "--out", str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megamlm: glue: {tmp_path / 'typo' / 'config.yaml'} not found: not a megamlm model folder")
+    assert not (tmp_path / "out2/results.json").exists()
 
 
 def test_perplexity_and_extrapolation_report(tiny_folder, tmp_path):

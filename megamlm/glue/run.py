@@ -29,7 +29,7 @@ from megamlm.glue.tasks import (TASKS, GlueDataError, read_examples, read_test_e
 from megamlm.glue.metrics import best_of
 from megamlm.glue.recipes import PAPER_RECIPES
 from megamlm.model import names
-from megamlm.model.folder import ModelFolder, read_model_folder, write_model_folder
+from megamlm.model.folder import ModelFolder, check_model_folder, read_model_folder, write_model_folder
 from megamlm.model.reshard import full_state_dict
 from megamlm.objectives import encoder_from
 from megamlm.parallel import init_distributed, seed_everything
@@ -122,6 +122,7 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise GlueDataError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
+    check_model_folder(checkpoint)  # before the tasks' files: a wrong path is said first, not after them
     jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval, out) for t in tasks]
     if parallel > 1:
         with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -78,14 +78,20 @@ class ModelFolder:
     """The fairseq source's fields (FairseqSource as a dict), for an exact way back; None if none."""
 
 
-def read_model_folder(folder: str | Path) -> ModelFolder:
-    """Read (and verify against its record) a model folder written by any TP degree."""
+def check_model_folder(folder: str | Path) -> Path:
+    """`folder` as a Path if it holds a model folder's config.yaml; else FileNotFoundError, saying what it is."""
     folder = Path(folder)
     if not (folder / "config.yaml").is_file():
         hint = (f"; it holds a config.json: a transformers folder? `megamlm convert --from hf {folder} --to megamlm "
                 f"OUT` reads it" if (folder / "config.json").is_file() else "")
         raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder "
                                 f"(training writes one to <run_dir>/final; `megamlm convert` writes others){hint}")
+    return folder
+
+
+def read_model_folder(folder: str | Path) -> ModelFolder:
+    """Read (and verify against its record) a model folder written by any TP degree."""
+    folder = check_model_folder(folder)
     verify_record(folder)  # every file as written (folders from before records: unverified)
     cfg = load_config([folder / "config.yaml"])
     shards = sorted(folder.glob("model-tp*-of-*.pt"))
