@@ -23,7 +23,7 @@ from megamlm.convert.fairseq import ConversionError
 from megamlm.convert.hf import (ACTIVATIONS, hf_config_values, megamlm_to_hf, pair_head_to_hf, permute_vocab,
                                 sequence_head_to_hf)
 from megamlm.convert.hf_formats import (ALBERT, BERT, DISTILBERT, ELECTRA, ELECTRA_GENERATOR, MODERNBERT, ROBERTA,
-                                        ROBERTAS, TOKENIZER_FORMATS, HFFormat)
+                                        ROBERTAS, SEQUENCE_CLASSIFIERS, TOKENIZER_FORMATS, HFFormat)
 from megamlm.convert.hf_electra import HEAD_ACTIVATION
 from megamlm.convert.parity import compare, megamlm_logits, without_padding_column
 from megamlm.data.dictionary import TokenizerError
@@ -93,9 +93,9 @@ def _check_sequence_head(fmt: HFFormat | None, model: ModelConfig, name: str) ->
     if fmt is None or fmt.sequence_head is None:
         what = "this model has no transformers class" if fmt is None else f"{fmt.architecture} has none"
         raise ConversionError(f"--classification-head {name}: exports as a *ForSequenceClassification with the "
-                              f"same function, and {what} for model.classifier={model.classifier} (RoBERTa, BERT and "
-                              f"ALBERT shapes with `pooler`, ModernBERT's with `mlm_head`, ELECTRA's with "
-                              f"`dense_gelu`, DistilBERT's with `dense_relu`); nothing was written")
+                              f"same function, and {what} for model.classifier={model.classifier} ("
+                              + ", ".join(f"{cls}: `{f.sequence_head[0]}`" for cls, f in SEQUENCE_CLASSIFIERS.items())
+                              + "); nothing was written")
     if fmt.sequence_head[0] != model.classifier:
         raise ConversionError(f"--classification-head {name}: {fmt.sequence_classification} computes "
                               f"model.classifier={fmt.sequence_head[0]}, this folder's head is "

@@ -123,9 +123,8 @@ class FlatEngine:
         self.norm = torch.zeros((), device=ctx.device)
         self.skipped = torch.zeros((), device=ctx.device)
         self.skip_in_flight: ToHost | None = None
-        """The last update's found_inf (fp16: and the scale's floor_overflow) on its way to the host."""
-        self.flags_update = 0
-        """The update whose flags those are."""
+        """The last update's found_inf (fp16: and the scale's floor_overflow) on its way to the host:
+        update `global_steps`'s whenever it is read (the next step reads it before counting itself)."""
         self.floor_overflow_update: int | None = None
         """The first update known on the host to have overflowed at the loss scale's floor."""
         self.micro_steps = self.global_steps = self.global_samples = 0
@@ -190,7 +189,6 @@ class FlatEngine:
             else:
                 self.scaler.update(found_inf)
                 self.skip_in_flight = ToHost(torch.stack([found_inf, self.scaler.floor_overflow]))
-            self.flags_update = self.global_steps + 1
         self.optimizer.step()
         self.schedule.step()
         if self.separate_masters:  # bf16 / fp16: cast the range back
@@ -215,13 +213,13 @@ class FlatEngine:
     def _note_floor(self, flags: list[float]) -> None:
         """flags: [found_inf] (bf16), or [found_inf, floor_overflow] (fp16)."""
         if len(flags) > 1 and flags[1] and self.floor_overflow_update is None:
-            self.floor_overflow_update = self.flags_update
+            self.floor_overflow_update = self.global_steps
 
     def fault(self, step: int) -> str | None:
         """Why the run cannot go on from update `step`, whose loss the loop has read (so its flags have
         reached the host; a later update's arrive with the step after it): an fp16 overflow with the
         loss scale at its minimum, which DeepSpeed stops a run for."""
-        if self.scaler is not None and self.skip_in_flight is not None and self.flags_update <= step:
+        if self.scaler is not None and self.skip_in_flight is not None and self.global_steps <= step:
             self._note_floor(self.skip_in_flight.get().tolist())  # the schedule waits for the next step
         if self.floor_overflow_update is None:
             return None
