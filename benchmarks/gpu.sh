@@ -158,6 +158,9 @@ for s in $STEPS; do
         train_run loop-2048-recipe 2048 4 "train.global_batch_size=64 train.precision=fp16 $PROFILE" 30
         train_run loop-2048-recipe-flat 2048 4 \
             "train.global_batch_size=64 train.precision=fp16 train.engine=flat train.compile=true $PROFILE" 30
+        # the same, the 16 micro-batches' gradients summed in fp32 (an add and a zero of 12 bytes per parameter each)
+        train_run loop-2048-recipe-flat-fp32sums 2048 4 "train.global_batch_size=64 train.precision=fp16 \
+            train.engine=flat train.compile=true train.fp32_grad_accumulation=true $PROFILE" 30
         # the fused head + loss in one chunk: no fp32 copy of the [n, V] logits, no separate softmax passes
         train_run loop-2048-flat-compiled-fused-head 2048 8 \
             "train.engine=flat train.compile=true model.head_loss=fused model.head_loss_chunk=134217728 $PROFILE" 60

@@ -102,6 +102,9 @@ BAD = [
     (["model.rope_theta=ten", "model.position=rope"], "model.rope_theta='ten' is invalid; allowed: float or null"),
     (["model.local_attention=bigbird"], "model.local_attention=bigbird needs model.local_window"),
     (["train.profile_updates=-1"], "train.profile_updates=-1 must be >= 0 (0: no profile)"),
+    (["train.fp32_grad_accumulation=true", "train.precision=bf16"],
+     "train.fp32_grad_accumulation=true needs train.engine=flat: DeepSpeed's ZeRO-1 sums micro-batches in the "
+     "weights' dtype"),
 ]
 
 

@@ -24,13 +24,13 @@ def shards(tmp_path_factory):
     return tiny_shards(tmp_path_factory, "flat")
 
 
-def _setup(world, precision: str, clip: float = 0.5):
+def _setup(world, precision: str, clip: float = 0.5, *extra: str):
     """(cfg, objective, flat engine, the same model initialized alike without it, two micro-batches)."""
     base = variant_config("baseline")
     cfg = variant_config("baseline", [f"model.vocab_size={len(_tokenizer(base).dictionary)}", "train.engine=flat",
                                       f"train.precision={precision}", "train.micro_batch_size=4",
                                       "train.global_batch_size=8", f"optim.clip_grad={clip}", "optim.warmup_steps=0",
-                                      "optim.weight_decay=0.01"])
+                                      "optim.weight_decay=0.01", *extra])
     objective = get_objective(cfg)
     seed_everything(1, world)
     reference = objective.build_model(world)
@@ -102,6 +102,45 @@ def test_a_nonfinite_gradient_skips_the_update_without_a_host_read(world):
     assert torch.equal(engine.weights[engine.start:engine.end], engine.master.to(torch.bfloat16))
 
 
+def _update_receiving(engine, objective, batches) -> torch.Tensor:
+    """One update over `batches`: the gradient AdamW received (this rank's range)."""
+    received, step = [], engine.optimizer.step
+    engine.optimizer.step = lambda: (received.append(engine.master.grad.clone()), step())
+    for batch in batches:
+        engine.backward(objective.loss(engine, batch).loss_sum.sum())
+        engine.step()
+    return received[0]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fp32_accumulation_sums_each_micro_batchs_16bit_gradients_in_fp32(world, precision):
+    """What AdamW receives (no clipping, one rank, fp16 unscaled) is the fp32 sum of the micro-batches'
+    16-bit gradients under train.fp32_grad_accumulation, and that sum rounded to 16 bits (autograd's
+    in-place sum in the weights' dtype) without it."""
+    received = {}
+    for fp32_sums in (False, True):
+        _, objective, engine, reference, batches = _setup(world, precision, 0,
+                                                          f"train.fp32_grad_accumulation={fp32_sums}")
+        received[fp32_sums] = _update_receiving(engine, objective, batches)
+    dtype, scale = engine.weights.dtype, engine.scaler.scale if engine.scaler is not None else None
+    # each micro-batch's 16-bit gradient, from its own backward of the same weights, laid out as the buffer
+    for p in reference.parameters():
+        p.data = p.data.to(dtype)
+    micro = []
+    for batch in batches:
+        reference.zero_grad(set_to_none=True)
+        loss = objective.loss(reference, batch).loss_sum.sum() / 2
+        (loss if scale is None else loss * scale).backward()
+        flat = torch.zeros_like(engine.grads)
+        for p, mine in zip(reference.parameters(), engine.module.parameters()):
+            engine._view(flat, mine).copy_(p.grad)
+        micro.append(flat)
+    unscale = 1.0 if scale is None else scale
+    assert torch.equal(received[True], (micro[0].float() + micro[1].float()) / unscale)
+    assert torch.equal(received[False], (micro[0] + micro[1]).float() / unscale)
+    assert not torch.equal(received[True], received[False])  # the 16-bit sum rounded some
+
+
 ELECTRA_BF16 = ["train.precision=bf16", "objective.name=electra", "objective.generator_size=0.5"]
 
 
@@ -149,11 +188,14 @@ def test_the_plans_memory_estimate_is_what_the_engine_holds(world):
         assert plan.memory[kind] == pytest.approx(sum(t.numel() * t.element_size() for t in tensors), rel=0.05), kind
 
 
-def test_a_bf16_run_resumes_bit_for_bit(shards, tmp_path):
+@pytest.mark.parametrize("sums", ["16-bit", "fp32"])
+def test_a_bf16_run_resumes_bit_for_bit(shards, tmp_path, sums, capsys):
     """The checkpoint holds the fp32 master weights and moments; the bf16 weights are their cast, as
-    after every update."""
-    common = ["train.precision=bf16", "train.engine=flat", "train.global_batch_size=8", "train.save_interval=2"]
+    after every update. train.fp32_grad_accumulation holds nothing across updates."""
+    common = ["train.precision=bf16", "train.engine=flat", "train.global_batch_size=8", "train.save_interval=2",
+              f"train.fp32_grad_accumulation={sums == 'fp32'}"]
     straight = _train(config(shards, tmp_path / "straight", *common, "train.steps=4"))
+    assert ("flat engine bf16, fp32 gradient sums" in capsys.readouterr().out) == (sums == "fp32")
     _train(config(shards, tmp_path / "resumed", *common, "train.steps=2"))
     resumed = _train(config(shards, tmp_path / "resumed", *common, "train.steps=4"), resume="auto")
     assert len(straight["losses"]) == 4 and resumed["losses"] == straight["losses"][2:]

@@ -162,6 +162,13 @@ class TrainConfig:
     the device, DeepSpeed's rule; also on a CPU), train.zero_stage 0 or 1 (its optimizer state is cut
     over DP either way). Its checkpoints are in DeepSpeed's stage-0 layout:
     they resume on either engine at any layout and convert as any other."""
+    fp32_grad_accumulation: bool = False
+    """train.engine=flat, bf16 / fp16: add each micro-batch's gradients to the fp32 buffer that the
+    update reduces over DP anyway, instead of summing an update's micro-batches in the weights' dtype
+    (false: DeepSpeed's ZeRO-1 default, which the flat engine matches bit for bit). megatron accumulates
+    bf16 gradients in fp32 always: a 16-bit running sum keeps 8 (bf16) or 11 (fp16) significant bits of
+    each addend, and the Pile recipes accumulate 16-32 micro-batches (BENCHMARKS.md, "Gradient
+    accumulation"). Costs an add and a zero over the gradient buffer per micro-batch, no memory."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP). An
     fp32 run on one data-parallel rank runs at stage 0 whatever this says (`engine_zero_stage`)."""
@@ -239,6 +246,10 @@ class TrainConfig:
             if asks:
                 raise ConfigError(f"train.engine=flat runs ZeRO-1 without a DeepSpeed JSON; "
                                   f"{', '.join(asks)} needs train.engine=deepspeed")
+        if self.fp32_grad_accumulation and self.engine != "flat":
+            raise ConfigError("train.fp32_grad_accumulation=true needs train.engine=flat: DeepSpeed's ZeRO-1 "
+                              "sums micro-batches in the weights' dtype (its fp32 option is another optimizer, "
+                              "with another checkpoint layout)")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "

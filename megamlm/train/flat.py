@@ -19,6 +19,11 @@ cast back, all-gather over DP.
 Memory per parameter (bf16): weights 2 and gradients 2 bytes, an fp32 copy of the gradients (4, the
 whole buffer: what is reduced over DP), masters and moments 12 / DP (`megamlm plan` counts the same).
 
+Autograd sums an update's micro-batches into the 16-bit gradient buffer in place, as DeepSpeed's ZeRO-1
+does. Under train.fp32_grad_accumulation each micro-batch's gradients are added to the fp32 buffer
+after its backward instead, and the 16-bit buffer is zeroed (megatron's rule for bf16): two operations
+per micro-batch, and the same memory.
+
 fp16: the loss is multiplied by a dynamic loss scale kept on the device (train/loss_scale.py, DeepSpeed's
 rule and settings); the norm is the scaled gradients', and one division unscales and clips. An overflow
 at the scale's floor reaches the loop as a `fault`, and the loop rolls back (DeepSpeed stops there).
@@ -112,6 +117,9 @@ class FlatEngine:
         if self.separate_masters:
             self.master = self.master.float()
         self.master.grad = self.grads32[self.start:self.end]
+        # train.fp32_grad_accumulation: each micro-batch's 16-bit gradients are added to grads32 after its
+        # backward, and `grads` holds one micro-batch at a time
+        self.accumulate32 = self.separate_masters and cfg.train.fp32_grad_accumulation
         self.optimizer = torch.optim.AdamW([self.master], lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay, fused=True)
         self.schedule = Schedule(self.optimizer, cfg.optim, cfg.train.steps)
@@ -150,6 +158,12 @@ class FlatEngine:
         `accumulation × DP` means; as DeepSpeed, divide by accumulation here and by DP in the reduction."""
         loss = loss / self.accumulation
         (loss if self.scaler is None else loss * self.scaler.scale).backward()
+        if self.accumulate32:  # (step counts this micro-batch after it)
+            if self.micro_steps % self.accumulation:
+                self.grads32.add_(self.grads)
+            else:
+                self.grads32.copy_(self.grads)
+            self.grads.zero_()
 
     def step(self) -> None:
         """Called after every micro-batch; updates at the last one of an update."""
@@ -157,7 +171,7 @@ class FlatEngine:
         if self.micro_steps % self.accumulation:
             return
         ctx = self.ctx
-        if self.grads32 is not self.grads:
+        if self.grads32 is not self.grads and not self.accumulate32:
             self.grads32.copy_(self.grads)
         grad = self.master.grad
         if ctx.dp_size > 1:  # in place: this rank's range of the buffer receives the sum of that range
@@ -195,7 +209,8 @@ class FlatEngine:
             self.weights[self.start:self.end].copy_(self.master)
         if ctx.dp_size > 1:  # in place: every rank's range of the weights from its owner
             _all_gather(self.weights, self.weights[self.start:self.end], group=ctx.dp_group)
-        self.grads.zero_()
+        if not self.accumulate32:  # (else zeroed after each backward)
+            self.grads.zero_()
         self.global_steps += 1
         self.global_samples += self.samples_per_update
 
