@@ -17,6 +17,14 @@ class CorruptFileError(MegamlmError):
     """A file megamlm wrote no longer matches the size or hash it recorded when writing it."""
 
 
+def check_minimums(bounds, error: type[MegamlmError] = MegamlmError) -> None:
+    """bounds: (name, value, least) triples, e.g. ("--workers", 0, 1). The first value below its least
+    (None: not set, not checked) raises `error`: "--workers 0 must be >= 1"."""
+    for name, value, least in bounds:
+        if value is not None and value < least:
+            raise error(f"{name} {value} must be >= {least}")
+
+
 def error_line(err: BaseException) -> str:
     """One line for an error: OSErrors as "<file>: <reason>", others by their message, or by their
     type where the message is empty (a bare StopIteration, an assert)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamlm.config import Config, ConfigError
+from megamlm.errors import check_minimums
 from megamlm.model.attention import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
@@ -71,6 +72,10 @@ class Plan:
 
 
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float, fill: float | None = None) -> Plan:
+    check_minimums([("--nodes", nodes, 1), ("--gpus-per-node", gpus_per_node, 1)], ConfigError)
+    for flag, value in (("--mfu", mfu), ("--fill", fill)):
+        if value is not None and not 0 < value <= 1:
+            raise ConfigError(f"{flag} {value} must be in (0, 1]")
     gpus = nodes * gpus_per_node
     tp = cfg.parallel.tensor_parallel
     if gpus % tp:
@@ -101,8 +106,6 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
     peak = GPU_PEAKS[gpu][train.precision]
     tokens = micro_tokens * accumulation * dp
     fill = FILL[cfg.data.packing] if fill is None else fill
-    if not 0 < fill <= 1:
-        raise ConfigError(f"--fill {fill} must be in (0, 1]")
     seconds = get_objective(cfg).flops_per_token(s) * tokens * train.steps / (gpus * peak * mfu)
     return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens, fill,
                 train.steps, memory, seconds / 3600)
@@ -129,6 +132,8 @@ def activations(cfg: Config, micro_tokens: int, w: int, tp: int) -> dict[str, fl
 
 
 def check_budget(plan: Plan, budget_gib: float) -> None:
+    if budget_gib <= 0:
+        raise ConfigError(f"--gpu-memory {budget_gib:g} must be > 0 (GiB per GPU)")
     total = plan.memory["total"] / 2**30
     if total > budget_gib:
         raise ConfigError(

@@ -66,3 +66,64 @@ def test_config_prints_the_resolved_yaml():
     assert run.returncode == 0, run.stderr
     assert "position: alibi" in run.stdout and "vocab_size: 50262" in run.stdout
     assert "num_layers: 12" in run.stdout
+
+
+def test_an_option_is_its_whole_name_in_every_verb():
+    """No prefix matching: `plan --gpus 16` would have planned 16 GPUs per node; no verb of the config
+    takes glue's --save (it was accepted and ignored); the verbs' own parsers refuse prefixes too."""
+    from megamlm.cli import build_parser
+
+    for args in (["plan", "--gpus", "16"], ["train", "--save"], ["shards", "build", "x.txt", "--ou", "y"]):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(args)
+        assert exit_.value.code == 2, args
+    assert build_parser().parse_args(["plan", "--gpus-per-node", "16"]).gpus_per_node == 16
+
+
+PLAN = ["plan", "--config", "configs/pile/base-zero-clap.yaml"]
+GLUE = ["glue", "--checkpoint", "no-folder", "--data-dir", "no-data", "--tasks", "RTE"]
+EVAL = ["eval", "ppl", "--checkpoint", "no-folder", "--data", "no-data"]
+OUT_OF_RANGE = [  # before: a division by zero or IndexError ("internal error"), a negative wall time, or silence
+    ([*PLAN, "--nodes", "0"], "config error: --nodes 0 must be >= 1"),
+    ([*PLAN, "--gpus-per-node", "0"], "config error: --gpus-per-node 0 must be >= 1"),
+    ([*PLAN, "--mfu", "0"], "config error: --mfu 0.0 must be in (0, 1]"),
+    ([*PLAN, "--fill", "1.5"], "config error: --fill 1.5 must be in (0, 1]"),
+    ([*PLAN, "--gpu-memory", "0"], "config error: --gpu-memory 0 must be > 0 (GiB per GPU)"),
+    ([*GLUE, "--batch-size", "0"], "glue: --batch-size 0 must be >= 1"),
+    ([*GLUE, "--max-length", "1"], "glue: --max-length 1 must be >= 6 (a pair's 4 special tokens and a token of "
+                                   "each sentence)"),
+    ([*GLUE, "--classifier-dropout", "2"], "glue: --classifier-dropout 2 must be in [0, 1)"),
+    ([*GLUE, "--layerwise-lr-decay", "0"], "glue: --layerwise-lr-decay 0 must be in (0, 1] (1: one learning rate)"),
+    ([*GLUE, "--weight-decay", "-1"], "glue: --weight-decay -1 must be >= 0"),
+    ([*GLUE, "--max-train-samples", "0"], "glue: --max-train-samples 0 must be >= 1"),
+    ([*GLUE, "--parallel", "0"], "glue: --parallel 0 must be >= 1"),
+    ([*GLUE, "--seeds", "1,-2"], "glue: seed -2 must be >= 0"),
+    ([*EVAL, "--seq-length", "1"], "eval: length 1 must be >= 2"),
+    ([*EVAL, "--batch-size", "0"], "eval: --batch-size 0 must be >= 1"),
+    (["shards", "build", "no-file", "--out", "no-out", "--workers", "0"], "shards: --workers 0 must be >= 1"),
+    (["shards", "build", "no-file", "--out", "no-out", "--shard-tokens", "0"], "shards: --shard-tokens 0 must be >= 1"),
+    (["convert", "--from", "megamlm", "--to", "fairseq", "no-folder", "no-out", "--tolerance", "-1"],
+     "convert: --tolerance -1 must be >= 0 (the largest |Δ| allowed per unit of logit)"),
+]
+
+
+@pytest.mark.parametrize("args, message", OUT_OF_RANGE, ids=[" ".join(a[-2:]) for a, _ in OUT_OF_RANGE])
+def test_a_number_out_of_range_is_one_line_before_any_work(args, message, capsys):
+    """The paths named do not exist: the number is what is refused, first."""
+    from tests.faults_common import run_cli
+
+    assert run_cli(capsys, *args) == (2, f"megamlm: {message}")
+
+
+@pytest.mark.parametrize("args, message", [
+    ([*GLUE, "--seeds", "1,x"], "argument --seeds: '1,x': 'x' is not an integer (a comma-separated list of "
+                                "integers, e.g. 1,2,3)"),
+    (["eval", "extrapolation", "--checkpoint", "m", "--data", "d", "--lengths", "128,"],
+     "argument --lengths: '128,': '' is not an integer (a comma-separated list of integers, e.g. 1,2,3)"),
+    (["train", "--nproc", "0"], "train: --nproc 0 must be >= 1")])
+def test_a_list_that_is_not_integers_is_argparses_one_line(args, message, capsys):
+    from megamlm.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")

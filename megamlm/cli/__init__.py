@@ -11,6 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from megamlm.cli.arguments import integer_list
 from megamlm.cli.glue import add_glue_args, cmd_glue
 from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.config import Config, ConfigError, load_config
@@ -22,10 +23,6 @@ from megamlm.files import check_writable
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", action="append", default=[], metavar="FILE",
                         help="YAML experiment file (repeatable; later files win)")
-    parser.add_argument("--save", action="store_true",
-                        help="write each task's best seed at its best epoch to <out>/models/<TASK>: a model folder "
-                             "with the fine-tuned encoder and the classification head <task> (fairseq's "
-                             "classification_heads; `megamlm glue --checkpoint` it with --epochs 0 to predict)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="dotted overrides applied after the files, e.g. model.position=alibi")
 
@@ -160,9 +157,8 @@ def cmd_eval(args) -> int:
               f"{row['masked_tokens']:,} masked tokens in {row['samples']} samples of {args.seq_length}")
         return 0
     check_writable(args.out, "--out")  # before evaluating every model at every length
-    lengths = [int(n) for n in args.lengths.split(",")]
     results = {Path(c).parent.name if Path(c).name == "final" else Path(c).name:
-               evaluate_lengths(c, args.data, lengths, args.max_tokens, args.batch_size) for c in args.checkpoint}
+               evaluate_lengths(c, args.data, args.lengths, args.max_tokens, args.batch_size) for c in args.checkpoint}
     print(extrapolation_report(results, args.out, args.train_length), end="")
     print(f"plot: {Path(args.out) / 'ppl-vs-length.png'}")
     return 0
@@ -174,7 +170,8 @@ def _add_eval_args(parser: argparse.ArgumentParser) -> None:
                         help="model folder; extrapolation takes several (one curve each)")
     parser.add_argument("--data", required=True, help="shard folder (its valid split) or a text file")
     parser.add_argument("--seq-length", type=int, default=128, help="ppl: sample length")
-    parser.add_argument("--lengths", default="128,256,512,1024,2048", help="extrapolation: lengths")
+    parser.add_argument("--lengths", type=integer_list, default=[128, 256, 512, 1024, 2048],
+                        help="extrapolation: lengths (comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=65536, help="evaluation tokens (per length)")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per batch at the shortest length")
     parser.add_argument("--train-length", type=int, default=None, help="marked in the plot")
@@ -264,11 +261,19 @@ VERBS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix matching, also in every verb's parser (they are made of this class): an
+    option is its whole name, so `plan --gpus 16` is refused rather than read as --gpus-per-node 16."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+
 def build_parser() -> argparse.ArgumentParser:
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the traceback of an error (also: MEGAMLM_DEBUG=1)")
-    parser = argparse.ArgumentParser(prog="megamlm", description=__doc__, parents=[debug])
+    parser = _Parser(prog="megamlm", description=__doc__, parents=[debug])
     sub = parser.add_subparsers(dest="verb", required=True)
     for name, (_, help_text, add_args) in VERBS.items():
         verb = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
@@ -304,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get("MEGAMLM_DEBUG", "") not in ("", "0")
+    if getattr(args, "nproc", 1) < 1:
+        parser.error(f"train: --nproc {args.nproc} must be >= 1")
     if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
         relaunch_with_torchrun(args.nproc, argv)
     if args.verb == "glue" and not args.merge and not (args.checkpoint and args.data_dir):

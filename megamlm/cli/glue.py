@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megamlm.cli.arguments import integer_list
 from megamlm.files import check_output_folder, check_writable
 from megamlm.glue.recipes import RECIPES
 
@@ -24,7 +25,7 @@ def cmd_glue(args) -> int:
     for task in args.tasks.split(",") if args.save else ():
         check_output_folder(Path(args.out) / "models" / task, overwrite=True, what="--save folder")
     report = run_glue(args.checkpoint, args.data_dir, args.tasks.split(","),
-                      [int(s) for s in args.seeds.split(",")], args.out, options, args.max_train_samples,
+                      args.seeds, args.out, options, args.max_train_samples,
                       args.max_eval_samples, args.parallel, args.ppl)
     print((Path(args.out) / "results.md").read_text())
     return 0 if any("summary" in r for r in report["tasks"].values()) else 1
@@ -36,7 +37,8 @@ def add_glue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge", metavar="DIR", help="instead of running: merge DIR/<TASK>/results.json "
                                                        "(slurm/glue.sbatch's array tasks) into one table")
     parser.add_argument("--tasks", default="MNLI,QNLI,QQP,RTE,SST-2,MRPC,CoLA,STS-B")
-    parser.add_argument("--seeds", default="1", help="comma-separated; several give median and spread")
+    parser.add_argument("--seeds", type=integer_list, default=[1],
+                        help="comma-separated; several give median and spread")
     parser.add_argument("--out", default="glue-results")
     parser.add_argument("--recipe", choices=tuple(RECIPES), default=next(iter(RECIPES)),
                         help="the hyper-parameters every unset option takes: fairseq (RoBERTa's, the reference's) "

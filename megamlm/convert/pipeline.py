@@ -145,6 +145,8 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
         raise fs.ConversionError(f"--classification-head: for --to hf (writes that head as a "
                                  f"*ForSequenceClassification) and --from hf (names a *ForSequenceClassification's "
                                  f"head); --to {target} keeps every classification head as it is")
+    if not tolerance >= 0:
+        raise fs.ConversionError(f"--tolerance {tolerance:g} must be >= 0 (the largest |Δ| allowed per unit of logit)")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
              "zero": lambda: read_zero(src),

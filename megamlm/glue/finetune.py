@@ -86,6 +86,15 @@ class FinetuneOptions:
             raise MegamlmError(f"unknown fine-tuning recipe {self.recipe!r}; allowed: {', '.join(RECIPES)}")
         if self.epochs is not None and self.epochs < 0:
             raise MegamlmError(f"epochs {self.epochs}: must be >= 0 (0: score the dev rows with the folder's weights)")
+        allowed = {"batch_size": (lambda v: v >= 1, ">= 1"), "lr": (lambda v: v > 0, "> 0"),
+                   "max_length": (lambda v: v >= 6, ">= 6 (a pair's 4 special tokens and a token of each sentence)"),
+                   "weight_decay": (lambda v: v >= 0, ">= 0"), "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+                   "classifier_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+                   "layerwise_lr_decay": (lambda v: 0 < v <= 1, "in (0, 1] (1: one learning rate)")}
+        for name, (ok, bound) in allowed.items():
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise MegamlmError(f"--{name.replace('_', '-')} {value:g} must be {bound}")
 
     def recipe_for(self, task: Task, model: ModelConfig) -> Recipe:
         """The recipe resolved for `task` and `model`, with what this user set."""
