@@ -93,7 +93,8 @@ OUT_OF_RANGE = [  # before: a division by zero or IndexError ("internal error"),
     ([*GLUE, "--max-length", "1"], "glue: --max-length 1 must be >= 6 (a pair's 4 special tokens and a token of "
                                    "each sentence)"),
     ([*GLUE, "--classifier-dropout", "2"], "glue: --classifier-dropout 2 must be in [0, 1)"),
-    ([*GLUE, "--layerwise-lr-decay", "0"], "glue: --layerwise-lr-decay 0 must be in (0, 1] (1: one learning rate)"),
+    ([*GLUE, "--layerwise-lr-decay", "1.2"], "glue: --layerwise-lr-decay 1.2 must be in [0, 1] (0: the head alone "
+                                             "trains; 1: one learning rate)"),
     ([*GLUE, "--weight-decay", "-1"], "glue: --weight-decay -1 must be >= 0"),
     ([*GLUE, "--max-train-samples", "0"], "glue: --max-train-samples 0 must be >= 1"),
     ([*GLUE, "--parallel", "0"], "glue: --parallel 0 must be >= 1"),

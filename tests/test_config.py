@@ -102,6 +102,16 @@ BAD = [
     (["model.rope_theta=ten", "model.position=rope"], "model.rope_theta='ten' is invalid; allowed: float or null"),
     (["model.local_attention=bigbird"], "model.local_attention=bigbird needs model.local_window"),
     (["train.profile_updates=-1"], "train.profile_updates=-1 must be >= 0 (0: no profile)"),
+    # session 27: bounds that were not checked (the first was a ZeroDivisionError, the others ran on)
+    (["model.num_attention_heads=0"], "model.num_attention_heads=0 must be positive"),
+    (["train.global_batch_size=0"], "train.global_batch_size=0 must be >= 1"),
+    (["train.seed=-1"], "train.seed=-1 must be >= 0"),
+    (["train.spike_factor=1"], "train.spike_factor=1.0 must be > 1"),
+    (["optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0] must be in [0, 1)"),
+    (["optim.weight_decay=-0.01"], "optim.weight_decay=-0.01 must be >= 0"),
+    (["data.loader_workers=-1"], "data.loader_workers=-1 must be >= 0"),
+    (["data.valid_fraction=1"], "data.valid_fraction=1.0 must be in [0, 1)"),
+    (["model.layernorm_epsilon=0"], "model.layernorm_epsilon=0.0 must be > 0"),
     (["train.fp32_grad_accumulation=true", "train.precision=bf16"],
      "train.fp32_grad_accumulation=true needs train.engine=flat: DeepSpeed's ZeRO-1 sums micro-batches in the "
      "weights' dtype"),

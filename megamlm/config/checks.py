@@ -78,6 +78,27 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     return isinstance(value, tp), value
 
 
+def _within(value: float, bound: str) -> bool:
+    """bound: ">= a", "> a", or an interval "[a, b)" / "(a, b]" / "[a, b]" / "(a, b)"."""
+    if bound[0] in "[(":
+        low, high = (float(end) for end in bound[1:-1].split(","))
+        above = low <= value if bound[0] == "[" else low < value
+        return above and (value <= high if bound[-1] == "]" else value < high)
+    relation, limit = bound.split()
+    return value >= float(limit) if relation == ">=" else value > float(limit)
+
+
+def check_bounds(section_obj: Any, section: str, bounds: dict[str, str]) -> None:
+    """bounds: field -> ">= 0", "> 1" or an interval "[0, 1)". A value outside its bound (null: not set,
+    not checked; a tuple: each item) is refused in one line naming the key: "train.seed=-1 must be >= 0"."""
+    for key, bound in bounds.items():
+        value = getattr(section_obj, key)
+        items = value if isinstance(value, tuple) else () if value is None else (value,)
+        if not all(_within(item, bound) for item in items):
+            shown = list(value) if isinstance(value, tuple) else value
+            raise ConfigError(f"{section}.{key}={shown} must be {bound if bound[0] in '<>' else 'in ' + bound}")
+
+
 def check_fields(section_obj: Any, section: str) -> None:
     """Type-check (and normalize, e.g. int -> float) every field of a config dataclass."""
     hints = typing.get_type_hints(type(section_obj))

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megamlm.config.checks import ARCHITECTURE, ConfigError, _divisors, check_fields
+from megamlm.config.checks import ARCHITECTURE, ConfigError, _divisors, check_bounds, check_fields
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,11 @@ class ModelConfig:
 
     def __post_init__(self):
         check_fields(self, "model")
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                    "vocab_size", "max_positions", "make_vocab_size_divisible_by", "head_loss_chunk"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be positive")
+        check_bounds(self, "model", {"layernorm_epsilon": "> 0", "init_std": "> 0"})
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
@@ -238,10 +243,6 @@ class ModelConfig:
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                    "vocab_size", "max_positions", "make_vocab_size_divisible_by", "head_loss_chunk"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"model.{key}={getattr(self, key)} must be positive")
         self._check_rope_and_window()
 
     def _check_rope_and_window(self) -> None:

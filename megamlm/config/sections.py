@@ -9,7 +9,7 @@ from typing import Literal
 
 import yaml
 
-from megamlm.config.checks import ConfigError, _divisors, check_fields
+from megamlm.config.checks import ConfigError, _divisors, check_bounds, check_fields
 from megamlm.config.model import ModelConfig
 
 
@@ -88,6 +88,8 @@ class DataConfig:
             raise ConfigError(
                 f"data.leave_unmasked_prob + data.random_token_prob = "
                 f"{self.leave_unmasked_prob + self.random_token_prob} must be <= 1")
+        check_bounds(self, "data", {"valid_fraction": "[0, 1)", "shuffle_window": ">= 1", "loader_workers": ">= 0",
+                                    "leave_unmasked_prob": "[0, 1]", "random_token_prob": "[0, 1]"})
         if not 0.0 < self.span_p < 1.0:
             raise ConfigError(f"data.span_p={self.span_p} must be in (0, 1)")
         if self.span_max_words < 1:
@@ -138,6 +140,8 @@ class OptimConfig:
             raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         if self.period_steps is not None and self.period_steps < 1:
             raise ConfigError(f"optim.period_steps={self.period_steps} must be >= 1")
+        check_bounds(self, "optim", {"end_lr": ">= 0", "power": "> 0", "betas": "[0, 1)", "eps": "> 0",
+                                     "weight_decay": ">= 0", "clip_grad": ">= 0"})
 
 
 @dataclass
@@ -234,6 +238,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")
         if self.profile_updates < 0:
             raise ConfigError(f"train.profile_updates={self.profile_updates} must be >= 0 (0: no profile)")
+        check_bounds(self, "train", {"seed": ">= 0", "global_batch_size": ">= 1", "eval_batches": ">= 1",
+                                     "spike_factor": "> 1", "max_rollbacks": ">= 0"})
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage={self.zero_stage} is invalid; allowed: 0 | 1 | 2 | 3")
         if not self.skip_nonfinite_updates and self.precision == "fp16":

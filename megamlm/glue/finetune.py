@@ -90,7 +90,8 @@ class FinetuneOptions:
                    "max_length": (lambda v: v >= 6, ">= 6 (a pair's 4 special tokens and a token of each sentence)"),
                    "weight_decay": (lambda v: v >= 0, ">= 0"), "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
                    "classifier_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
-                   "layerwise_lr_decay": (lambda v: 0 < v <= 1, "in (0, 1] (1: one learning rate)")}
+                   "layerwise_lr_decay": (lambda v: 0 <= v <= 1, "in [0, 1] (0: the head alone trains; 1: one "
+                                                                  "learning rate)")}
         for name, (ok, bound) in allowed.items():
             value = getattr(self, name)
             if value is not None and not ok(value):
