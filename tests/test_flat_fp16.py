@@ -170,12 +170,13 @@ def test_an_overflow_at_the_loss_scales_floor_rolls_the_run_back(shards, tmp_pat
     assert scales == [(1, 128.0), (2, 128.0), (3, 128.0), (4, 64.0), (5, 32.0),
                       (5, 64.0), (6, 64.0), (7, 64.0), (8, 64.0)]
 
-    # without a checkpoint: the run stops, and the CLI says why in one line (not as an internal error)
-    import megamlm.cli
+    # without a checkpoint: the run stops, and `megamlm train` says why in one line (not as an internal error)
+    import megamlm.train.loop
 
     _overflowing_updates(monkeypatch, 4)
     unsaved = config(shards, tmp_path / "unsaved", *common, "train.steps=8")
-    monkeypatch.setitem(megamlm.cli.VERBS, "train", (lambda cfg, args: _train(unsaved), "", None))
+    train = megamlm.train.loop.train
+    monkeypatch.setattr(megamlm.train.loop, "train", lambda cfg, **options: train(unsaved))
     assert run_cli(capsys, "train") == (2, "megamlm: train: training diverged at update 6: the gradients of update "
                                            "6 overflowed fp16 with the loss scale at its minimum (32); no checkpoint "
                                            "to roll back to (lower train.save_interval)")

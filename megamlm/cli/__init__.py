@@ -58,16 +58,11 @@ def cmd_train(cfg: Config, args) -> int:
     from megamlm.parallel import destroy_distributed
     from megamlm.train.loop import train
 
-    try:
+    try:  # a diverged run (TrainingDiverged) is one line, exit 2; its log and checkpoints stay in train.run_dir
         summary = train(cfg, resume=args.resume, overwrite=args.overwrite,
                         allow_batch_change=args.allow_batch_change)
         if args.fill_mask and not summary.get("preempted"):
             print_fill_mask(summary["model_dir"], args.fill_mask, topk=3)
-    except RuntimeError as err:
-        if "training diverged" not in str(err):
-            raise
-        print(f"megamlm: {err}", file=sys.stderr)  # the log and checkpoints stay in train.run_dir
-        return 1
     finally:
         destroy_distributed()
     return 130 if summary.get("signal") == "SIGINT" else 0  # Ctrl-C: saved, but not finished
