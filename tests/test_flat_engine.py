@@ -4,7 +4,11 @@ non-finite update without reading the device, and its checkpoints resume and con
 at any layout."""
 
 import math
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -318,3 +322,16 @@ def test_flat_layouts_agree_and_their_checkpoints_resume_on_either_engine_at_any
     _, full, _ = consolidate(tmp_path / "flat-tp2")
     _, reference, _ = consolidate(tmp_path / "flat-dp2")
     assert set(full) == set(reference) and max((full[k] - reference[k]).abs().max().item() for k in full) < 1e-5
+
+
+def test_the_accumulation_benchmark_reads_the_16bit_sums_error_and_the_fp32_sums_none(tmp_path):
+    """benchmarks/grad_accumulation.py at toy size (BENCHMARKS.md "Gradient accumulation" has the full
+    table): the engine's fp32 sum is the exact sum to fp32 rounding, the 16-bit sum is not."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks/grad_accumulation.py"), "--accumulation", "3",
+                          "--dtypes", "bf16", "--micro", "2", "--seq-length", "32"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root), "MASTER_PORT": "29541"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = [line for line in run.stdout.splitlines() if line.startswith("| bf16 | 3 |")][0]
+    sixteen, fp32 = (float(cell) for cell in row.split("|")[3:5])
+    assert sixteen > 1e-4 and fp32 < 1e-7, row
