@@ -17,12 +17,27 @@ class CorruptFileError(MegamlmError):
     """A file megamlm wrote no longer matches the size or hash it recorded when writing it."""
 
 
-def check_minimums(bounds, error: type[MegamlmError] = MegamlmError) -> None:
-    """bounds: (name, value, least) triples, e.g. ("--workers", 0, 1). The first value below its least
-    (None: not set, not checked) raises `error`: "--workers 0 must be >= 1"."""
-    for name, value, least in bounds:
-        if value is not None and value < least:
-            raise error(f"{name} {value} must be >= {least}")
+def _within(value: float, bound: str) -> bool:
+    """bound: ">= a", "> a", or an interval "[a, b)" / "(a, b]" / "[a, b]" / "(a, b)"; a note in
+    parentheses may follow it ("> 0 (GiB per GPU)")."""
+    if bound[0] in "[(":
+        close = min(i for i in (bound.find("]"), bound.find(")")) if i > 0)
+        low, high = (float(end) for end in bound[1:close].split(","))
+        above = low <= value if bound[0] == "[" else low < value
+        return above and (value <= high if bound[close] == "]" else value < high)
+    relation, limit = bound.split()[:2]
+    return value >= float(limit) if relation == ">=" else value > float(limit)
+
+
+def check_ranges(checks, error: type[MegamlmError] = MegamlmError) -> None:
+    """checks: (what, value, bound) triples; `what` names the value as the message shows it
+    ("--workers 0", "train.seed=-1"), `bound` as `_within` reads it. The first value outside its bound
+    (None: not set, not checked; a tuple: each item) raises `error` in one line: "--workers 0 must be
+    >= 1", "data.valid_fraction=1.5 must be in [0, 1)"."""
+    for what, value, bound in checks:
+        items = value if isinstance(value, tuple) else () if value is None else (value,)
+        if not all(_within(item, bound) for item in items):
+            raise error(f"{what} must be {'in ' if bound[0] in '[(' else ''}{bound}")
 
 
 def error_line(err: BaseException) -> str:

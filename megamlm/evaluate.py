@@ -20,7 +20,7 @@ from megamlm.data.batch import collate
 from megamlm.data.masking import Masker
 from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import BOS, EOS, PAD, Tokenizer
-from megamlm.errors import MegamlmError, check_minimums
+from megamlm.errors import MegamlmError, check_ranges
 from megamlm.files import read_text
 from megamlm.objectives import LossTotals, Objective, get_objective, load_pretrained
 from megamlm.parallel import init_distributed
@@ -86,8 +86,9 @@ def evaluate_lengths(checkpoint: str | Path, data: str | Path, lengths: list[int
                      batch_size: int = 8, ctx=None) -> list[dict]:
     """One row per length: {"length", "ppl", ...} or {"length", "skipped": reason}."""
     # a sample is <s> and at least one token
-    check_minimums([("--max-tokens", max_tokens, 1), ("--batch-size", batch_size, 1),
-                    *(("length", length, 2) for length in lengths)])
+    check_ranges([(f"--max-tokens {max_tokens}", max_tokens, ">= 1"),
+                  (f"--batch-size {batch_size}", batch_size, ">= 1"),
+                  *((f"length {length}", length, ">= 2") for length in lengths)])
     cfg, model = load_pretrained(checkpoint, ctx or init_distributed(ParallelConfig()))
     tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
     stream = token_stream(data, tokenizer, max_tokens)

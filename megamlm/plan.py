@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamlm.config import Config, ConfigError
-from megamlm.errors import check_minimums
+from megamlm.errors import check_ranges
 from megamlm.model.attention import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
@@ -72,10 +72,8 @@ class Plan:
 
 
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float, fill: float | None = None) -> Plan:
-    check_minimums([("--nodes", nodes, 1), ("--gpus-per-node", gpus_per_node, 1)], ConfigError)
-    for flag, value in (("--mfu", mfu), ("--fill", fill)):
-        if value is not None and not 0 < value <= 1:
-            raise ConfigError(f"{flag} {value} must be in (0, 1]")
+    check_ranges([(f"--nodes {nodes}", nodes, ">= 1"), (f"--gpus-per-node {gpus_per_node}", gpus_per_node, ">= 1"),
+                  (f"--mfu {mfu}", mfu, "(0, 1]"), (f"--fill {fill}", fill, "(0, 1]")], ConfigError)
     gpus = nodes * gpus_per_node
     tp = cfg.parallel.tensor_parallel
     if gpus % tp:
@@ -132,8 +130,7 @@ def activations(cfg: Config, micro_tokens: int, w: int, tp: int) -> dict[str, fl
 
 
 def check_budget(plan: Plan, budget_gib: float) -> None:
-    if budget_gib <= 0:
-        raise ConfigError(f"--gpu-memory {budget_gib:g} must be > 0 (GiB per GPU)")
+    check_ranges([(f"--gpu-memory {budget_gib:g}", budget_gib, "> 0 (GiB per GPU)")], ConfigError)
     total = plan.memory["total"] / 2**30
     if total > budget_gib:
         raise ConfigError(

@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from megamlm.errors import MegamlmError
+from megamlm.errors import MegamlmError, check_ranges
 
 ARCHITECTURE = {"architecture": True}
 """Field metadata of the ModelConfig fields that define the weights."""
@@ -78,25 +78,12 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     return isinstance(value, tp), value
 
 
-def _within(value: float, bound: str) -> bool:
-    """bound: ">= a", "> a", or an interval "[a, b)" / "(a, b]" / "[a, b]" / "(a, b)"."""
-    if bound[0] in "[(":
-        low, high = (float(end) for end in bound[1:-1].split(","))
-        above = low <= value if bound[0] == "[" else low < value
-        return above and (value <= high if bound[-1] == "]" else value < high)
-    relation, limit = bound.split()
-    return value >= float(limit) if relation == ">=" else value > float(limit)
-
-
 def check_bounds(section_obj: Any, section: str, bounds: dict[str, str]) -> None:
-    """bounds: field -> ">= 0", "> 1" or an interval "[0, 1)". A value outside its bound (null: not set,
-    not checked; a tuple: each item) is refused in one line naming the key: "train.seed=-1 must be >= 0"."""
-    for key, bound in bounds.items():
-        value = getattr(section_obj, key)
-        items = value if isinstance(value, tuple) else () if value is None else (value,)
-        if not all(_within(item, bound) for item in items):
-            shown = list(value) if isinstance(value, tuple) else value
-            raise ConfigError(f"{section}.{key}={shown} must be {bound if bound[0] in '<>' else 'in ' + bound}")
+    """bounds: field -> ">= 0", "> 1" or an interval "[0, 1)" (errors.check_ranges); a value outside its
+    bound is refused in one line naming the key: "train.seed=-1 must be >= 0"."""
+    values = {key: getattr(section_obj, key) for key in bounds}
+    check_ranges([(f"{section}.{key}={list(value) if isinstance(value, tuple) else value}", value, bounds[key])
+                  for key, value in values.items()], ConfigError)
 
 
 def check_fields(section_obj: Any, section: str) -> None:

@@ -43,7 +43,7 @@ from megamlm.config import DataConfig
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
 from megamlm.data.documents import BuildStats, Document, ShardError, read_documents
 from megamlm.data.tokenizer import EOS, Tokenizer
-from megamlm.errors import check_minimums
+from megamlm.errors import check_ranges
 from megamlm.files import check_writable, staging_sibling
 
 __all__ = ["BuildOptions", "ShardError", "build_shards", "ensure_shards", "summary_table"]
@@ -170,8 +170,9 @@ class BuildOptions:
             raise ShardError(f"--text-mode {self.text_mode}; allowed: {', '.join(TEXT_MODES)}")
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ShardError(f"--valid-fraction {self.valid_fraction} must be in [0, 1)")
-        check_minimums([("--seq-length", self.seq_length, 3), ("--shard-tokens", self.shard_tokens, 1),
-                        ("--workers", self.workers, 1)], ShardError)
+        check_ranges([(f"--seq-length {self.seq_length}", self.seq_length, ">= 3"),
+                      (f"--shard-tokens {self.shard_tokens}", self.shard_tokens, ">= 1"),
+                      (f"--workers {self.workers}", self.workers, ">= 1")], ShardError)
         out = Path(self.out_dir).absolute()
         for path in self.inputs:
             if Path(path).is_dir():

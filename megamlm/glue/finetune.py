@@ -29,7 +29,7 @@ from torch import nn
 from megamlm.config import ModelConfig, OptimConfig
 from megamlm.data.packing import best_fit_decreasing
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
-from megamlm.errors import MegamlmError
+from megamlm.errors import MegamlmError, check_ranges
 from megamlm.objectives.classification import CLASSIFIER_HEADS, Pooling
 from megamlm.glue.metrics import best_of, compute_metrics
 from megamlm.glue.recipes import RECIPES, Recipe, build_optimizer
@@ -86,16 +86,12 @@ class FinetuneOptions:
             raise MegamlmError(f"unknown fine-tuning recipe {self.recipe!r}; allowed: {', '.join(RECIPES)}")
         if self.epochs is not None and self.epochs < 0:
             raise MegamlmError(f"epochs {self.epochs}: must be >= 0 (0: score the dev rows with the folder's weights)")
-        allowed = {"batch_size": (lambda v: v >= 1, ">= 1"), "lr": (lambda v: v > 0, "> 0"),
-                   "max_length": (lambda v: v >= 6, ">= 6 (a pair's 4 special tokens and a token of each sentence)"),
-                   "weight_decay": (lambda v: v >= 0, ">= 0"), "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
-                   "classifier_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
-                   "layerwise_lr_decay": (lambda v: 0 <= v <= 1, "in [0, 1] (0: the head alone trains; 1: one "
-                                                                  "learning rate)")}
-        for name, (ok, bound) in allowed.items():
-            value = getattr(self, name)
-            if value is not None and not ok(value):
-                raise MegamlmError(f"--{name.replace('_', '-')} {value:g} must be {bound}")
+        bounds = {"batch_size": ">= 1", "lr": "> 0",
+                  "max_length": ">= 6 (a pair's 4 special tokens and a token of each sentence)",
+                  "weight_decay": ">= 0", "dropout": "[0, 1)", "classifier_dropout": "[0, 1)",
+                  "layerwise_lr_decay": "[0, 1] (0: the head alone trains; 1: one learning rate)"}
+        values = {name: getattr(self, name) for name in bounds if getattr(self, name) is not None}  # None: the recipe's
+        check_ranges([(f"--{name.replace('_', '-')} {value:g}", value, bounds[name]) for name, value in values.items()])
 
     def recipe_for(self, task: Task, model: ModelConfig) -> Recipe:
         """The recipe resolved for `task` and `model`, with what this user set."""

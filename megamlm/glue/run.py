@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megamlm.config import Config, ParallelConfig
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.errors import check_minimums
+from megamlm.errors import check_ranges
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.submission import prediction_lines, write_submission
 from megamlm.glue.tasks import (TASKS, GlueDataError, read_examples, read_test_examples, task_extra_dev_files,
@@ -123,8 +123,9 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise GlueDataError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
-    check_minimums([("--max-train-samples", max_train, 1), ("--max-eval-samples", max_eval, 1),
-                    ("--parallel", parallel, 1), *(("seed", seed, 0) for seed in seeds)], GlueDataError)
+    check_ranges([(f"--max-train-samples {max_train}", max_train, ">= 1"),
+                  (f"--max-eval-samples {max_eval}", max_eval, ">= 1"), (f"--parallel {parallel}", parallel, ">= 1"),
+                  *((f"seed {seed}", seed, ">= 0") for seed in seeds)], GlueDataError)
     check_model_folder(checkpoint)  # before the tasks' files: a wrong path is said first, not after them
     jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval, out) for t in tasks]
     if parallel > 1:
