@@ -14,7 +14,7 @@ from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, 
 from megamlm.model.patterns import flex_block_mask
 from megamlm.model.encoder import transformer_config
 from megamlm.model.positions import Alibi, alibi_bias
-from megamlm.parallel import TensorParallelRNG
+from megamlm.parallel import TensorParallelRNG, tensor_parallel_rng
 from tests.variants import variant_config
 
 
@@ -206,6 +206,37 @@ def test_sdpa_takes_no_mask_when_every_key_is_visible():
     assert sdpa.prepare(equal < 0, None, equal, torch.float32).bias is None
     unequal = torch.tensor([[0] * 10 + [1] * 14, [2] * 12 + [3] * 12])
     assert sdpa.prepare(unequal < 0, None, unequal, torch.float32).bias.shape == (4, 1, 1, 14)
+
+
+@pytest.mark.parametrize("mode", ["offset", "learned"])
+def test_sdpa_shares_one_score_term_across_rows_when_no_key_is_padded(mode, monkeypatch):
+    """With ALiBi and no padded key, no document or pattern, the bias is the score term [1, np, s, s]
+    viewed as [b, np, s, s] (nothing b times larger is built), and attention (forward, backward, with
+    our dropout) is bit for bit what the materialized bias gives; a padded key brings back the full bias."""
+    b, np_, s, hn = 3, 4, 20, 8
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, np_, s, hn, generator=g, requires_grad=True) for _ in range(3))
+    position = Alibi(np_, mode, tp_rank=0, tp_size=1)
+    sdpa = ATTENTION_BACKENDS["sdpa"](position)
+    full = torch.zeros(b, s, dtype=torch.bool)
+    shared = sdpa.prepare(full, None, None, torch.float32)
+    assert shared.shape == (b, np_, s, s) and shared.stride(0) == 0
+    torch.testing.assert_close(shared, position.score_bias(s, torch.float32).expand(b, -1, -1, -1), rtol=0, atol=0)
+    for name in ("_states", "tp_size"):  # the process's stream as it was, after the test
+        monkeypatch.setattr(tensor_parallel_rng, name, getattr(tensor_parallel_rng, name))
+    tensor_parallel_rng.seed(7)
+    state = tensor_parallel_rng.state_dict()
+    for dropout_p in (0.0, 0.1):
+        runs = []
+        for bias in (shared, shared.detach().clone().requires_grad_(mode == "learned")):
+            tensor_parallel_rng.load_state_dict(state)  # the same dropout masks for both
+            out = sdpa.attend(q, k, v, bias, dropout_p, None)
+            runs.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+        for got, want in zip(*runs):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    padded = full.clone()
+    padded[0, -3:] = True
+    assert sdpa.prepare(padded, None, None, torch.float32).stride(0) == np_ * s * s
 
 
 def test_sdpa_avoids_cudnn_where_its_masked_backward_returns_nan():

@@ -21,7 +21,8 @@ score term; padding, document boundaries and patterns are the backend's to expre
   sdpa   PyTorch scaled_dot_product_attention with one additive bias [b, np|1, s, s] (-inf on padded
          keys, other documents and outside the pattern, plus the position's score term), CPU and GPU;
          no bias at all when there is nothing to add (no score term, pattern or documents, no padded
-         key in the batch: SDPA's flash / cuDNN path, CPU's fused kernel). Packed rows are
+         key in the batch: SDPA's flash / cuDNN path, CPU's fused kernel); with a score term alone,
+         its one [1, np, s, s] viewed as [b, np, s, s] (b times less memory to build and read). Packed rows are
          first gathered per sample into [n, np, L, hn] (L the longest sample), so nothing of size
          [T, T] is built for a row of T tokens and the bias is [n, np|1, L, L].
   eager  the same math unfused: softmax, then our dropout. sdpa runs it on CPU whenever attention
@@ -129,8 +130,10 @@ class AttentionBackend:
         """any_padding() -> whether a key of `padding` is padded (asked only where it decides)."""
         b, s = padding.shape
         score = self.position.score_bias(s, dtype)
-        if score is None and documents is None and pattern.window is None and not any_padding():
-            return None  # every query sees every key of its row: no mask, so SDPA may take its flash path
+        if documents is None and pattern.window is None and not any_padding():
+            # every query sees every key of its row: no mask (SDPA may take its flash path), or the score
+            # term alone, one [1, np, s, s] for all rows: [np, s, s] -> [b, np, s, s] (a view)
+            return None if score is None else score.contiguous()[None].expand(b, -1, -1, -1)
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
         bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))
