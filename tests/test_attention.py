@@ -14,6 +14,7 @@ from megamlm.model.attention import ATTENTION_BACKENDS, BidirectionalAttention, 
 from megamlm.model.patterns import flex_block_mask
 from megamlm.model.encoder import transformer_config
 from megamlm.model.positions import Alibi, alibi_bias
+from megamlm.model.sequences import LayoutReads
 from megamlm.parallel import TensorParallelRNG, tensor_parallel_rng
 from tests.variants import variant_config
 
@@ -237,6 +238,11 @@ def test_sdpa_shares_one_score_term_across_rows_when_no_key_is_padded(mode, monk
     padded = full.clone()
     padded[0, -3:] = True
     assert sdpa.prepare(padded, None, None, torch.float32).stride(0) == np_ * s * s
+    # on a device, asked only of a host copy of the layout: without one the full bias, and no read (meta has none)
+    on_device, sdpa = full.to("meta"), ATTENTION_BACKENDS["sdpa"](Alibi(np_, mode, tp_rank=0, tp_size=1).to("meta"))
+    assert sdpa.prepare(on_device, None, None, torch.float32).stride(0) == np_ * s * s
+    hosted = LayoutReads(on_device, None, None, host=(full, None, None))
+    assert sdpa.prepare(on_device, None, None, torch.float32, reads=hosted).stride(0) == 0
 
 
 def test_sdpa_avoids_cudnn_where_its_masked_backward_returns_nan():

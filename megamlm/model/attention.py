@@ -127,12 +127,14 @@ class AttentionBackend:
         return self._bias(padding, documents, dtype, pattern, reads.any_padding)
 
     def _bias(self, padding, documents, dtype, pattern: LayerAttention, any_padding) -> torch.Tensor | None:
-        """any_padding() -> whether a key of `padding` is padded (asked only where it decides)."""
+        """any_padding(free_only=False) -> whether a key of `padding` is padded, or None (`LayoutReads.any_padding`;
+        asked only where it decides)."""
         b, s = padding.shape
         score = self.position.score_bias(s, dtype)
-        if documents is None and pattern.window is None and not any_padding():
-            # every query sees every key of its row: no mask (SDPA may take its flash path), or the score
-            # term alone, one [1, np, s, s] for all rows: [np, s, s] -> [b, np, s, s] (a view)
+        # no mask lets SDPA take its flash path, worth a device read; the score term's [1, np, s, s] shared by the
+        # rows is asked for only where the answer waits for no device (a host copy of the layout)
+        if documents is None and pattern.window is None and any_padding(free_only=score is not None) is False:
+            # every query sees every key of its row: no mask, or the score term alone, [np, s, s] -> [b, np, s, s]
             return None if score is None else score.contiguous()[None].expand(b, -1, -1, -1)
         # [b, s] -> [b, 1, 1, s]: -inf on padded keys
         bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=padding.device)
@@ -165,7 +167,7 @@ class AttentionBackend:
         docs = None if documents is None else documents.flatten()[index].masked_fill(~filled, -1)
         unequal = len(sample) < n * longest  # a sample shorter than the longest: [n, L] holds padding
         return PackedRows(index, positions, sample * longest + slot,
-                          self._bias(~filled, docs, dtype, pattern, lambda: unequal))
+                          self._bias(~filled, docs, dtype, pattern, lambda free_only=False: unequal))
 
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
         """q, k, v [b, np, s, hn] -> [b, np, s, hn]."""

@@ -77,9 +77,13 @@ class LayoutReads:
         self.device = padding.device
         self.layout = (padding, documents, segments) if host is None else host
         self.cache: dict = {}
+        self.free = host is not None or padding.device.type == "cpu"
+        """Whether reading the layout waits for no device (a host copy, or a CPU batch)."""
 
-    def any_padding(self) -> bool:
-        """Whether any key of the batch is padding."""
+    def any_padding(self, free_only: bool = False) -> bool | None:
+        """Whether any key of the batch is padding; None if `free_only` and the answer needs a device read."""
+        if free_only and not self.free:
+            return None
         if "any_padding" not in self.cache:
             self.cache["any_padding"] = bool(self.layout[0].any())
         return self.cache["any_padding"]
