@@ -26,6 +26,8 @@ from pathlib import Path
 from megamlm.errors import CorruptFileError, MegamlmError
 
 RECORD = "megamlm-files.json"
+RUN_CHECKPOINTS, RUN_FINAL = "checkpoints", "final"
+"""A training run's folders in train.run_dir: its checkpoints, and the model folder it exports at the end."""
 # what a model folder held before folders carried a record (sessions 1-4): still ours to replace
 LEGACY_MODEL_FILES = ("config.yaml", "model.pt", "model-tp*-of-*.pt", "classification_heads.pt",
                       "fairseq_source.pt", "tokenizer", "tokenizer/dict.txt")

@@ -126,6 +126,9 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
     transformers_folder = tmp_path / "roberta-base"
     transformers_folder.mkdir()
     (transformers_folder / "config.json").write_text("{}")
+    unfinished = tmp_path / "unfinished-run"  # a run dir before its end: config.yaml and checkpoints, no final
+    (unfinished / "checkpoints").mkdir(parents=True)
+    (unfinished / "config.yaml").write_bytes((run / "config.yaml").read_bytes())
     cases = [
         (["config", "--config", binary], f"config error: config file {binary} is not UTF-8 text (byte 0x80 at "
                                          f"offset 128): a binary file?"),
@@ -159,6 +162,12 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
          f"glue: {transformers_folder}/config.yaml not found: not a megamlm model folder (training writes one to "
          f"<run_dir>/final; `megamlm convert` writes others); it holds a config.json: a transformers folder? "
          f"`megamlm convert --from hf {transformers_folder} --to megamlm OUT` reads it"),
+        (["glue", "--checkpoint", run, "--data-dir", glue, "--tasks", "RTE", "--out", out],
+         f"glue: {run} is a training run's folder, not a model folder: its model folder is {final}"),
+        (["fill-mask", unfinished, "Paris is the <mask> of France."],
+         f"fill-mask: {unfinished} is a training run's folder, not a model folder: the run has not finished (no "
+         f"{unfinished}/final); `megamlm convert --from zero {unfinished} --to megamlm OUT` makes a model folder of "
+         f"its latest checkpoint"),
         (["shards", "build", tmp_path, "--out", out], f"shards: input {tmp_path} is a directory; pass the files in it"),
         (["shards", "build", text, "--out", blocker], f"shards: output {blocker} is a file, not a folder"),
     ]

@@ -17,7 +17,7 @@ from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line
-from megamlm.files import check_writable
+from megamlm.files import RUN_FINAL, check_writable
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +152,7 @@ def cmd_eval(args) -> int:
               f"{row['masked_tokens']:,} masked tokens in {row['samples']} samples of {args.seq_length}")
         return 0
     check_writable(args.out, "--out")  # before evaluating every model at every length
-    results = {Path(c).parent.name if Path(c).name == "final" else Path(c).name:
+    results = {Path(c).parent.name if Path(c).name == RUN_FINAL else Path(c).name:
                evaluate_lengths(c, args.data, args.lengths, args.max_tokens, args.batch_size) for c in args.checkpoint}
     print(extrapolation_report(results, args.out, args.train_length), end="")
     print(f"plot: {Path(args.out) / 'ppl-vs-length.png'}")

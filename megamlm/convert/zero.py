@@ -18,14 +18,14 @@ import torch
 
 from megamlm.config import Config, config_from_dict
 from megamlm.model.tp import merge_shards
-from megamlm.files import verify_files
+from megamlm.files import RUN_CHECKPOINTS, verify_files
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A step folder, a `checkpoints` folder (its `latest`), or a run folder (its checkpoints/latest)."""
     path = Path(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    if (path / RUN_CHECKPOINTS).is_dir():
+        path = path / RUN_CHECKPOINTS
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     if not (path / "megamlm.json").is_file():

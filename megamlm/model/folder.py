@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megamlm.config import Config, load_config, replace_config
 from megamlm.errors import CorruptFileError
-from megamlm.files import staged_output, verify_record
+from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, staged_output, verify_record
 from megamlm.model import names
 from megamlm.model.reshard import full_state_dict
 from megamlm.model.tp import merge_shards, split_full
@@ -86,6 +86,12 @@ def check_model_folder(folder: str | Path) -> Path:
                 f"OUT` reads it" if (folder / "config.json").is_file() else "")
         raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder "
                                 f"(training writes one to <run_dir>/final; `megamlm convert` writes others){hint}")
+    if (folder / RUN_CHECKPOINTS).is_dir() and not (folder / MODEL_FILE).is_file():  # its config.yaml is a run's
+        final = folder / RUN_FINAL
+        raise FileNotFoundError(f"{folder} is a training run's folder, not a model folder: " + (
+            f"its model folder is {final}" if (final / "config.yaml").is_file() else
+            f"the run has not finished (no {final}); `megamlm convert --from zero {folder} --to megamlm OUT` "
+            f"makes a model folder of its latest checkpoint"))
     return folder
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megamlm.config import Config, ModelConfig
 from megamlm.data.stream import StreamPosition
 from megamlm.errors import CorruptFileError, MegamlmError
-from megamlm.files import check_writable, describe_files, verify_files
+from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable, describe_files, verify_files
 from megamlm.parallel import ParallelContext, seed_everything, tensor_parallel_rng
 from megamlm.train.elastic import Layout, convert_position, load_full_state, read_full_state, written_layout
 
@@ -89,7 +89,7 @@ def set_rng_state(state: dict) -> None:
 
 class Checkpoints:
     def __init__(self, run_dir: str | Path, keep_last: int, allow_batch_change: bool = False):
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = Path(run_dir) / RUN_CHECKPOINTS
         self.keep_last = keep_last
         self.allow_batch_change = allow_batch_change
         """A checkpoint of another global batch may be resumed (its data position converted in samples)."""
@@ -280,7 +280,7 @@ def complete_tags(root: Path) -> list[str]:
 def run_at(run_dir: Path) -> int | None:
     """The update a run directory's run has reached (newest complete checkpoint, else its log), or
     None when it holds no run."""
-    tags = complete_tags(run_dir / "checkpoints")
+    tags = complete_tags(run_dir / RUN_CHECKPOINTS)
     if tags:
         return int(tags[-1].removeprefix("step"))
     log = run_dir / "log.jsonl"
@@ -295,7 +295,7 @@ def run_at(run_dir: Path) -> int | None:
     return max(steps)
 
 
-RUN_FILES = ("log.jsonl", "config.yaml", "checkpoints", "tensorboard", "final")
+RUN_FILES = ("log.jsonl", "config.yaml", RUN_CHECKPOINTS, "tensorboard", RUN_FINAL)
 """What training writes into train.run_dir."""
 
 
@@ -322,6 +322,6 @@ def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, rank: in
             raise RunDirError(f"train.run_dir={run_dir} holds {', '.join(users)} but no megamlm run "
                               f"(no log.jsonl): megamlm would write there; choose another train.run_dir")
     check_writable(run_dir, "train.run_dir")
-    if (run_dir / "checkpoints").is_dir():
-        check_writable(run_dir / "checkpoints", "checkpoint folder")
+    if (run_dir / RUN_CHECKPOINTS).is_dir():
+        check_writable(run_dir / RUN_CHECKPOINTS, "checkpoint folder")
     return moved

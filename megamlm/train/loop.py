@@ -23,6 +23,7 @@ from megamlm.config import Config, ConfigError, ModelConfig
 from megamlm.data.shards import ShardError, ensure_shards
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
 from megamlm.data.tokenizer import Tokenizer
+from megamlm.files import RUN_FINAL
 from megamlm.model import names
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
@@ -324,7 +325,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     # ---- end of run ------------------------------------------------------------------------
     final_valid = validate("end of training")
     checkpoints.save(engine, state, cfg)
-    final_dir = export_pretrained(engine.module, cfg, run_dir / "final", engine.zero_optimization_stage(),
+    final_dir = export_pretrained(engine.module, cfg, run_dir / RUN_FINAL, engine.zero_optimization_stage(),
                                   objective.exported)
     summary = {"steps": state.step, "rollbacks": state.rollbacks, "losses": losses,
                "valid_before": first_valid, "valid_after": final_valid, "model_dir": str(final_dir),
