@@ -101,7 +101,31 @@ def test_bad_hugging_face_folders_are_one_line_and_write_nothing(world, tmp_path
     (shape / "config.json").write_text(json.dumps({**values, "intermediate_size": 64}))
     cases["shape"] = ("roberta.encoder.layer.0.intermediate.dense.weight has shape (96, 48), config.json "
                       "gives (64, 48)")
+    typed = shutil.copytree(good, tmp_path / "typed")
+    (typed / "config.json").write_text(json.dumps({**values, "num_attention_heads": "3"}))
+    cases["typed"] = "transformers' RobertaConfig refuses it: TypeError: Field 'num_attention_heads'"  # its words
     assert_refused_in_one_line(tmp_path, cases, capsys)
+
+
+def test_keys_config_json_leaves_out_take_transformers_defaults(world, tmp_path):
+    """transformers fills a key config.json leaves out with its config class's default; so does the import:
+    the folder with every default-valued key removed (vocab_size and the special ids among them) converts to
+    the same model, with transformers' logits."""
+    from transformers import RobertaConfig
+
+    source = save_roberta(tmp_path / "hf")
+    sparse = shutil.copytree(source, tmp_path / "sparse")
+    values, defaults = json.loads((sparse / "config.json").read_text()), RobertaConfig().to_dict()
+    kept = {key: value for key, value in values.items() if key not in defaults or defaults[key] != value
+            or key == "architectures"}
+    assert {"vocab_size", "pad_token_id", "hidden_act"} <= values.keys() - kept.keys()
+    (sparse / "config.json").write_text(json.dumps(kept))
+    report = convert("hf", "megamlm", sparse, tmp_path / "from-sparse", **QUIET)
+    assert report["max_diff"]["hf source"] < 1e-5
+    full = read_megamlm(convert("hf", "megamlm", source, tmp_path / "from-full", **QUIET)["out"])
+    ours = read_megamlm(tmp_path / "from-sparse")
+    assert ours.cfg.model == full.cfg.model
+    assert ours.full.keys() == full.full.keys() and all(torch.equal(v, full.full[k]) for k, v in ours.full.items())
 
 
 def test_a_sharded_checkpoint_imports_through_its_index(world, tmp_path, capsys):

@@ -145,6 +145,11 @@ class HFFormat:
         """The bare encoder's class (BertModel, ...): no head; its state dict's keys lack `prefix`."""
         return self.architecture.split("For")[0] + "Model"
 
+    @property
+    def config_class(self) -> str:
+        """transformers' config class of the format (RobertaConfig, ...)."""
+        return self.architecture.split("For")[0] + "Config"
+
     def build(self, values: dict, pretraining: bool = False, classifier: bool = False, base: bool = False,
               **config_options):
         """The transformers model of this class (`pretraining`: its pretraining class; `classifier`: its
@@ -152,7 +157,7 @@ class HFFormat:
         freshly initialized; `config_options` go to its config class (e.g. attn_implementation)."""
         import transformers
 
-        config_class = getattr(transformers, self.architecture.split("For")[0] + "Config")
+        config_class = getattr(transformers, self.config_class)
         name = (self.base_model if base else self.sequence_classification if classifier
                 else self.pretraining if pretraining else self.architecture)
         return getattr(transformers, name)(config_class(**values, **config_options))

@@ -75,6 +75,22 @@ class HFSource:
     """What the conversion should say (e.g. classifier rows kept in an order no label name confirms)."""
 
 
+def _with_defaults(path: Path, values: dict, fmt: HFFormat) -> dict:
+    """config.json's `values` and, for the keys it leaves out, what transformers' config class of `fmt` loads
+    (its defaults, and fields derived from the values, e.g. ModernBERT's layer_types)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConversionError("--from hf needs transformers (its reference forward checks the conversion): "
+                              "pip install 'megamlm[hf]'") from None
+    try:
+        loaded = getattr(transformers, fmt.config_class).from_dict(values).to_dict()
+    except Exception as err:  # transformers' validators raise several types
+        raise ConversionError(f"{path}: transformers' {fmt.config_class} refuses it: "
+                              f"{str(err).strip().splitlines()[-1]}") from None
+    return {**loaded, **values}
+
+
 def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
                  flag: str = "--from hf") -> tuple[dict, HFFormat | None]:
     """config.json's values and their format (None: megamlm's own export); `accept`: the architectures
@@ -94,6 +110,7 @@ def _read_config(folder: Path, accept: tuple[str, ...] = SUPPORTED,
         return values, None
     fmt = {**HF_FORMATS, **PRETRAINING, **SEQUENCE_CLASSIFIERS, **BASE_MODELS,
            ELECTRA_GENERATOR.architecture: ELECTRA_GENERATOR}[architectures[0]]
+    values = _with_defaults(path, values, fmt)  # a key config.json leaves out: as transformers loads it
     differ = [f"{key}={values.get(key)!r} (needs {want!r})" for key, want in fmt.fixed.items()
               if key in values and values[key] != want and not (key == "type_vocab_size" and values[key] >= 1)]
     if fmt is MODERNBERT:
