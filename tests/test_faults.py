@@ -204,6 +204,39 @@ def test_damaged_documents_are_skipped_counted_and_logged(shards, tmp_path):
     assert summary["steps"] == 3
 
 
+def test_shards_inspect_verify_names_the_damage_before_a_run(shards, tmp_path, capsys):
+    """`megamlm shards inspect --verify` reads every document back as training does: the intact folder is
+    "no damage" (exit 0); damaged documents (a flipped byte each), a damaged index and a shard of the wrong
+    size are named, with the counts (exit 1); the summary's numbers are the manifest's."""
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert cli(["shards", "inspect", str(shards), "--verify"]) == 0
+    out = capsys.readouterr().out
+    train, valid = (manifest["splits"][split] for split in ("train", "valid"))
+    assert f"verified train: {train['documents']:,} documents read, no damage" in out
+    row = next(line for line in out.splitlines() if line.startswith("train "))
+    assert row.split()[1:4] == [f"{len(train['shards']):,}", f"{train['documents']:,}", f"{train['tokens']:,}"]
+    copy = tmp_path / "shards"
+    copy.mkdir()
+    for p in shards.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    tar = copy / "train-000000.tar"
+    damaged = np.load(tar.with_suffix(".idx.npy"))[::4]
+    for offset, size in damaged[:, :2]:
+        flip_byte(tar, int(offset + size - 1))
+    flip_byte(copy / "valid-000000.idx.npy")
+    assert cli(["shards", "inspect", str(copy), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert (f"verified train: {train['documents']:,} documents read, {len(damaged):,} damaged documents in 1 "
+            f"shard(s), 0 shard(s) left out") in out
+    assert f"  {tar}: document 0 fails its checksum (damaged bytes)" in out
+    assert f"  ... and {len(damaged) - 5} more in train-000000.tar" in out
+    assert f"  {copy}/valid-000000.idx.npy: index differs from the manifest's sha256 (damaged)" in out
+    with open(tar, "ab") as f:  # a shard of another size than the manifest's: training leaves it out
+        f.write(b"x")
+    assert cli(["shards", "inspect", str(copy)]) == 0
+    assert len(train["shards"]) > 1 and f"train: training leaves out {tar}\n" in capsys.readouterr().out
+
+
 def test_token_ids_outside_the_dictionary_are_corruption_never_model_input(shards, tmp_path):
     copy = tmp_path / "shards"
     copy.mkdir()

@@ -1,9 +1,11 @@
-"""`megamlm shards`: build webdataset shards from text, or train a tokenizer for them (BPE, WordPiece)."""
+"""`megamlm shards`: build webdataset shards from text, inspect (and verify) a shard folder, or train a tokenizer
+for them (BPE, WordPiece)."""
 
 from __future__ import annotations
 
 import argparse
 
+from megamlm.data.shard_report import describe, verify, verify_report
 from megamlm.data.shards import LONG_DOC_POLICIES, TEXT_MODES, BuildOptions, build_shards, summary_table
 
 
@@ -11,6 +13,13 @@ def cmd_shards(args) -> int:
     from megamlm.data.pieces import WordPieceTokenizer
     from megamlm.data.tokenizer import Tokenizer
 
+    if args.shards_verb == "inspect":
+        print(describe(args.folder))
+        if not args.verify:
+            return 0
+        report, intact = verify_report(verify(args.folder))
+        print(report)
+        return 0 if intact else 1
     if args.shards_verb == "train-bpe":
         out = Tokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size)
         print(f"wrote {out}/encoder.json, vocab.bpe, dict.txt; build shards with --tokenizer {out}")
@@ -54,6 +63,11 @@ def add_shards_args(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--tokenizer", default="gpt2",
                        help="gpt2 | gpt2-zero-clap | folder with encoder.json, vocab.bpe, dict.txt "
                             "| WordPiece folder with vocab.txt")
+    inspect = sub.add_parser("inspect", help="what a shard folder holds: its build, splits, samples per block mode")
+    inspect.add_argument("folder", help="a folder `megamlm shards build` wrote")
+    inspect.add_argument("--verify", action="store_true",
+                         help="also read every document back as training does (index sha256, CRC-32, token ids); "
+                              "exit 1 if any is damaged")
     bpe = sub.add_parser("train-bpe", help="train a byte-level BPE + dict.txt on text files")
     bpe.add_argument("inputs", nargs="+")
     bpe.add_argument("--out", required=True)

@@ -293,15 +293,16 @@ def _manifest(options: BuildOptions, tokenizer: Tokenizer, writers: dict, stats:
     }
 
 
-def summary_table(manifest: dict) -> str:
-    """Per-subset counts as a table (printed after a build)."""
+def summary_table(manifest: dict, splits: bool = True) -> str:
+    """Per-subset counts as a table, then (`splits`) a line per split and the skipped inputs (printed after a
+    build)."""
     rows = [f"{'subset':<24}{'documents':>11}{'tokens':>14}{'kept':>9}{'dropped':>9}"
             f"{'truncated':>11}{'split':>7}"]
     for name, c in manifest["per_subset"].items():
         rows.append(f"{name:<24}{c.get('documents', 0):>11,}{c.get('tokens', 0):>14,}"
                     f"{c.get('kept', 0):>9,}{c.get('dropped', 0):>9,}{c.get('truncated', 0):>11,}"
                     f"{c.get('split', 0):>7,}")
-    for split, info in manifest["splits"].items():
+    for split, info in manifest["splits"].items() if splits else ():
         rows.append(f"{split}: {len(info['shards'])} shards, {info['documents']:,} stored documents, "
                     f"{info['tokens']:,} tokens")
     skipped = manifest["skipped"]

@@ -52,16 +52,7 @@ class ShardSet:
 
     def __init__(self, folder: str | Path, split: str = "train", dictionary_sha256: str | None = None):
         self.folder = Path(folder)
-        manifest_path = self.folder / "manifest.json"
-        if not manifest_path.is_file():
-            raise ShardError(f"{manifest_path} not found: not a shard folder, or its build did not "
-                             f"finish (build with `megamlm shards build`)")
-        try:
-            self.manifest = json.loads(manifest_path.read_text())
-            self.manifest["splits"], self.manifest["dictionary_sha256"]  # noqa: B018 (required keys)
-        except (ValueError, KeyError, TypeError) as err:
-            raise ShardError(f"{manifest_path} is corrupt ({type(err).__name__}: {err}); rebuild the "
-                             f"shards (`megamlm shards build`)") from None
+        self.manifest = self.read_manifest(self.folder)
         self.vocab_size = int(self.manifest.get("dictionary_size", 2**31))
         if dictionary_sha256 is not None and self.manifest["dictionary_sha256"] != dictionary_sha256:
             raise ShardError(
@@ -83,6 +74,21 @@ class ShardSet:
                 self.shards.append(dict(shard, path=path))
         if not self.shards:
             raise ShardError(f"{self.folder}: no readable '{split}' shard")
+
+    @staticmethod
+    def read_manifest(folder: Path) -> dict:
+        """The shard folder's manifest.json (the keys every reader needs checked), or one line saying why not."""
+        manifest_path = folder / "manifest.json"
+        if not manifest_path.is_file():
+            raise ShardError(f"{manifest_path} not found: not a shard folder, or its build did not "
+                             f"finish (build with `megamlm shards build`)")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            manifest["splits"], manifest["dictionary_sha256"], manifest["seq_length"]  # noqa: B018 (required keys)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ShardError(f"{manifest_path} is corrupt ({type(err).__name__}: {err}); rebuild the "
+                             f"shards (`megamlm shards build`)") from None
+        return manifest
 
     @staticmethod
     def _check(path: Path, shard: dict) -> str | None:
