@@ -143,6 +143,11 @@ class OptimConfig:
         check_bounds(self, "optim", {"end_lr": ">= 0", "power": "> 0", "betas": "[0, 1)", "eps": "> 0",
                                      "weight_decay": ">= 0", "clip_grad": ">= 0"})
 
+    def adamw(self) -> dict:
+        """AdamW's settings (keyword arguments and parameter-group keys) besides the learning rate, which the
+        schedule sets at every update."""
+        return {"betas": tuple(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
 
 @dataclass
 class TrainConfig:
@@ -350,12 +355,21 @@ class Config:
 
     def to_yaml(self) -> str:
         """The resolved config as YAML that load_config reads back to an equal Config."""
+        return yaml.safe_dump(_plain(self.to_dict()), sort_keys=False)
 
-        def plain(obj):
-            if isinstance(obj, dict):
-                return {k: plain(v) for k, v in obj.items()}
-            return [plain(v) for v in obj] if isinstance(obj, (tuple, list)) else obj
+    def changes_since(self, before: dict) -> dict[str, tuple]:
+        """"section.key" -> (value in `before`, value now) for every value that differs; `before`: another
+        config's to_dict (e.g. a checkpoint's, through JSON). Keys `before` lacks (written before they existed)
+        are left out."""
+        now = _plain(self.to_dict())
+        return {f"{section}.{key}": (old, now[section][key]) for section, values in before.items() if section in now
+                for key, old in values.items() if key in now[section] and _plain(old) != now[section][key]}
 
-        return yaml.safe_dump(plain(self.to_dict()), sort_keys=False)
+
+def _plain(obj):
+    """Dicts, lists and scalars only (tuples as lists): how YAML and JSON hold a config."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return [_plain(v) for v in obj] if isinstance(obj, (tuple, list)) else obj
 
 

@@ -120,8 +120,7 @@ class FlatEngine:
         # train.fp32_grad_accumulation: each micro-batch's 16-bit gradients are added to grads32 after its
         # backward, and `grads` holds one micro-batch at a time
         self.accumulate32 = self.separate_masters and cfg.train.fp32_grad_accumulation
-        self.optimizer = torch.optim.AdamW([self.master], lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                           eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay, fused=True)
+        self.optimizer = torch.optim.AdamW([self.master], lr=cfg.optim.lr, **cfg.optim.adamw(), fused=True)
         self.schedule = Schedule(self.optimizer, cfg.optim, cfg.train.steps)
         # the parts of this rank's range whose squares the norm sums here
         split = min(max(self.sharded_end - self.start, 0), part)

@@ -42,7 +42,11 @@ def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, en
     where = f"resumed update {state.step} written at {state.resharded}" if state.resharded else \
         f"resumed from {checkpoints.root / tag} at update {state.step}"
     where += f"; {state.note}" if state.note else ""
-    log.event("resume", state.step, where, message=where, resharded=state.resharded)
+    if state.changed:  # nothing changes silently: the run's config.yaml is rewritten with the new values
+        where += "; changed since the checkpoint: " + ", ".join(f"{key} {then} -> {now}"
+                                                                 for key, (then, now) in state.changed.items())
+    log.event("resume", state.step, where, message=where, resharded=state.resharded,
+              changed={key: list(values) for key, values in state.changed.items()})
     return state
 
 
