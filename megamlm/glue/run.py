@@ -127,8 +127,6 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
                   (f"--max-eval-samples {max_eval}", max_eval, ">= 1"), (f"--parallel {parallel}", parallel, ">= 1"),
                   *((f"seed {seed}", seed, ">= 0") for seed in seeds)], GlueDataError)
     check_model_folder(checkpoint)  # before the tasks' files: a wrong path is said first, not after them
-    if not Path(data_dir).is_dir():  # (a folder without a task's files reports that task as skipped)
-        raise GlueDataError(f"--data-dir {data_dir}: no such folder (GLUE's layout: <TASK>/train.tsv, dev.tsv)")
     jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval, out) for t in tasks]
     if parallel > 1:
         with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
