@@ -48,8 +48,10 @@ def test_stage0_equals_the_zero1_engine_in_losses_and_gradient_norms(shards, tmp
     assert len(norms) == 6 and all(n > 0 for n in norms.values())
     if clip == 0:
         assert plain["losses"] == zero1["losses"]  # bit for bit
-    else:  # ZeRO divides by norm/clip, the hook multiplies by clip/norm: rounding differs
-        assert max(abs(a - b) for a, b in zip(plain["losses"], zero1["losses"])) < 1e-6
+    else:  # ZeRO divides by norm/clip, the hook multiplies by clip/norm: rounding differs, by a few ulps of the
+        # fp32 loss sum (~1e-6 of the mean each): 1e-6 on the AMD EPYC of sessions 1-27, 2.0e-6 at update 6 on an
+        # AVX-512 Xeon (session 28; the same at 1fa9020), the five updates before it bit for bit
+        assert max(abs(a - b) for a, b in zip(plain["losses"], zero1["losses"])) < 5e-6
         assert min(norms.values()) > clip  # clipping was active at every update
     # ZeRO-1's own norm reads ~5e-5 higher than the L2 norm of the gradients both engines apply (the
     # losses above are bit-identical); the hook's is that L2 norm
