@@ -145,6 +145,9 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
          f"convert: {tmp_path} is a directory; expected a checkpoint file (.pt)"),
         (["convert", "--from", "fairseq", "--to", "megamlm", a_list, out],
          f"convert: {a_list}: expected a checkpoint dict, got list"),
+        (["convert", "--from", "zero", "--to", "megamlm", tmp_path / "no-run", out],
+         f"convert: {tmp_path}/no-run: no such folder; pass <run_dir>, <run_dir>/checkpoints or "
+         f"<run_dir>/checkpoints/stepNNNNNNNN"),
         (["convert", "--from", "megamlm", "--to", "megamlm", missing_keys, out],
          "convert: the weights do not match the model: missing encoder.layers.0.mlp.linear_fc1.bias, "
          "lm_head.bias; unexpected none"),

@@ -24,6 +24,9 @@ from megamlm.files import RUN_CHECKPOINTS, verify_files
 def resolve_checkpoint(path: str | Path) -> Path:
     """A step folder, a `checkpoints` folder (its `latest`), or a run folder (its checkpoints/latest)."""
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder; pass <run_dir>, <run_dir>/checkpoints or "
+                                f"<run_dir>/checkpoints/stepNNNNNNNN")
     if (path / RUN_CHECKPOINTS).is_dir():
         path = path / RUN_CHECKPOINTS
     if (path / "latest").is_file():
