@@ -5,7 +5,8 @@
     python benchmarks/attention.py --lengths 512,1024,2048,4096,8192 --dtype bf16 --heads 12   # GPU
 
 Rows per length: eager (matmul + bias + softmax, the fork's way), SDPA with the cached bias
-(megamlm's default), FlexAttention with the ALiBi score_mod (GPU; no bias tensor), both also with
+(megamlm's default: one [1, np, s, s] the rows share when no key is padded) and with the bias per row (a
+padded batch's [b, np, s, s]), FlexAttention with the ALiBi score_mod (GPU; no bias tensor), both also with
 the reference recipe's attention dropout 0.1 (Flex: megamlm's two passes, flex.py), and as speed
 references SDPA without any bias and, where the flash_attn package is installed, FlashAttention-2
 with its built-in symmetric ALiBi; and megamlm's alibi-flash (ALiBi as extra head dimensions of two
@@ -117,7 +118,10 @@ def make_flash_symmetric(slopes):
 
 
 # kernels that take the materialized [1, np, s, s] bias; the others get None and never allocate it
-TAKES_BIAS = {"eager", "sdpa + cached bias", "sdpa + cached bias, dropout 0.1"}
+PER_ROW = "sdpa + bias per row [b, np, s, s]"
+"""The bias as a padded batch has it (and as megamlm built it for every batch before session 28): one copy per
+row; "sdpa + cached bias" is the one [1, np, s, s] an unpadded batch shares."""
+TAKES_BIAS = {"eager", "sdpa + cached bias", "sdpa + cached bias, dropout 0.1", PER_ROW}
 
 
 def bench(fn, q, k, v, bias, repeats: int, device) -> tuple[float, float]:
@@ -156,8 +160,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     slopes = torch.tensor(alibi_slopes(args.heads), device=device)
-    kernels = {"eager": eager, "sdpa + cached bias": sdpa, "sdpa + cached bias, dropout 0.1": sdpa_dropout,
-               "sdpa, no bias (reference)": sdpa_no_bias}
+    kernels = {"eager": eager, "sdpa + cached bias": sdpa, PER_ROW: sdpa,
+               "sdpa + cached bias, dropout 0.1": sdpa_dropout, "sdpa, no bias (reference)": sdpa_no_bias}
     if device.type != "cuda":
         kernels["alibi-flash, matmul passes (CPU)"] = make_alibi_flash(slopes, ReferenceKernel())
     else:
@@ -199,6 +203,8 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()  # counted from here: this kernel's inputs on
             q, k, v = (t.to(device, dtype).requires_grad_() for t in (q64, k64, v64))
             bias = bias64.to(device, dtype) if name in TAKES_BIAS else None
+            if name == PER_ROW:  # [1, np, s, s] -> [b, np, s, s], a copy per row
+                bias = bias.expand(args.batch, -1, -1, -1).contiguous()
             try:
                 seconds, memory = bench(fn, q, k, v, bias, args.repeats, device)
                 with torch.no_grad():
