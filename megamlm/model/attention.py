@@ -22,7 +22,7 @@ score term; padding, document boundaries and patterns are the backend's to expre
          keys, other documents and outside the pattern, plus the position's score term), CPU and GPU;
          no bias at all when there is nothing to add (no score term, pattern or documents, no padded
          key in the batch: SDPA's flash / cuDNN path, CPU's fused kernel); with a score term alone,
-         its one [1, np, s, s] viewed as [b, np, s, s] (b times less memory to build and read). Packed rows are
+         its one [1, np, s, s] viewed as [b, np, s, s] (b times less memory; CPU time the same). Packed rows are
          first gathered per sample into [n, np, L, hn] (L the longest sample), so nothing of size
          [T, T] is built for a row of T tokens and the bias is [n, np|1, L, L].
   eager  the same math unfused: softmax, then our dropout. sdpa runs it on CPU whenever attention
