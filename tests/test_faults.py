@@ -215,6 +215,8 @@ def test_shards_inspect_verify_names_the_damage_before_a_run(shards, tmp_path, c
     assert f"verified train: {train['documents']:,} documents read, no damage" in out
     row = next(line for line in out.splitlines() if line.startswith("train "))
     assert row.split()[1:4] == [f"{len(train['shards']):,}", f"{train['documents']:,}", f"{train['tokens']:,}"]
+    samples = sum(shard["blocks"]["complete"] for shard in train["shards"])  # each <s> + its tokens, padded
+    assert row.split()[-1] == f"{(train['tokens'] + samples) / (samples * manifest['seq_length']):.3f}"
     copy = tmp_path / "shards"
     copy.mkdir()
     for p in shards.iterdir():

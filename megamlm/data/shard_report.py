@@ -65,12 +65,14 @@ def describe(folder: str | Path) -> str:
              f"inputs: {', '.join(option('inputs', [])) or '?'} (valid fraction {option('valid_fraction', '?')}, "
              f"seed {option('seed', '?')})",
              f"{'split':<8}{'shards':>7}{'documents':>12}{'tokens':>15}{'tokens/doc':>12}"
-             + "".join(f"{f'samples ({mode})':>22}" for mode in BLOCK_MODES)]
+             + "".join(f"{f'samples ({mode})':>22}" for mode in BLOCK_MODES) + f"{'padded fill':>13}"]
     for split, info in manifest["splits"].items():
         blocks = {mode: sum(s.get("blocks", {}).get(mode, 0) for s in info["shards"]) for mode in BLOCK_MODES}
+        # `complete` samples padded to the length: <s> and the tokens of each, over its slots (`megamlm plan --fill`)
+        fill = (info["tokens"] + blocks["complete"]) / max(blocks["complete"] * manifest["seq_length"], 1)
         lines.append(f"{split:<8}{len(info['shards']):>7,}{info['documents']:>12,}{info['tokens']:>15,}"
                      f"{info['tokens'] / max(info['documents'], 1):>12,.1f}"
-                     + "".join(f"{blocks[mode]:>22,}" for mode in BLOCK_MODES))
+                     + "".join(f"{blocks[mode]:>22,}" for mode in BLOCK_MODES) + f"{fill:>13.3f}")
     for split, shards in _splits(folder).items():
         excluded = [shards] if isinstance(shards, str) else shards.excluded
         lines += [f"{split}: training leaves out {path}" for path in excluded]
