@@ -217,7 +217,8 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilization to assume")
     parser.add_argument("--fill", type=float, default=None,
                         help="real tokens / token slots to assume (default: 0.99 packed, 0.745 padded, "
-                             "measured; a run's own: the `fill` column of its log)")
+                             "measured; a run's own: the `fill` column of its log; its shards' padded: "
+                             "`megamlm shards inspect`)")
 
 
 def cmd_deepspeed_config(cfg: Config, args) -> int:
