@@ -37,7 +37,8 @@ from megamlm.data.stream import StreamPosition
 from megamlm.errors import CorruptFileError, MegamlmError
 from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable, describe_files, verify_files
 from megamlm.parallel import ParallelContext, seed_everything, tensor_parallel_rng
-from megamlm.train.elastic import Layout, convert_position, load_full_state, read_full_state, written_layout
+from megamlm.train.elastic import (Layout, base_optimizer, convert_position, load_full_state, read_full_state,
+                                   written_layout)
 
 META_FILE, COMPLETE_FILE = "megamlm.json", "complete"
 
@@ -60,8 +61,6 @@ class TrainState:
     """Set when the checkpoint came from another layout: "TP=2 DP=1 ZeRO-0 into TP=1 DP=2 ZeRO-1"."""
     note: str | None = None
     """What a changed global batch did to the data position (--allow-batch-change)."""
-    changed: dict[str, tuple] = field(default_factory=dict)
-    """The config values the run has changed since the checkpoint: "section.key" -> (then, now)."""
 
     def restore_rng(self) -> None:
         if self.rng is not None:
@@ -240,7 +239,7 @@ class Checkpoints:
             load_full_state(engine, schedule, read_full_state(folder, written, names, cfg))
         # the run's AdamW settings (optim.*): DeepSpeed's load puts back the parameter groups as written, which
         # would keep a resumed run's changed betas / eps / weight decay from taking effect
-        for group in getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups:  # ZeRO / bf16 wrap it
+        for group in base_optimizer(engine.optimizer).param_groups:
             group.update(cfg.optim.adamw())
         # per-rank streams (dropout) carry over to the same ranks (also across a ZeRO stage change)
         same_ranks = (written.tp, written.dp) == (running.tp, running.dp)
@@ -249,7 +248,7 @@ class Checkpoints:
         return TrainState(step=meta["step"], position=position, data_seed=meta["data_seed"],
                           rollbacks=meta["rollbacks"], rng=rng,
                           resharded=None if written.same_shards(running) else f"{written} into {running}",
-                          note=note, changed=cfg.changes_since(meta["config"]))
+                          note=note)
 
 
 def _check_same_model(folder: Path, meta: dict, cfg: Config) -> None:

@@ -284,6 +284,11 @@ def _stage0_masters(engine, optimizer, base: torch.optim.Optimizer) -> dict[int,
     return {id(lp): hp for lps, hps in zip(optimizer.fp16_groups, optimizer.fp32_groups) for lp, hp in zip(lps, hps)}
 
 
+def base_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch AdamW that steps: ZeRO's and the bf16 optimizer wrap it (`.optimizer`); otherwise itself."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 @torch.no_grad()
 def load_full_state(engine, schedule, state: FullState) -> None:
     """Collective: cut `state` for this rank and put it into the engine (module, master weights,
@@ -293,7 +298,7 @@ def load_full_state(engine, schedule, state: FullState) -> None:
 
     model: nn.Module = engine.module
     optimizer = engine.optimizer
-    base = getattr(optimizer, "optimizer", optimizer)  # ZeRO / bf16 wrap torch's AdamW
+    base = base_optimizer(optimizer)
     stepped = _stepped_tensors(optimizer, base)
     _init_optimizer_state(base, stepped)
     if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):

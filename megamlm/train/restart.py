@@ -42,11 +42,12 @@ def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, en
     where = f"resumed update {state.step} written at {state.resharded}" if state.resharded else \
         f"resumed from {checkpoints.root / tag} at update {state.step}"
     where += f"; {state.note}" if state.note else ""
-    if state.changed:  # nothing changes silently: the run's config.yaml is rewritten with the new values
+    changed = cfg.changes_since(checkpoints.meta(tag)["config"])
+    if changed:  # nothing changes silently: the run's config.yaml is rewritten with the new values
         where += "; changed since the checkpoint: " + ", ".join(f"{key} {then} -> {now}"
-                                                                 for key, (then, now) in state.changed.items())
+                                                                 for key, (then, now) in changed.items())
     log.event("resume", state.step, where, message=where, resharded=state.resharded,
-              changed={key: list(values) for key, values in state.changed.items()})
+              changed={key: list(values) for key, values in changed.items()})
     return state
 
 
