@@ -210,22 +210,33 @@ def test_training_gives_up_after_max_rollbacks(shards, tmp_path):
         run_on_ranks(_train, 1, cfg, None, None, diverge_after_3)
 
 
-@pytest.mark.slow
-def test_sigterm_saves_a_complete_checkpoint_exits_0_and_resume_continues(shards, tmp_path):
-    run_dir = tmp_path / "preempt"
+def _cli_run(shards, run_dir, *overrides):
+    """`megamlm train`'s arguments for a tiny run in `run_dir` (no step count) and its environment."""
     args = ["--config", str(CONFIGS / "variants/baseline.yaml"),
         "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
         "model.ffn_hidden_size=128", "model.max_positions=64", f"data.shards={shards}",
         "data.seq_length=64", "train.micro_batch_size=4", f"train.run_dir={run_dir}",
-        "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=1000"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", *args, "train.steps=100000"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=1000", *overrides]
+    return args, dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def _start_and_wait_for_3_updates(args, env, run_dir, **popen):
+    """A run of 100,000 updates in a subprocess, once it has logged 3 of them."""
+    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", *args, "train.steps=100000"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
     log = run_dir / "log.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (log.exists() and len(logged(run_dir)) >= 3):
         time.sleep(0.2)
     assert len(logged(run_dir)) >= 3, proc.communicate(timeout=5)[0]
+    return proc
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_complete_checkpoint_exits_0_and_resume_continues(shards, tmp_path):
+    run_dir = tmp_path / "preempt"
+    args, env = _cli_run(shards, run_dir)
+    proc = _start_and_wait_for_3_updates(args, env, run_dir)
     sent_at_step = max(logged(run_dir))
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
@@ -239,6 +250,23 @@ def test_sigterm_saves_a_complete_checkpoint_exits_0_and_resume_continues(shards
     assert resume.returncode == 0, resume.stdout + resume.stderr
     assert f"resumed from {run_dir}/checkpoints/step{saved:08d} at update {saved}" in resume.stdout
     assert max(logged(run_dir)) == saved + 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_the_whole_job_with_loader_workers_still_saves(shards, tmp_path, sig, exit_code):
+    """SLURM (scancel, the time limit), `timeout` and a terminal's Ctrl-C signal every process of the job,
+    the data loader's workers too. Before, a worker died of it and the trainer failed with "DataLoader
+    worker ... is killed by signal" instead of saving."""
+    run_dir = tmp_path / "group"
+    args, env = _cli_run(shards, run_dir, "data.loader_workers=2")
+    proc = _start_and_wait_for_3_updates(args, env, run_dir, start_new_session=True)
+    os.killpg(proc.pid, sig)  # its own process group: the trainer and its loader workers
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == exit_code, output
+    saved = int((run_dir / "checkpoints/latest").read_text().removeprefix("step"))
+    assert (run_dir / f"checkpoints/step{saved:08d}/complete").exists()
+    assert f"signal received: saved update {saved} ({sig.name})" in output
 
 
 def test_interrupted_checkpoint_is_never_chosen(world, tmp_path):

@@ -331,11 +331,13 @@ class MaskedBatches(IterableDataset):
         return sum(len(b) for b in bins[len(bins) // self.global_batch * self.global_batch:])
 
 
-def make_loader(stream: MaskedBatches, workers: int = 0) -> DataLoader:
-    """A DataLoader that yields the stream's batches in order (batching happens in the stream)."""
+def make_loader(stream: MaskedBatches, workers: int = 0, worker_init_fn=None) -> DataLoader:
+    """A DataLoader that yields the stream's batches in order (batching happens in the stream);
+    `worker_init_fn(worker_id)` runs first in each worker process."""
     # its own generator: creating an iterator must not advance the default RNG (dropout, resume)
     return DataLoader(stream, batch_size=None, num_workers=workers, generator=torch.Generator(),
-                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
+                      worker_init_fn=worker_init_fn)
 
 
 def advance(position: StreamPosition, batch: Batch, batches_per_epoch: int) -> StreamPosition:

@@ -38,7 +38,7 @@ from megamlm.train.layers import apply_activation_checkpointing, compile_layers,
 from megamlm.train.log import Log, train_line
 from megamlm.train.profiling import UpdateProfiler, phase
 from megamlm.train.restart import load_resumed, resume_tag, roll_back
-from megamlm.train.signals import Preemption
+from megamlm.train.signals import Preemption, ignore_stop_signals
 
 
 @dataclass
@@ -184,7 +184,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     stream = train_stream(cfg, ctx, data, state)
-    batches = iter(make_loader(stream, cfg.data.loader_workers))
+    batches = iter(make_loader(stream, cfg.data.loader_workers, ignore_stop_signals))
     valid = valid_stream(cfg, ctx, data)
     guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_patience, cfg.train.spike_window)
     preemption = Preemption()
@@ -273,7 +273,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
             if reason is not None:  # the update after it (in flight) is discarded with the rest
                 state = roll_back(cfg, ctx, engine, schedule, checkpoints, state, update.step, log, reason)
                 stream = train_stream(cfg, ctx, data, state)
-                batches = iter(make_loader(stream, cfg.data.loader_workers))
+                batches = iter(make_loader(stream, cfg.data.loader_workers, ignore_stop_signals))
                 guard.reset()
                 rolled_back = True
                 break

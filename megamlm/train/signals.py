@@ -10,6 +10,17 @@ import torch.distributed as dist
 
 from megamlm.parallel import ToHost, host_to_device
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A data-loader worker's first act: ignore the stop signals, which are the trainer's to handle.
+    SLURM (scancel, the time limit, --signal), `timeout`, Kubernetes and a terminal's Ctrl-C signal every
+    process of the job, the loader's workers too; a worker killed by one made the trainer fail ("DataLoader
+    worker ... is killed by signal") before it could save. The trainer shuts its workers down as it exits."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
 
 class Preemption:
     """SIGTERM / SIGUSR1 (SLURM's warning before the time limit) and a first Ctrl-C (SIGINT) only
@@ -18,7 +29,7 @@ class Preemption:
 
     def __init__(self):
         self.signal: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
