@@ -58,7 +58,7 @@ from megamlm.model.alibi_flash import AlibiTerms, alibi_flash_attention, alibi_t
 from megamlm.model.dropout import dropout
 from megamlm.model.flex import attend_with_dropout, compiled_flex_attention, draw_seed, kernel_options
 from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
-from megamlm.model.positions import PositionEncoding, apply_rotation, sample_positions, sample_starts
+from megamlm.model.positions import POSITIONS, PositionEncoding, apply_rotation, sample_positions, sample_starts
 from megamlm.model.sequences import LayoutReads, PackedRows, attention_groups, varlen_attention
 from megamlm.parallel import tensor_parallel_rng
 
@@ -224,9 +224,15 @@ class FlexAttention(AttentionBackend):
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
         try:
-            kernel_options(model.flex_kernel_options)
+            options = kernel_options(model.flex_kernel_options)
         except ConfigError as err:
             return str(err)
+        prescaled = [name for name in options if name.endswith("PRESCALE_QK") and options[name] is True]
+        if prescaled and POSITIONS[model.position].score_term:
+            # the kernel then hands score_mod q·kᵀ·scale/ln 2 (log2 units) and never converts what score_mod
+            # added: a score term counts ln 2 times its value (an H200 measured a max error of 0.86)
+            return (f"model.flex_kernel_options: {prescaled[0]}=true is wrong with model.position="
+                    f"{model.position}: FlexAttention then scales its score term by ln 2; leave it out")
         if not torch.cuda.is_available():
             return ("model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
                     "backward on CPU); use model.attention_backend=sdpa")
