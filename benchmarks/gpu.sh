@@ -60,7 +60,9 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     fi
     echo "=== $name: $*"
     local start=$SECONDS
-    timeout "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
+    # SIGTERM first (a training row saves and exits at its next update's end: train/signals.py), SIGKILL 15 s
+    # later: a row still compiling would otherwise run past the lease's deadline
+    timeout --kill-after=15 "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
     local rc=$?
     grep -v "^\[\|Warning\|warn(" "$LOG_DIR/$name.log" | tail -n 8
     if [ $rc -ne 0 ] && [ -n "$SMOKE_LENGTH" ] && grep -q "needs a CUDA GPU" "$LOG_DIR/$name.log"; then
@@ -165,6 +167,10 @@ for s in $STEPS; do
         train_run loop-2048-flat-compiled-fused-head 2048 8 \
             "train.engine=flat train.compile=true model.head_loss=fused model.head_loss_chunk=134217728 $PROFILE" 60
         train_run loop-2048-flex-flat 2048 8 "train.engine=flat model.attention_backend=flex train.compile=true $PROFILE" 60
+        # the same without attention dropout (ModernBERT's choice): lease 5's Flex at batch 8 took 1.42 ms per layer
+        # forward + backward without, 3.97 with; what the loop reaches when attention costs ~34 ms per update
+        train_run loop-2048-flex-flat-nodropout 2048 8 "train.engine=flat $FLEX train.compile=true $PROFILE" 60
+        train_run loop-2048-flex-flat-nodropout-micro16 2048 16 "train.engine=flat $FLEX train.compile=true $PROFILE" 30
         # the same with Inductor timing its own matmul and FlexAttention configurations (minutes of compilation)
         train_run loop-2048-flex-flat-autotune 2048 8 \
             "train.engine=flat model.attention_backend=flex train.compile=true train.compile_mode=max-autotune-no-cudagraphs $PROFILE" 60
@@ -173,6 +179,8 @@ for s in $STEPS; do
         # the Pile configs' own precision (fp16, dynamic loss scale on the device): train_run sets bf16, this overrides it
         train_run loop-2048-flat-fp16 2048 8 "train.engine=flat train.precision=fp16 $PROFILE" 60
         train_run loop-2048-large-flat 2048 8 "train.engine=flat train.compile=true $PROFILE" 40 \
+            configs/pile/large-zero-clap.yaml
+        train_run loop-2048-large-flex-flat-nodropout 2048 8 "train.engine=flat $FLEX train.compile=true $PROFILE" 40 \
             configs/pile/large-zero-clap.yaml
         # ALiBi on two causal flash passes without a bias (model/alibi_flash.py), attention dropout 0.1 kept
         train_run loop-2048-alibi-flash 2048 8 "train.engine=flat model.attention_backend=alibi-flash $PROFILE" 60

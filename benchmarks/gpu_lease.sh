@@ -29,33 +29,26 @@ print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_pr
 cat "$LOGS/device.txt"
 
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows, session
-# 24's two the flat engine (BENCHMARKS.md). Next: the attention kernels at 2048 and 8192 (alibi-flash's
-# cuDNN passes, whose backward call failed there; its FlashAttention-2 passes lost to SDPA + bias) and
-# Flex dropout's hash on int64 vs int32 lanes; the Flex sweep (an acceptance row never measured, now
-# first: it stopped at a bug in session 24 and came too late before); the head's kernels (CLAP's
-# normalization, the fused head + loss); an eager run without the inf/NaN scan (session 24's diverged at
-# update 23: cuDNN's masked backward, now avoided); the flat compiled loop with micro-batches of 16, with
-# the fused head; packed rows on Flex and flat (no compute on padding), without and with dropout; the
-# flat loop without ALiBi's bias; the Pile recipe's update (4 x 16, fp16) on DeepSpeed and on flat; the
-# flat loop on alibi-flash, on Flex with dropout; CUDA graphs on DeepSpeed (failed in session 24).
-# One call of ~525 s reaches about the head rows; a second call (LEASE_ROWS) takes the loop rows.
-export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-2048} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
+# 24's two the flat engine, session 29's two (leases 5-6) the attention kernels, the Flex sweep, the head and
+# five loop rows (BENCHMARKS.md). Next: the flat compiled loop on Flex without attention dropout (what the
+# loop reaches when attention is 1.42 ms per layer, not cuDNN's 2.30 with dropout), base and large; the
+# packed rows on Flex (their first update compiled for over 104 s in lease 5: give them a call's start);
+# the Pile recipe's update (4 x 16, fp16) on DeepSpeed and on flat; CUDA graphs on DeepSpeed (failed in
+# session 24, fixed since); the bare step's Flex dropout row; ModernBERT; 8192; the host-overhead step.
+# One call of ~525 s reaches about the recipe rows; a second call (LEASE_ROWS) takes what is left.
+export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-4096,8192} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "attention attention dropout-hash"
-    "flex-tune flex-tune"
-    "head row-normalize head-memory"
-    "loop loop-2048-noscan loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-fused-head"
+    "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16 loop-2048-large-flex-flat-nodropout"
     "packed packed-2048-flex-flat packed-2048-flex-flat-dropout"
-    "loop loop-2048-baseline-flat-compiled loop-2048-recipe loop-2048-recipe-flat"
-    "loop loop-2048-alibi-flash-compiled loop-2048-flex-flat"
+    "loop loop-2048-recipe loop-2048-recipe-flat loop-2048-large-flat"
     "loop loop-2048-cudagraphs"
-    "compiled base-baseline-cudagraphs"
     "throughput base-zero-clap-flex-dropout base-baseline"
-    "loop loop-2048-compiled loop-2048-large"
     "modernbert modernbert-sdpa modernbert-flex modernbert-varlen"
     "loop loop-8192 loop-8192-documents"
+    "flex-tune flex-tune"
     "profile host-overhead"
+    "loop loop-2048-alibi-flash-compiled loop-2048-compiled loop-2048-large"
 )
 [ -z "${LEASE_ROWS:-}" ] || IFS=';' read -r -a ROWS <<<"$LEASE_ROWS"
 pack() {  # the archive as it stands: rewritten after every row, so a call cut short still returns what ran
