@@ -307,6 +307,27 @@ def test_each_compiled_layer_is_traced_without_a_graph_break(world, variant, che
     assert not counters["graph_break"], "\n".join(reason.splitlines()[0] for reason in counters["graph_break"])
 
 
+@pytest.mark.slow
+def test_a_compiled_layer_is_compiled_once_for_a_single_row_batch(world):
+    """Packed rows are batches of one row. The embedding's [b, s, h] -> [s, b, h] kept the transpose's
+    strides there (a size-1 dimension counts as contiguous), every layer's output has the standard ones,
+    and Dynamo guards on strides: layer 0 got a compilation of its own (on an H200 with Flex, the packed
+    loop's first update compiled for over 100 s). Dropout is off (its CPU mask is a graph break)."""
+    from torch._dynamo.utils import counters
+
+    from megamlm.train.layers import compile_layers
+
+    cfg = variant_config("baseline", ["model.num_layers=3", "model.hidden_dropout=0", "model.attention_dropout=0"])
+    tokens, masked = batch(cfg.model.vocab_size, lengths=(16,))
+    model = MaskedLM(cfg.model, world, seed=3)
+    compile_layers(model)
+    torch._dynamo.reset()
+    counters.clear()
+    model.loss(model(tokens, masked), tokens[masked]).backward()
+    assert counters["stats"]["calls_captured"] > 0  # the layers were compiled
+    assert counters["stats"]["unique_graphs"] == 1  # the 3 layers share one (2 before: layer 0's own)
+
+
 def test_registries_name_exactly_what_the_config_allows():
     import typing
 

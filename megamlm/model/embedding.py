@@ -70,5 +70,7 @@ class TokenEmbedding(nn.Module):
         if self.layernorm is not None:
             x = self.layernorm(x)
         x = dropout(x, model.hidden_dropout, self.training) * ~padding[..., None]
-        # [b, s, e] -> [s, b, e]
-        return x.transpose(0, 1).contiguous()
+        # [b, s, e] -> [s, b, e], with the strides every layer's output has: at b = 1 (packed rows)
+        # .contiguous() would keep the transpose's (e, s·e, 1), and a compiled layer would be compiled twice,
+        # once for layer 0's input and once for the others' (Dynamo guards on strides)
+        return x.transpose(0, 1).clone(memory_format=torch.contiguous_format)
