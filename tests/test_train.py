@@ -269,6 +269,25 @@ def test_a_stop_signal_to_the_whole_job_with_loader_workers_still_saves(shards, 
     assert f"signal received: saved update {saved} ({sig.name})" in output
 
 
+@pytest.mark.slow
+def test_a_loader_worker_killed_by_the_oom_killer_stops_the_run_with_one_line(shards, tmp_path):
+    """torch raises "DataLoader worker (pid N) is killed by signal: Killed." wherever the trainer is; the CLI
+    printed it as an internal error. Now it says what killed it, what to change, and how to go on."""
+    run_dir = tmp_path / "oom"
+    args, env = _cli_run(shards, run_dir, "data.loader_workers=2")
+    proc = _start_and_wait_for_3_updates(args, env, run_dir)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    own = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    workers = [int(pid) for pid in children if Path(f"/proc/{pid}/cmdline").read_bytes() == own]
+    assert len(workers) == 2, children
+    os.kill(workers[0], signal.SIGKILL)  # as the kernel's out-of-memory killer does
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"megamlm: train: a data loader worker died: DataLoader worker (pid {workers[0]})"), last
+    assert "lower data.loader_workers (now 2)" in last and last.endswith("with --resume auto"), last
+
+
 def test_interrupted_checkpoint_is_never_chosen(world, tmp_path):
     from megamlm.train.checkpoint import Checkpoints
 

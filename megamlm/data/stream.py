@@ -21,6 +21,7 @@ independent of ranks, workers and restarts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -41,6 +42,7 @@ from megamlm.data.packing import plan_bins
 from megamlm.data.pairs import Pairing
 from megamlm.data.shards import ShardError
 from megamlm.data.tokenizer import BOS
+from megamlm.errors import MegamlmError
 
 
 class CorruptShardError(ShardError):
@@ -338,6 +340,25 @@ def make_loader(stream: MaskedBatches, workers: int = 0, worker_init_fn=None) ->
     return DataLoader(stream, batch_size=None, num_workers=workers, generator=torch.Generator(),
                       persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
                       worker_init_fn=worker_init_fn)
+
+
+class LoaderWorkerError(MegamlmError):
+    """A data-loader worker process died (data.loader_workers > 0)."""
+
+
+@contextlib.contextmanager
+def loader_deaths_explained(workers: int):
+    """torch's "DataLoader worker (pid N) is killed by signal: Killed." as one line that says what to do.
+    torch raises it from its SIGCHLD handler, wherever the trainer is at that moment (a forward, a save)."""
+    try:
+        yield
+    except RuntimeError as err:
+        if workers == 0 or not str(err).startswith("DataLoader worker"):
+            raise
+        cause = (" SIGKILL mostly comes from the kernel's out-of-memory killer: lower data.loader_workers "
+                 f"(now {workers}) or give the job more host memory." if "signal: Killed" in str(err) else "")
+        raise LoaderWorkerError(f"a data loader worker died: {err}{cause} Continue from the last checkpoint "
+                                f"with --resume auto") from err
 
 
 def advance(position: StreamPosition, batch: Batch, batches_per_epoch: int) -> StreamPosition:

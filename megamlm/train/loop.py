@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megamlm.config import Config, ConfigError, ModelConfig
 from megamlm.data.shards import ShardError, ensure_shards
-from megamlm.data.stream import MaskedBatches, ShardSet, advance, make_loader
+from megamlm.data.stream import MaskedBatches, ShardSet, advance, loader_deaths_explained, make_loader
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import RUN_FINAL
 from megamlm.model import names
@@ -145,6 +145,11 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
     tests inject spikes. `overwrite` starts over in a run dir that holds a run (moved aside).
     A resumed run may have another layout (TP, DP, ZeRO stage, micro-batch x accumulation: the
     checkpoint is resharded) but the same global batch, unless `allow_batch_change`."""
+    with loader_deaths_explained(cfg.data.loader_workers):
+        return _train(cfg, resume, loss_hook, overwrite, allow_batch_change)
+
+
+def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_batch_change: bool) -> dict:
     # ---- setup -----------------------------------------------------------------------------
     ctx = init_distributed(cfg.parallel)
     rank0 = dist.get_rank() == 0
