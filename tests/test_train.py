@@ -357,6 +357,23 @@ def test_a_resumed_run_takes_its_changed_adamw_settings_and_says_so(shards, tmp_
     assert same[3] == other[3] and same[4] != other[4]  # update 3 stepped with the new settings
 
 
+@pytest.mark.slow
+def test_a_resumed_run_with_another_seed_says_what_the_seed_changes(shards, tmp_path):
+    """train.seed on resume: the training stream and dropout are the checkpoint's (the same losses as an
+    unchanged resume) while validation draws new masks; the resume line says both."""
+    cfgs = [config(shards, tmp_path / "first", "train.save_interval=2", "train.steps=2"),
+            config(shards, tmp_path / "same", "train.save_interval=2", "train.steps=4", "train.eval_interval=2"),
+            config(shards, tmp_path / "reseeded", "train.save_interval=2", "train.steps=4", "train.eval_interval=2",
+                   "train.seed=7")]
+    run_on_ranks(_resumed_with, 1, cfgs)
+    same, reseeded = logged(tmp_path / "same"), logged(tmp_path / "reseeded")
+    assert same[3] == reseeded[3] and same[4] == reseeded[4]
+    assert logged(tmp_path / "same", "valid")[2] != logged(tmp_path / "reseeded", "valid")[2]
+    line = logged(tmp_path / "reseeded", "resume", "message")[2]
+    assert "train.seed 1 -> 7 (the training data order and dropout continue the checkpoint's; validation draws " \
+           "new masks" in line, line
+
+
 def _train_reading_late(cfg, hook=None):
     """_train, recording for each loss read (update, how many updates were queued by then)."""
     from megamlm.train import loop

@@ -27,6 +27,13 @@ def resume_tag(checkpoints: Checkpoints, resume: str, log: Log) -> str | None:
     return resume
 
 
+CHANGE_NOTES = {
+    "train.seed": "the training data order and dropout continue the checkpoint's; validation draws new masks, "
+                  "so valid losses before and after the resume differ, and a rollback's data order uses the new seed",
+}
+"""What a config change on resume does that its new value alone does not say."""
+
+
 def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, engine, schedule, tag: str,
                  log: Log) -> TrainState:
     """Load checkpoint `tag`; checkpoints newer than it are set aside, log lines after it dropped."""
@@ -44,8 +51,9 @@ def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, en
     where += f"; {state.note}" if state.note else ""
     changed = cfg.changes_since(checkpoints.meta(tag)["config"])
     if changed:  # nothing changes silently: the run's config.yaml is rewritten with the new values
-        where += "; changed since the checkpoint: " + ", ".join(f"{key} {then} -> {now}"
-                                                                 for key, (then, now) in changed.items())
+        where += "; changed since the checkpoint: " + ", ".join(
+            f"{key} {then} -> {now}" + (f" ({CHANGE_NOTES[key]})" if key in CHANGE_NOTES else "")
+            for key, (then, now) in changed.items())
     log.event("resume", state.step, where, message=where, resharded=state.resharded,
               changed={key: list(values) for key, values in changed.items()})
     return state
