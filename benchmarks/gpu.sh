@@ -125,7 +125,7 @@ for s in $STEPS; do
         step row-normalize 60 $PY benchmarks/row_normalize.py --device cuda $SMOKE_ROWS
         # the head + loss unfused vs fused (one chunk: 134M elements hold base/2048's ~2,100 x 50,304 logits)
         step head-memory 240 $PY benchmarks/head_memory.py --model base --variant zero-clap --seq-length 2048 --batch 8 \
-            --dtype bf16 --chunks 2097152 16777216 134217728 $SMOKE_HEAD ;;
+            --dtype bf16 --chunks 2097152 16777216 134217728 --compiled $SMOKE_HEAD ;;
     flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64, at the
         # loop's micro-batch of 8 (the attention step keeps batch 2, comparable across leases)
         step flex-tune 540 $PY benchmarks/attention.py --lengths "${FLEX_TUNE_LENGTHS:-2048,4096,8192}" --dtype bf16 --heads 12 \
@@ -151,6 +151,9 @@ for s in $STEPS; do
         train_run loop-2048-flat-compiled 2048 8 "train.engine=flat train.compile=true $PROFILE" 60
         # session 24's H200: the flat, compiled loop kept the GPU 89% busy; twice the tokens per launch
         train_run loop-2048-flat-compiled-micro16 2048 16 "train.engine=flat train.compile=true $PROFILE" 30
+        # the same with the head and its loss compiled (train.compile_head): the ~8 eager passes over [n, V]
+        train_run loop-2048-flat-compiled-micro16-head 2048 16 \
+            "train.engine=flat train.compile=true train.compile_head=true $PROFILE" 30
         # the same loop with learned positions (no bias: cuDNN's bias-free kernel): what ALiBi's bias costs in it
         train_run loop-2048-baseline-flat-compiled 2048 8 "train.engine=flat train.compile=true $PROFILE" 60 \
             configs/pile/base-baseline.yaml

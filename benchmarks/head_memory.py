@@ -4,6 +4,7 @@
     python benchmarks/head_memory.py                      # CPU: tiny, length 512, batch 4, V 50,265
     python benchmarks/head_memory.py --model base --seq-length 2048 --batch 8 --dtype bf16 \
         --chunks 2097152 8388608 33554432                   # GPU: fused at three chunk sizes
+    python benchmarks/head_memory.py --compiled           # also unfused under train.compile_head (time only)
 
 One training micro-batch's head: the encoder's output at the masked positions (15%) goes through the
 head (RoBERTa's or CLAP's with --variant) and the vocab-parallel cross-entropy, forward and backward.
@@ -11,6 +12,7 @@ head (RoBERTa's or CLAP's with --variant) and the vocab-parallel cross-entropy, 
 through a dispatch mode, freed when their storage is): the parameters and the features that exist
 before it are not counted, the logits, their fp32 copy, the softmax and every gradient are. The whole
 model's step (encoder included) is measured the same way. Times are medians of interleaved rounds.
+The compiled row's peaks are not shown: Inductor's kernels run inside one call the dispatch mode cannot see.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from megamlm.config import ParallelConfig, load_config
 from megamlm.objectives import MaskedLM
 from megamlm.parallel import init_distributed, seed_everything
+from megamlm.train.layers import compile_head
 from train_throughput import timed  # benchmarks/ is the script's folder: on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +65,10 @@ class PeakMemory(TorchDispatchMode):
         return out
 
 
+COMPILED = "unfused, compiled"
+"""The row of the unfused head under train.compile_head (--compiled)."""
+
+
 def head_step(model: MaskedLM, features: torch.Tensor, targets: torch.Tensor, dtype) -> None:
     """Forward and backward of the head + summed loss from features [n, h]."""
     with torch.autocast(features.device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -93,6 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per round")
     parser.add_argument("--chunks", type=int, nargs="+", help="model.head_loss_chunk values of the fused rows "
                         "(default: the config's)")
+    parser.add_argument("--compiled", action="store_true", help="a row of the unfused head under train.compile_head")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ctx = init_distributed(ParallelConfig())
@@ -102,10 +110,14 @@ def main() -> None:
     chunks = args.chunks or [load_config(files).model.head_loss_chunk]
     modes = {"unfused": ["model.head_loss=unfused"],
              **{f"fused {chunk:,}": ["model.head_loss=fused", f"model.head_loss_chunk={chunk}"] for chunk in chunks}}
+    if args.compiled:
+        modes[COMPILED] = modes["unfused"]
     models = {mode: MaskedLM(load_config(files, sizes + overrides).model, ctx, seed=1).train()
               for mode, overrides in modes.items()}
     for model in models.values():
         model.load_state_dict(models["unfused"].state_dict())
+    if args.compiled:
+        compile_head(models[COMPILED])
     m = models["unfused"].config
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(4, m.vocab_size - 1, (args.batch, args.seq_length), generator=g).to(ctx.device)
@@ -118,8 +130,8 @@ def main() -> None:
              for mode, model in models.items()}
     for step in (*heads.values(), *steps.values()):  # warm-up
         step()
-    head_peak = {mode: peak_bytes(step) for mode, step in heads.items()}
-    step_peak = {mode: peak_bytes(step) for mode, step in steps.items()}
+    head_peak = {mode: peak_bytes(step) for mode, step in heads.items() if mode != COMPILED}
+    step_peak = {mode: peak_bytes(step) for mode, step in steps.items() if mode != COMPILED}
     head_time: dict[str, list[float]] = {mode: [] for mode in modes}
     step_time: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):
@@ -135,9 +147,13 @@ def main() -> None:
     print(f"{'head_loss (chunk)':<20}{'head peak MiB':>15}{'saved':>8}{'step peak MiB':>15}{'head ms':>10}"
           f"{'step ms':>10}")
     for mode in modes:
-        saved = (head_peak["unfused"] - head_peak[mode]) / 2**20
-        print(f"{mode:<20}{head_peak[mode] / 2**20:>15,.1f}{saved / logits_mb:>7.2f}x{step_peak[mode] / 2**20:>15,.1f}"
-              f"{statistics.median(head_time[mode]) * 1e3:>10,.1f}{statistics.median(step_time[mode]) * 1e3:>10,.1f}")
+        if mode in head_peak:
+            saved = (head_peak["unfused"] - head_peak[mode]) / 2**20
+            peaks = f"{head_peak[mode] / 2**20:>15,.1f}{saved / logits_mb:>7.2f}x{step_peak[mode] / 2**20:>15,.1f}"
+        else:
+            peaks = f"{'-':>15}{'-':>8}{'-':>15}"
+        print(f"{mode:<20}{peaks}{statistics.median(head_time[mode]) * 1e3:>10,.1f}"
+              f"{statistics.median(step_time[mode]) * 1e3:>10,.1f}")
     print("saved: the head's peak below unfused's, in multiples of the logits' size")
 
 

@@ -41,14 +41,14 @@ def shards(tmp_path_factory):
     return tiny_shards(tmp_path_factory, "train")
 
 
-def config(shards, run_dir, *overrides):
+def config(shards, run_dir, *overrides, variant="baseline"):
     base = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
             "model.ffn_hidden_size=128", "model.max_positions=64", f"data.shards={shards}",
             "data.seq_length=64", "data.shuffle_window=64", "train.micro_batch_size=4",
             f"train.run_dir={run_dir}", "optim.lr=2e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3",
             "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2",
             "train.save_interval=1000", "train.steps=8"]
-    return load_config([CONFIGS / "variants/baseline.yaml"], base + list(overrides))
+    return load_config([CONFIGS / f"variants/{variant}.yaml"], base + list(overrides))
 
 
 def logged(run_dir, event="train", key="loss"):
@@ -152,6 +152,33 @@ def test_compiled_training_gives_the_eager_losses_and_reports_the_compile_time(s
     first = logged(tmp_path / "compiled", "compile", "first_update_s")
     assert list(first) == [1] and first[1] > 0
     assert logged(tmp_path / "eager", "compile", "first_update_s") == {}
+
+
+def _train_counting_graphs(cfg):
+    """_train, and how many graphs torch.compile made in this process."""
+    from torch._dynamo.utils import counters
+
+    return _train(cfg), counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["baseline", "zero-clap"])
+def test_a_compiled_head_gives_the_eager_losses_with_one_graph_for_every_batch(shards, tmp_path, variant):
+    """train.compile_head: the RoBERTa and CLAP heads with their loss, compiled once although every batch
+    masks another number of positions (one graph with gradients, one for validation)."""
+    eager = run_on_ranks(_train, 1, config(shards, tmp_path / "eager", "train.steps=4", variant=variant))[0]
+    compiled, graphs = run_on_ranks(_train_counting_graphs, 1, config(
+        shards, tmp_path / "compiled", "train.steps=4", "train.compile_head=true", variant=variant))[0]
+    torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=0)
+    assert graphs == 2
+
+
+def test_compile_head_is_refused_where_it_does_not_apply():
+    for override, named in (("parallel.tensor_parallel=2", "parallel.tensor_parallel=2"),
+                            ("model.head_loss=fused", "model.head_loss=fused"),
+                            ("train.zero_stage=3", "train.zero_stage=3"), ("objective.name=electra", "objective.name")):
+        with pytest.raises(ConfigError, match=f"train.compile_head=true .*{named}.* needs train.compile_head=false"):
+            load_config([CONFIGS / "variants/baseline.yaml"], ["train.compile_head=true", override])
 
 
 def test_every_compile_mode_is_torchs_and_the_loop_knows_which_record_cuda_graphs():

@@ -220,6 +220,12 @@ class TrainConfig:
     (minutes of compilation), with CUDA graphs; max-autotune-no-cudagraphs: the search alone. GPU
     options, to be measured (benchmarks/train_throughput.py --compile --compile-mode); on CPU they
     compile as default."""
+    compile_head: bool = False
+    """torch.compile the MLM head and its loss (MaskedLM.loss_sum), dynamic in the number of masked positions
+    (one compilation for every batch): Inductor fuses the eager passes over the [n, V] logits (the fp32 copy,
+    max, exp, sums, the softmax gradient; ~8 kernels of 0.3-0.6 ms per micro-batch on an H200 at base/2048,
+    BENCHMARKS.md). TP=1, model.head_loss=unfused, ZeRO stage < 3, MLM-family objectives. Off by default
+    until a GPU measures it (gpu.sh: loop-2048-flat-compiled-micro16-head)."""
     profile_updates: int = 0
     """Updates to record with torch.profiler after two warm-up updates (rank 0; 0: none): prints the
     operator table (by device time on a GPU), writes it to run_dir/profile.txt and logs a `profile`
@@ -344,6 +350,16 @@ class Config:
                 f"{model.max_positions} of the learned position table; raise max_positions "
                 f"or use position=alibi|sinusoidal|rope|none"
             )
+        if self.train.compile_head:
+            train = self.train
+            asks = [f"{key}={value}" for key, value, ok in (
+                ("parallel.tensor_parallel", tp, tp == 1),
+                ("model.head_loss", model.head_loss, model.head_loss == "unfused"),
+                ("train.zero_stage", train.zero_stage, train.engine == "flat" or train.zero_stage < 3),
+                ("objective.name", self.objective.name, self.objective.name != "electra")) if not ok]
+            if asks:
+                raise ConfigError(f"train.compile_head=true compiles MaskedLM's unfused head and loss at TP=1 "
+                                  f"below ZeRO-3; {', '.join(asks)} needs train.compile_head=false")
         if model.local_window is not None and model.local_window > self.data.seq_length:
             raise ConfigError(
                 f"model.local_window={model.local_window} is larger than data.seq_length={self.data.seq_length}: "

@@ -79,3 +79,9 @@ def compile_layers(model: nn.Module, mode: str = "default") -> None:
     eager: the number of masked positions the head projects changes with every batch."""
     for layer in encoder_layers(model):
         layer.compile(mode=mode)
+
+
+def compile_head(model: nn.Module) -> None:
+    """torch.compile the MLM head and its loss (`MaskedLM.loss_sum`, train.compile_head) in place, dynamic
+    in the number of masked positions, which changes with every batch. The state dict is unchanged."""
+    model.loss_sum = torch.compile(model.loss_sum, dynamic=True)

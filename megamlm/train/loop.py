@@ -34,7 +34,7 @@ from megamlm.train.elastic import Layout
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
-from megamlm.train.layers import apply_activation_checkpointing, compile_layers, records_cuda_graphs
+from megamlm.train.layers import apply_activation_checkpointing, compile_head, compile_layers, records_cuda_graphs
 from megamlm.train.log import Log, train_line
 from megamlm.train.profiling import UpdateProfiler, phase
 from megamlm.train.restart import load_resumed, resume_tag, roll_back
@@ -175,6 +175,8 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
             warnings.warn("train.compile with train.activation_checkpointing at TP > 1: the layers run uncompiled "
                           "(torch.compile cannot replay each TP rank's dropout stream; megamlm/train/layers.py)")
         compile_layers(model, cfg.train.compile_mode)
+    if cfg.train.compile_head:
+        compile_head(model)
     graphs = cfg.train.compile and records_cuda_graphs(cfg.train.compile_mode)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
