@@ -386,8 +386,8 @@ def test_a_resumed_run_takes_its_changed_adamw_settings_and_says_so(shards, tmp_
 
 @pytest.mark.slow
 def test_a_resumed_run_with_another_seed_says_what_the_seed_changes(shards, tmp_path):
-    """train.seed on resume: the training stream and dropout are the checkpoint's (the same losses as an
-    unchanged resume) while validation draws new masks; the resume line says both."""
+    """train.seed on resume (same layout): the training stream and dropout are the checkpoint's (the same
+    losses as an unchanged resume) while validation draws new masks; the resume line says both."""
     cfgs = [config(shards, tmp_path / "first", "train.save_interval=2", "train.steps=2"),
             config(shards, tmp_path / "same", "train.save_interval=2", "train.steps=4", "train.eval_interval=2"),
             config(shards, tmp_path / "reseeded", "train.save_interval=2", "train.steps=4", "train.eval_interval=2",
@@ -397,8 +397,8 @@ def test_a_resumed_run_with_another_seed_says_what_the_seed_changes(shards, tmp_
     assert same[3] == reseeded[3] and same[4] == reseeded[4]
     assert logged(tmp_path / "same", "valid")[2] != logged(tmp_path / "reseeded", "valid")[2]
     line = logged(tmp_path / "reseeded", "resume", "message")[2]
-    assert "train.seed 1 -> 7 (the training data order and dropout continue the checkpoint's; validation draws " \
-           "new masks" in line, line
+    assert "train.seed 1 -> 7 (the training data order continues the checkpoint's, dropout too on the same " \
+           "layout; validation draws new masks" in line, line
 
 
 def _train_reading_late(cfg, hook=None):

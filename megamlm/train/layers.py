@@ -76,7 +76,8 @@ def records_cuda_graphs(mode: str) -> bool:
 def compile_layers(model: nn.Module, mode: str = "default") -> None:
     """torch.compile every encoder layer (`encoder_layers`) in place (parameter names and the state
     dict are unchanged) in torch.compile's `mode` (train.compile_mode). The embedding and head stay
-    eager: the number of masked positions the head projects changes with every batch."""
+    eager here: the number of masked positions the head projects changes with every batch
+    (`compile_head` compiles it with dynamic shapes)."""
     for layer in encoder_layers(model):
         layer.compile(mode=mode)
 

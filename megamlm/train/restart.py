@@ -28,8 +28,9 @@ def resume_tag(checkpoints: Checkpoints, resume: str, log: Log) -> str | None:
 
 
 CHANGE_NOTES = {
-    "train.seed": "the training data order and dropout continue the checkpoint's; validation draws new masks, "
-                  "so valid losses before and after the resume differ, and a rollback's data order uses the new seed",
+    "train.seed": "the training data order continues the checkpoint's, dropout too on the same layout; validation "
+                  "draws new masks, so valid losses before and after the resume differ, and a rollback's data order "
+                  "uses the new seed",
 }
 """What a config change on resume does that its new value alone does not say."""
 
