@@ -81,7 +81,7 @@ FLEX_CANDIDATES = (
     "bwd_BLOCK_M1=64,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=64,bwd_num_warps=8,bwd_num_stages=2",
     "bwd_BLOCK_M1=32,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=32,bwd_num_warps=4,bwd_num_stages=3",
     # lease 5's best forward and best backward together (PRESCALE_QK=true left the list there: with a score_mod
-    # it is wrong, max error 0.86; FlexAttention.unsupported_here refuses it)
+    # it is wrong, max error 0.86; model/flex.py: kernel_options refuses it)
     "BLOCK_M=128,BLOCK_N=64,num_warps=8,num_stages=3,"
     "bwd_BLOCK_M1=32,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=32,bwd_num_warps=4,bwd_num_stages=3",
 )

@@ -224,15 +224,10 @@ class FlexAttention(AttentionBackend):
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
         try:
-            options = kernel_options(model.flex_kernel_options)
+            kernel_options(model.flex_kernel_options,
+                           model.position if POSITIONS[model.position].score_term else None)
         except ConfigError as err:
             return str(err)
-        prescaled = [name for name in options if name.endswith("PRESCALE_QK") and options[name] is True]
-        if prescaled and POSITIONS[model.position].score_term:
-            # the kernel then hands score_mod q·kᵀ·scale/ln 2 (log2 units) and never converts what score_mod
-            # added: a score term counts ln 2 times its value (an H200 measured a max error of 0.86)
-            return (f"model.flex_kernel_options: {prescaled[0]}=true is wrong with model.position="
-                    f"{model.position}: FlexAttention then scales its score term by ln 2; leave it out")
         if not torch.cuda.is_available():
             return ("model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
                     "backward on CPU); use model.attention_backend=sdpa")
