@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from megamlm.config import Config, ConfigError
 from megamlm.errors import check_ranges
-from megamlm.model.attention import ATTENTION_BACKENDS
+from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
 from megamlm.train.flops import GPU_PEAKS

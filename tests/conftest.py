@@ -8,6 +8,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("PYTHONPATH", ROOT)
+# Triton kernels (model.attention_backend=triton) run in Triton's interpreter on CPU tensors; read when
+# the kernels are defined, so before anything imports megamlm
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from megamlm.config import ConfigError
 from megamlm.data.batch import collate
 from megamlm.model.alibi_flash import ReferenceKernel, alibi_flash_attention, alibi_terms, check_kernel, flash_kernel
-from megamlm.model.attention import ATTENTION_BACKENDS, AlibiFlashAttention, PackedRows
+from megamlm.model.attention import AlibiFlashAttention, PackedRows
+from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.positions import Alibi, alibi_bias, alibi_slopes
 from megamlm.objectives import MaskedLM, get_objective
 from megamlm.train.loop import check_before_work

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megamlm.config import GLOBAL_ATTENTION
-from megamlm.model.attention import ATTENTION_BACKENDS
+from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.flex import attend_with_dropout, draw_seed, keep_mask, keep_scale
 from megamlm.model.positions import Alibi, PositionEncoding
 from megamlm.parallel import tensor_parallel_rng
@@ -231,7 +231,7 @@ def test_prescaled_scores_are_refused_where_a_position_adds_a_score_term():
 def test_kernel_options_on_another_backend_warn_that_they_are_ignored():
     import warnings
 
-    from megamlm.model.attention import ATTENTION_BACKENDS
+    from megamlm.model.backends import ATTENTION_BACKENDS
     from tests.variants import variant_config
 
     for name in ("sdpa", "eager", "varlen"):

@@ -213,7 +213,7 @@ def test_fine_tuning_batches_bring_their_layout_along(world, packing, variant):
 @pytest.mark.parametrize("backend", ["sdpa", "varlen"])
 def test_the_layout_is_read_once_per_forward_whatever_the_number_of_patterns(backend):
     # ModernBERT's global and local layers share one reading of a packed batch's sample lengths
-    from megamlm.model.attention import ATTENTION_BACKENDS
+    from megamlm.model.backends import ATTENTION_BACKENDS
     from megamlm.model.positions import build_position
 
     cfg = variant_config("modernbert")

@@ -332,7 +332,7 @@ def test_registries_name_exactly_what_the_config_allows():
     import typing
 
     from megamlm.config import ModelConfig
-    from megamlm.model.attention import ATTENTION_BACKENDS
+    from megamlm.model.backends import ATTENTION_BACKENDS
     from megamlm.model.positions import POSITIONS
 
     hints = typing.get_type_hints(ModelConfig)

@@ -141,7 +141,8 @@ def test_layer_norm_keeps_fp32_statistics_for_fp16_on_a_cpu():
 def test_flex_and_sdpa_agree_on_packed_rows(mode):
     import warnings
 
-    from megamlm.model.attention import ATTENTION_BACKENDS, PackedRows
+    from megamlm.model.attention import PackedRows
+    from megamlm.model.backends import ATTENTION_BACKENDS
     from megamlm.model.positions import Alibi
 
     s, np_, hn = 40, 4, 8
@@ -250,7 +251,8 @@ def test_varlen_takes_only_the_real_tokens_and_equals_sdpa(layout, window):
     kernel's window_size) with its CPU stand-in kernel equals sdpa; on a GPU the kernel is torch's
     varlen FlashAttention (benchmarks/gpu.sh)."""
     from megamlm.config import LayerAttention
-    from megamlm.model.attention import ATTENTION_BACKENDS, Sequences
+    from megamlm.model.attention import Sequences
+    from megamlm.model.backends import ATTENTION_BACKENDS
     from megamlm.model.positions import PositionEncoding
 
     g = torch.Generator().manual_seed(0)

@@ -149,7 +149,7 @@ class ModelConfig:
     document_mask: bool = False
     """Attention stays within each document of a packed sample (data.block_mode=complete packs
     several); off = fairseq's behaviour, attention spans the whole sample."""
-    attention_backend: Literal["sdpa", "eager", "flex", "varlen", "alibi-flash"] = "sdpa"
+    attention_backend: Literal["sdpa", "eager", "flex", "varlen", "alibi-flash", "triton"] = "sdpa"
     """sdpa: PyTorch scaled_dot_product_attention with a cached additive bias (CPU and GPU);
     eager: the same math unfused (softmax, dropout, matmul; what sdpa runs on CPU with attention
     dropout), for debugging; flex: FlexAttention with the ALiBi score_mod, no materialized bias,
@@ -157,7 +157,9 @@ class ModelConfig:
     data.seq_length so the compiled kernel sees one shape); varlen: torch's variable-length
     FlashAttention over the real tokens only (CUDA; no ALiBi, no attention dropout); alibi-flash:
     ALiBi (fixed slopes) as extra head dimensions of two causal flash passes, no bias, memory linear
-    in length (model/alibi_flash.py; attention dropout on CUDA only). model/attention.py's ATTENTION_BACKENDS."""
+    in length (model/alibi_flash.py; attention dropout on CUDA only); triton: our Triton kernel, ALiBi
+    (fixed slopes), padding, documents and attention dropout in one FlashAttention-style pass (CUDA;
+    global attention only; model/triton_attention.py). model/attention.py's ATTENTION_BACKENDS."""
     flex_kernel_options: str = ""
     """FlexAttention's Triton kernel options, comma-separated NAME=VALUE (e.g. "BLOCK_M=128,BLOCK_N=64,
     num_warps=8,num_stages=3"; fwd_/bwd_ prefixes apply to one pass); empty: torch's defaults.

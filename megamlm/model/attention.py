@@ -3,7 +3,7 @@
 megatron-core's DotProductAttention needs CUDA (global memory buffer) and has no path for an
 additive bias, so `BidirectionalAttention` replaces it in the layer spec. It receives this rank's
 heads only, query/key/value [s, b, np, hn], and returns [s, b, np * hn]; the work is done by an
-`AttentionBackend` chosen by name (`ATTENTION_BACKENDS`, model.attention_backend):
+`AttentionBackend` chosen by name (backends.py's `ATTENTION_BACKENDS`, model.attention_backend):
 
     backend = ATTENTION_BACKENDS[name](position)    # one per encoder, shared by its layers
     layers = backend.prepare_layers(patterns, padding, documents, segments, dtype, host)   # once per forward
@@ -38,6 +38,8 @@ score term; padding, document boundaries and patterns are the backend's to expre
          kernel (tests check the layout with it).
   alibi-flash  sdpa's layout with ALiBi (fixed slopes) as extra head dimensions of two causal flash
          passes instead of a bias (alibi_flash.py): O(s) memory, the key-padding mask as the only input.
+  triton our Triton kernels (triton_attention.py): ALiBi (fixed slopes), key padding, documents, packed
+         samples and attention dropout in one FlashAttention-style pass; global layers only; CUDA.
 """
 
 from __future__ import annotations
@@ -365,11 +367,6 @@ def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor
             probs = dropout(probs, dropout_p, training=True)
     # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
     return torch.matmul(probs, v)
-
-
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
-    cls.name: cls for cls in (AttentionBackend, EagerAttention, FlexAttention, VarlenAttention, AlibiFlashAttention)}
-"""model.attention_backend -> backend class (the names of ModelConfig.attention_backend)."""
 
 
 class BidirectionalAttention(MegatronModule):

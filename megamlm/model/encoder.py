@@ -8,7 +8,7 @@ padding = pad_token_id.
 The encoder knows its tensor-parallel shard (`ParallelContext`) and nothing about objectives: an
 objective (megamlm/objectives/) subclasses or wraps it and adds its heads; GLUE uses it bare. Its
 parts are chosen by name from registries: the position encoding (positions.POSITIONS) and the
-attention backend (attention.ATTENTION_BACKENDS), which the layer spec plugs into megatron-core.
+attention backend (backends.ATTENTION_BACKENDS), which the layer spec plugs into megatron-core.
 Parameter names are wave 1's checkpoint names (init seeds each parameter by its name too), so
 position tables stay under `embedding.positions` and ALiBi's learned slopes under `alibi`.
 """
@@ -30,7 +30,7 @@ from torch import nn
 
 from megamlm.config import ConfigError, ModelConfig
 from megamlm.model.activation import activation_function
-from megamlm.model.attention import ATTENTION_BACKENDS
+from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.embedding import TokenEmbedding
 from megamlm.model.heads import mark_vocab_parallel
 from megamlm.model.init import init_parameters

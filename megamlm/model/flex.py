@@ -97,7 +97,12 @@ def kept_at_level(seed: torch.Tensor, dropped: int, b, h, q_idx, kv_idx) -> torc
 
 def keep_scale(p: float) -> float:
     """1 / the keep probability (exact for the 2^32-level threshold)."""
-    return _LEVELS / (_LEVELS - dropped_levels(p))
+    return level_keep_scale(dropped_levels(p))
+
+
+def level_keep_scale(dropped: int) -> float:
+    """1 / the keep probability of the threshold `dropped` (= dropped_levels(p))."""
+    return _LEVELS / (_LEVELS - dropped)
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:

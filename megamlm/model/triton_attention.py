@@ -1,0 +1,146 @@
+"""model.attention_backend=triton: attention in our own Triton kernels (triton_kernels.py), with what the
+encoder adds to it — ALiBi's score term (fixed slopes), key padding, documents and packed samples,
+attention dropout — in one FlashAttention-style pass, forward and backward.
+
+Why a kernel of our own: cuDNN takes ALiBi only as an additive [b, np, s, s] bias and its attention
+dropout costs half again (H200, base at 2048, batch 8: 1.55 -> 2.30 ms per layer, fwd+bwd);
+FlexAttention has ALiBi as a score_mod but no post-softmax dropout, which flex.py therefore computes in
+two passes (1.42 -> 3.97 ms). Here dropout is one more hash per score inside the same pass, with
+flex.py's mask (the same bits for the same seed).
+
+The kernels are a torch custom op (`megamlm::triton_attention`, and its backward), so torch.compile
+keeps them whole inside a compiled layer. The output is laid out [s, b, np, hn] in memory, the
+layer's layout: BidirectionalAttention's permute back to [s, b, np · hn] is a view.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megamlm.config import GLOBAL_ATTENTION, ModelConfig
+from megamlm.model.attention import AttentionBackend
+from megamlm.model.flex import draw_seed, dropped_levels, level_keep_scale
+from megamlm.model.sequences import LayoutReads, attention_groups
+
+try:  # triton comes with CUDA builds of torch; a CPU-only install may lack it (the backend says so)
+    from megamlm.model.triton_kernels import INTERPRET, launch_backward, launch_forward
+except ImportError:
+    INTERPRET, launch_forward, launch_backward = False, None, None
+
+
+def _like_sbh(t: torch.Tensor) -> torch.Tensor:
+    """An empty [b, np, s, hn] like t, its memory laid out [s, b, np, hn]."""
+    b, np_local, s, hn = t.shape
+    return t.new_empty(s, b, np_local, hn).permute(1, 2, 0, 3)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The kernels read rows of head-dim contiguous elements (any strides above them)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _kernel_inputs(q, slopes, groups, seed, dropped: int) -> tuple:
+    """(slopes, groups, seed, flags) as the kernels take them: placeholders where a feature is off (its
+    loads are compiled out); flags are the kernels' HAS_ALIBI, HAS_GROUPS and DROPPED."""
+    placeholder = q.new_zeros(1, dtype=torch.int32)
+    flags = {"HAS_ALIBI": slopes is not None, "HAS_GROUPS": groups is not None, "DROPPED": dropped}
+    return (placeholder if slopes is None else slopes.float().contiguous(),
+            placeholder if groups is None else groups.to(torch.int32).contiguous(),
+            placeholder if seed is None else seed, flags)
+
+
+@torch.library.custom_op("megamlm::triton_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None,
+                  groups: torch.Tensor | None, seed: torch.Tensor | None, scale: float, offset: float,
+                  dropped: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units)."""
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    out, lse = _attention_fake(q, k, v, slopes, groups, seed, scale, offset, dropped)
+    *inputs, flags = _kernel_inputs(q, slopes, groups, seed, dropped)
+    launch_forward(q, k, v, out, lse, *inputs, scale, offset, level_keep_scale(dropped), flags)
+    return out, lse
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, slopes, groups, seed, scale, offset, dropped):
+    b, np_local, s, hn = q.shape
+    return _like_sbh(q), q.new_empty(b, np_local, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("megamlm::triton_attention_backward", mutates_args=())
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, slopes: torch.Tensor | None, groups: torch.Tensor | None,
+                           seed: torch.Tensor | None, scale: float, offset: float,
+                           dropped: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do, q, k, v = _rows(do), _rows(q), _rows(k), _rows(v)
+    dq, dk, dv = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, seed, scale, offset, dropped)
+    # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
+    delta = (do.float() * out.float()).sum(-1)
+    *inputs, flags = _kernel_inputs(q, slopes, groups, seed, dropped)
+    launch_backward(do, q, k, v, lse, delta, dq, dk, dv, *inputs, scale, offset, level_keep_scale(dropped), flags)
+    return dq, dk, dv
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, seed, scale, offset, dropped):
+    return _like_sbh(q), _like_sbh(q), _like_sbh(q)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, slopes, groups, seed, scale, offset, dropped = inputs
+    ctx.save_for_backward(q, k, v, *output, slopes, groups, seed)
+    ctx.constants = scale, offset, dropped
+
+
+def _backward(ctx, do, _lse_grad):
+    q, k, v, out, lse, slopes, groups, seed = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(do, q, k, v, out, lse, slopes, groups, seed, *ctx.constants)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None, offset: float,
+                     groups: torch.Tensor | None, dropout_p: float, seed: torch.Tensor | None,
+                     scale: float | None = None) -> torch.Tensor:
+    """q, k, v [b, np, s, hn] -> [b, np, s, hn] (memory laid out [s, b, np, hn]): softmax(q·kᵀ·scale +
+    ALiBi(slopes [np], offset)) over the keys each query sees (groups [b, s], `attention_groups`; None:
+    all), dropout p on the probabilities with flex.py's mask of `seed` (int64 on the device), @ v."""
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    dropped = dropped_levels(dropout_p)
+    out, _ = _attention_op(q, k, v, slopes, groups, seed if dropped else None, scale, offset, dropped)
+    return out
+
+
+class TritonAttention(AttentionBackend):
+    """The layout as `attention_groups` (None where every query sees its whole row), ALiBi as slopes."""
+
+    name = "triton"
+    additive_bias = False
+
+    @staticmethod
+    def unsupported_here(model: ModelConfig) -> str | None:
+        if model.position == "alibi" and model.alibi_mode == "learned":
+            return "model.attention_backend=triton needs model.alibi_mode symmetric or offset; use sdpa or flex"
+        if model.local_window is not None:
+            return "model.attention_backend=triton has no local attention; use model.attention_backend=flex (or sdpa)"
+        if model.head_dim < 16 or model.head_dim & (model.head_dim - 1):
+            return f"model.attention_backend=triton needs a head dim that is a power of 2 >= 16, not {model.head_dim}"
+        if launch_forward is None or not (torch.cuda.is_available() or INTERPRET):
+            return "model.attention_backend=triton needs a CUDA GPU and the triton package; use sdpa"
+        return None
+
+    def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, reads=None):
+        """(groups [b, s] int32 or None, ALiBi's slopes [np] or None, ALiBi's offset)."""
+        reads = reads or LayoutReads(padding, documents, segments)
+        whole_rows = documents is None and segments is None and reads.any_padding(free_only=True) is False
+        groups = None if whole_rows else attention_groups(padding, documents, segments).to(torch.int32)
+        alibi = self.position if self.position.score_term else None
+        return groups, None if alibi is None else alibi.slopes, 0.0 if alibi is None else alibi.offset
+
+    def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
+        groups, slopes, offset = prepared
+        # heads are sharded: the seed comes from this TP rank's stream (flex.py)
+        seed = draw_seed(q.device) if dropout_p > 0 else None
+        return triton_attention(q, k, v, slopes, offset, groups, dropout_p, seed, scale)

@@ -1,0 +1,258 @@
+"""The Triton kernels of model.attention_backend=triton (triton_attention.py: the op, its autograd and
+the backend): bidirectional attention with ALiBi's score term (fixed slopes), key padding, documents,
+packed samples and attention dropout, forward and backward, FlashAttention's way (online softmax; the
+backward recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ).
+
+The dropout mask is flex.py's: key j of query i (row b, head h) is kept when murmur3's finalizer chained
+over (seed ^ (b << 16 | h), i, j) is at or above round(p · 2^32); kept probabilities are scaled by
+2^32 / (2^32 - round(p · 2^32)). The first two links of the chain are computed once per program and once
+per query; only the last one per score. Nothing [s, s] is stored; the backward recomputes the mask.
+
+Visibility is `attention_groups`': a real query sees the real keys of its group (its document, else its
+packed sample, else its row), a padding query every real key; HAS_GROUPS false: every key of the row.
+A query never sees another sample, so distances in a packed row are distances within its sample.
+
+Scores run in log2 units (exp2, as FlashAttention's kernels do): scale · log2(e) is folded into the
+product and the ALiBi slope; the saved log-sum-exp is in log2 units too. A query that sees no key gets
+a zero output and a log-sum-exp of +inf (zero probabilities in the backward).
+
+On a GPU each kernel's block sizes come from Triton's autotuner (keyed on length, head dim and the
+features); under TRITON_INTERPRET=1 (the tests, on CPU tensors) one small configuration runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fmix32(x):
+    """murmur3's finalizer on uint32 (flex.py's `_fmix32` on int32 bits: the same bits)."""
+    x ^= x >> 16
+    x *= 0x85EBCA6B
+    x ^= x >> 13
+    x *= 0xC2B2AE35
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _scores(q_or_k, k_or_q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
+            HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Scores in log2 units with ALiBi and -inf where not visible: [BLOCK_M, BLOCK_N] for queries
+    offs_m and keys offs_n, or their transpose [BLOCK_N, BLOCK_M] (TRANSPOSED: q_or_k is k)."""
+    if TRANSPOSED:
+        qk = tl.dot(q_or_k, tl.trans(k_or_q)) * qk_scale  # [BN, hn] x [hn, BM] -> [BN, BM]
+        distance = (offs_n[:, None] - offs_m[None, :]).to(tl.float32)  # key - query
+        visible = offs_n[:, None] < S
+        if HAS_GROUPS:
+            visible &= (k_group[:, None] >= 0) & ((q_group[None, :] < 0) | (k_group[:, None] == q_group[None, :]))
+    else:
+        qk = tl.dot(q_or_k, tl.trans(k_or_q)) * qk_scale  # [BM, hn] x [hn, BN] -> [BM, BN]
+        distance = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
+        visible = offs_n[None, :] < S
+        if HAS_GROUPS:
+            visible &= (k_group[None, :] >= 0) & ((q_group[:, None] < 0) | (k_group[None, :] == q_group[:, None]))
+    if HAS_ALIBI:  # positions.alibi_score, in log2 units (slope is pre-multiplied by log2 e)
+        qk += tl.where(distance > 0, -slope * (distance - offset), slope * distance)
+    return tl.where(visible, qk, float("-inf"))
+
+
+@triton.jit
+def _kept(query_bits, offs_n, DROPPED: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Where dropout keeps a score: the last link of the hash chain, per (query, key)."""
+    if TRANSPOSED:
+        bits = _fmix32(query_bits[None, :] ^ offs_n[:, None].to(tl.uint32))
+    else:
+        bits = _fmix32(query_bits[:, None] ^ offs_n[None, :].to(tl.uint32))
+    return bits >= DROPPED
+
+
+@triton.jit
+def _query_bits(SEED, b, h, offs_m, DROPPED: tl.constexpr):
+    """The first two links of the dropout hash: per (seed, row, head), then per query."""
+    if DROPPED > 0:
+        seed = tl.load(SEED).to(tl.uint32)
+        head_bits = _fmix32(seed ^ ((b.to(tl.uint32) << 16) | h.to(tl.uint32)))
+        return _fmix32(head_bits ^ offs_m.to(tl.uint32))
+    return offs_m.to(tl.uint32)
+
+
+@triton.jit
+def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SEED,
+                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sgb,
+                    H, S, qk_scale, offset, keep_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, DROPPED: tl.constexpr):
+    start_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=offs_m[:, None] < S, other=0.0)
+    slope = tl.load(SLOPES + h) * 1.4426950408889634 if HAS_ALIBI else 0.0
+    q_group = tl.load(GROUPS + b * sgb + offs_m, mask=offs_m < S, other=-1) if HAS_GROUPS else offs_m
+    query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(0, S, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_rows = offs_n[:, None] < S
+        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_rows, other=0.0)
+        k_group = tl.load(GROUPS + b * sgb + offs_n, mask=offs_n < S, other=-1) if HAS_GROUPS else offs_n
+        qk = _scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
+                     HAS_ALIBI, HAS_GROUPS, False)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: nothing to rescale
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator counts every key, dropped or not
+        if DROPPED > 0:
+            p = tl.where(_kept(query_bits, offs_n, DROPPED, False), p, 0.0)
+        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_rows, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None] * keep_scale
+    tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=offs_m[:, None] < S)
+    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
+
+
+@triton.jit
+def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SEED,
+                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, sxb, sxh, sxs,
+                          H, S, qk_scale, sm_scale, offset, keep_scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, DROPPED: tl.constexpr):
+    """dK, dV of one block of keys, over every block of queries. DK and DV have the strides sx*."""
+    start_n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_rows = offs_n[:, None] < S
+    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_rows, other=0.0)
+    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_rows, other=0.0)
+    slope = tl.load(SLOPES + h) * 1.4426950408889634 if HAS_ALIBI else 0.0
+    k_group = tl.load(GROUPS + b * sgb + offs_n, mask=offs_n < S, other=-1) if HAS_GROUPS else offs_n
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for start_m in range(0, S, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_rows = offs_m[:, None] < S
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_rows, other=0.0)
+        do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=q_rows, other=0.0)
+        lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=float("inf"))
+        delta = tl.load(DELTA + bh * S + offs_m, mask=offs_m < S, other=0.0)
+        q_group = tl.load(GROUPS + b * sgb + offs_m, mask=offs_m < S, other=-1) if HAS_GROUPS else offs_m
+        # [BN, BM]: the probabilities transposed
+        p_t = tl.math.exp2(_scores(k, q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
+                                   HAS_ALIBI, HAS_GROUPS, True) - lse[None, :])
+        dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
+        if DROPPED > 0:
+            kept = _kept(_query_bits(SEED, b, h, offs_m, DROPPED), offs_n, DROPPED, True)
+            dv += tl.dot(tl.where(kept, p_t * keep_scale, 0.0).to(do.dtype), do)
+            dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    dk *= sm_scale
+    grad = b * sxb + h * sxh + offs_n[:, None] * sxs + offs_d[None, :]
+    tl.store(DK + grad, dk.to(DK.dtype.element_ty), mask=kv_rows)
+    tl.store(DV + grad, dv.to(DV.dtype.element_ty), mask=kv_rows)
+
+
+@triton.jit
+def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SEED,
+                             sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, sxb, sxh, sxs,
+                             H, S, qk_scale, sm_scale, offset, keep_scale,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, DROPPED: tl.constexpr):
+    """dQ of one block of queries, over every block of keys. DQ has the strides sx*."""
+    start_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = offs_m[:, None] < S
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_rows, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=q_rows, other=0.0)
+    lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=float("inf"))
+    delta = tl.load(DELTA + bh * S + offs_m, mask=offs_m < S, other=0.0)
+    slope = tl.load(SLOPES + h) * 1.4426950408889634 if HAS_ALIBI else 0.0
+    q_group = tl.load(GROUPS + b * sgb + offs_m, mask=offs_m < S, other=-1) if HAS_GROUPS else offs_m
+    query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(0, S, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_rows = offs_n[:, None] < S
+        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_rows, other=0.0)
+        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_rows, other=0.0)
+        k_group = tl.load(GROUPS + b * sgb + offs_n, mask=offs_n < S, other=-1) if HAS_GROUPS else offs_n
+        p = tl.math.exp2(_scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
+                                 HAS_ALIBI, HAS_GROUPS, False) - lse[:, None])
+        dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
+        if DROPPED > 0:
+            dp = tl.where(_kept(query_bits, offs_n, DROPPED, False), dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq *= sm_scale
+    tl.store(DQ + b * sxb + h * sxh + offs_m[:, None] * sxs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_rows)
+
+
+def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, warps, stages) candidates for the autotuner; the interpreter runs one small one."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in candidates]
+
+
+_TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "DROPPED"]
+# (BLOCK_M, BLOCK_N, warps, stages) for head dim 64 on Hopper (FlashAttention-2's and Triton's tutorial's
+# shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse), each without
+# register spills with dropout on sm_90a (ptxas -v; 4 warps at 128 x 64 spill: the hash's lanes)
+_forward = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                                     (64, 32, 4, 3)]), key=_TUNING_KEY)(_forward_kernel)
+_backward_keys = triton.autotune(_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]),
+                                 key=_TUNING_KEY)(_backward_keys_kernel)
+_backward_queries = triton.autotune(_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]),
+                                    key=_TUNING_KEY)(_backward_queries_kernel)
+
+
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """[b, np, s, hn] strides of b, np and s (hn's is 1)."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def launch_forward(q, k, v, out, lse, slopes, groups, seed, scale: float, offset: float, keep_scale: float,
+                   flags: dict) -> None:
+    """Fill out [b, np, s, hn] and lse [b, np, s] (log2 units); flags: HAS_ALIBI, HAS_GROUPS, DROPPED."""
+    b, np_local, s, hn = q.shape
+    grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)  # noqa: E731
+    _forward[grid](q, k, v, out, lse, slopes, groups, seed, *_strides(q), *_strides(k), *_strides(v),
+                   *_strides(out), groups.stride(0), np_local, s, scale * LOG2E, offset, keep_scale,
+                   HEAD_DIM=hn, **flags)
+
+
+def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, slopes, groups, seed, scale: float, offset: float,
+                    keep_scale: float, flags: dict) -> None:
+    """Fill dq, dk, dv (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O."""
+    b, np_local, s, hn = q.shape
+    common = (slopes, groups, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do), groups.stride(0),
+              *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale)
+    _backward_keys[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local)](
+        q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=hn, **flags)
+    _backward_queries[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)](
+        q, k, v, do, lse, delta, dq, *common, HEAD_DIM=hn, **flags)

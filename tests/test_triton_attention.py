@@ -1,0 +1,177 @@
+"""model.attention_backend=triton: our Triton kernels (run by Triton's interpreter on the CPU) give the
+eager attention's output and gradients — ALiBi, padding, documents, packed samples, and dropout with
+flex.py's mask — and a model on them gives sdpa's loss and gradients, at TP=1 and TP=2."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megamlm.config import ConfigError  # noqa: E402
+from megamlm.model.flex import keep_mask, keep_scale  # noqa: E402
+from megamlm.model.positions import Alibi, PositionEncoding, alibi_bias  # noqa: E402
+from megamlm.model.triton_attention import TritonAttention, triton_attention  # noqa: E402
+from tests.variants import variant_config  # noqa: E402
+
+
+def _reference(q, k, v, slopes, offset, groups, p, seed, scale):
+    """softmax(q·kᵀ·scale + ALiBi) over the visible keys, flex.py's dropout mask, @ v: all materialized."""
+    b, np_, s, _ = q.shape
+    scores = q @ k.transpose(-1, -2) * scale
+    if slopes is not None:
+        scores = scores + alibi_bias(slopes, slopes, s, s, offset)[None]
+    if groups is not None:  # [b, 1, s, 1] vs [b, 1, 1, s]: a real query its group's real keys, padding all real keys
+        query, key = groups[:, None, :, None], groups[:, None, None, :]
+        scores = scores.masked_fill(~((key >= 0) & ((query < 0) | (key == query))), float("-inf"))
+    probs = torch.softmax(scores, -1)
+    if p > 0:
+        index = [torch.arange(n).view([-1 if d == i else 1 for d in range(4)]) for i, n in enumerate((b, np_, s, s))]
+        probs = probs * keep_mask(seed, p, *index) * keep_scale(p)
+    return probs @ v
+
+
+def _layer_inputs(b, np_, s, hn, seed=0):
+    """q, k, v [b, np, s, hn] as a layer hands them over: views of [s, b, np, 3·hn] (non-contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(s, b, np_, 3 * hn, generator=g)
+    return [t.permute(1, 2, 0, 3).requires_grad_() for t in mixed.split(hn, dim=-1)]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("layout", ["whole-rows", "padded", "documents"])
+@pytest.mark.parametrize("alibi", ["offset", "symmetric", None])
+def test_the_kernels_give_eager_attention_and_its_gradients(alibi, layout, p):
+    b, np_, s, hn = 2, 3, 37, 16  # s not a multiple of the interpreter's 32-wide blocks
+    q, k, v = (t.detach().clone().requires_grad_() for t in _layer_inputs(b, np_, s, hn))
+    slopes = Alibi(np_, alibi, 0, 1).slopes if alibi else None
+    offset = 0.5 if alibi == "offset" else 0.0
+    groups = None
+    if layout != "whole-rows":
+        groups = torch.zeros(b, s, dtype=torch.int32)
+        groups[1, 29:] = -1  # padding
+        if layout == "documents":
+            groups[0, 11:], groups[0, 30:], groups[1, 5:29] = 1, 2, 1
+    seed = torch.tensor(987654321)
+    out = triton_attention(q, k, v, slopes, offset, groups, p, seed if p else None)
+    want = _reference(q, k, v, slopes, offset, groups, p, seed, hn ** -0.5)
+    torch.testing.assert_close(out, want, rtol=0, atol=2e-6)
+    assert out.permute(2, 0, 1, 3).is_contiguous()  # laid out [s, b, np, hn]: the layer's permute is a view
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got, expected = (torch.autograd.grad(o, (q, k, v), grad) for o in (out, want))
+    for ours, theirs in zip(got, expected):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-6)
+    if p:  # the mask depends on the seed
+        other = triton_attention(q, k, v, slopes, offset, groups, p, seed + 1)
+        assert (other - out).abs().max() > 0.1
+
+
+def test_a_query_that_sees_no_key_gets_zeros_and_no_gradient():
+    q, k, v = _layer_inputs(1, 2, 20, 16)
+    groups = torch.full((1, 20), -1, dtype=torch.int32)  # padding only: no real key anywhere
+    out = triton_attention(q, k, v, None, 0.0, groups, 0.0, None)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v))
+
+
+def test_the_backend_prepares_groups_only_where_a_query_cannot_see_its_whole_row():
+    backend = TritonAttention(Alibi(4, "offset", 0, 1))
+    padding = torch.zeros(2, 8, dtype=torch.bool)
+    groups, slopes, offset = backend.prepare(padding, None, None, torch.float32)
+    assert groups is None and torch.equal(slopes, Alibi(4, "offset", 0, 1).slopes) and offset == 0.5
+    padding[1, 6:] = True
+    groups, _, _ = backend.prepare(padding, None, None, torch.float32)
+    assert groups.tolist() == [[0] * 8, [0] * 6 + [-1] * 2]
+    segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1]] * 2)
+    assert backend.prepare(segments < 0, None, segments, torch.float32)[0].tolist() == segments.tolist()
+    assert TritonAttention(PositionEncoding()).prepare(padding, None, None, torch.float32)[1:] == (None, 0.0)
+
+
+def test_triton_refuses_what_it_cannot_compute(world):
+    def problem(*overrides, variant="zero-clap"):
+        return TritonAttention.unsupported_here(variant_config(variant, ["model.attention_backend=triton",
+                                                                        *overrides]).model)
+
+    assert problem() is None and problem(variant="baseline") is None  # ALiBi offset; learned positions
+    assert "needs model.alibi_mode symmetric or offset" in problem("model.alibi_mode=learned")
+    assert "has no local attention" in problem("model.local_window=8", "model.global_every=2")
+    assert "a power of 2 >= 16, not 24" in problem("model.hidden_size=96", "model.num_attention_heads=4")
+    with pytest.raises(ConfigError, match="a power of 2 >= 16, not 24"):
+        from megamlm.objectives.mlm import MaskedLM
+        MaskedLM(variant_config("zero-clap", ["model.attention_backend=triton", "model.hidden_size=96",
+                                              "model.num_attention_heads=4"]).model, world, seed=1)
+
+
+def test_a_model_on_triton_gives_sdpas_loss_and_gradients(world):
+    """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
+    from megamlm.data.batch import collate
+    from megamlm.objectives import MaskedLM
+    from tests.test_packing import _no_corruption, _samples
+
+    samples = [(s, i) for i, s in enumerate(_samples(1100))]
+    batches = [collate(samples, _no_corruption, 0, 16, pad_id=1),
+               collate(samples, _no_corruption, 0, 56, pad_id=1, packed=True)]
+    models = {name: MaskedLM(variant_config("zero-clap", [f"model.attention_backend={name}"]).model, world, seed=3)
+              for name in ("sdpa", "triton")}
+    for batch in batches:
+        results = {}
+        for name, model in models.items():
+            model.zero_grad()
+            loss = model(batch.inputs, batch.target_index, batch.documents, batch.segments,
+                         targets=batch.targets).float().mean()
+            loss.backward()
+            results[name] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        for ours, theirs in zip(results["triton"], results["sdpa"]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from tests.test_train import tiny_shards
+
+    return tiny_shards(tmp_path_factory, "triton")
+
+
+def _losses(cfgs):
+    from tests.test_train import _train
+
+    return [_train(cfg)["losses"] for cfg in cfgs]
+
+
+@pytest.mark.slow
+def test_the_loop_trains_sdpas_losses_at_tp1_and_tp2_and_compiled(shards, tmp_path):
+    from tests.multiproc import run_on_ranks
+    from tests.test_train import config
+
+    common = ["model.position=alibi", "model.alibi_mode=offset", "model.attention_dropout=0", "train.steps=4"]
+    cfgs = {name: config(shards, tmp_path / name, *common, f"model.attention_backend={backend}", *extra)
+            for name, backend, extra in (("sdpa", "sdpa", []), ("ours", "triton", []),
+                                         ("compiled", "triton", ["train.compile=true", "model.hidden_dropout=0"]),
+                                         ("sdpa-no-dropout", "sdpa", ["model.hidden_dropout=0"]),
+                                         ("ours-tp2", "triton", ["parallel.tensor_parallel=2"]))}
+    sdpa, ours, compiled, sdpa_no_dropout = run_on_ranks(
+        _losses, 1, [cfgs[name] for name in ("sdpa", "ours", "compiled", "sdpa-no-dropout")])[0]
+    tp2 = run_on_ranks(_losses, 2, [cfgs["ours-tp2"]])[0][0]
+    assert len(ours) == 4 and ours[-1] < ours[0]
+    torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=0)
+    torch.testing.assert_close(tp2, ours, rtol=1e-5, atol=0)
+    # train.compile: the kernels are one custom op inside the compiled layer (Inductor draws its own
+    # hidden-dropout masks: off in both)
+    torch.testing.assert_close(compiled, sdpa_no_dropout, rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_attention_dropout_on_triton_resumes_the_uninterrupted_losses(shards, tmp_path):
+    """The masks' seeds come from the TP stream, which a checkpoint keeps: a run killed after its
+    checkpoint and resumed continues the uninterrupted run's losses bit for bit."""
+    from tests.multiproc import run_on_ranks
+    from tests.test_train import _straight_then_resume, _train, config
+
+    def run(name):
+        return config(shards, tmp_path / name, "model.attention_backend=triton", "model.attention_dropout=0.1",
+                      "train.save_interval=2", "train.steps=4", variant="zero-clap")
+
+    with pytest.raises(RuntimeError, match="died without a result"):
+        run_on_ranks(_train, 1, run("killed"), None, 3)  # killed during update 3; last checkpoint: 2
+    (full, resumed), = run_on_ranks(_straight_then_resume, 1, run("straight"), run("killed"))
+    assert len(full["losses"]) == 4 and resumed["losses"] == full["losses"][2:]
