@@ -11,7 +11,8 @@ the reference recipe's attention dropout 0.1 (Flex: megamlm's two passes, flex.p
 references SDPA without any bias and, where the flash_attn package is installed, FlashAttention-2
 with its built-in symmetric ALiBi; and megamlm's alibi-flash (ALiBi as extra head dimensions of two
 causal flash passes: on a GPU once per private flash op, cuDNN's and FlashAttention-2's, with and
-without dropout; on a CPU its plain-matmul reference passes). Columns: time, achieved TFLOP/s
+without dropout; on a CPU its plain-matmul reference passes); and megamlm's Triton kernels
+(model.attention_backend=triton, GPU: ALiBi and the dropout mask inside one pass). Columns: time, achieved TFLOP/s
 (4·b·np·s²·hn fwd, ×3.5 fwd+bwd with the recomputation flash kernels do), peak memory (GPU:
 inputs, the bias where the kernel takes one, activations and gradients of one forward + backward)
 and max |error| of the output against an fp64 eager reference.
@@ -109,6 +110,18 @@ def make_alibi_flash(slopes, kernel, dropout_p: float = 0.0):
     return run
 
 
+def make_triton(slopes, dropout_p: float = 0.0):
+    """megamlm's triton backend: ALiBi-offset (and the dropout mask) inside its own kernels."""
+    from megamlm.model.triton_attention import triton_attention
+
+    seed = torch.tensor(1234, device=slopes.device)  # as the Flex dropout row's (one mask: speed only)
+
+    def run(q, k, v, bias):
+        return triton_attention(q, k, v, slopes, 0.5, None, dropout_p, seed)
+
+    return run
+
+
 def make_flash_symmetric(slopes):
     from flash_attn import flash_attn_func  # optional; FlashAttention-2 has symmetric ALiBi only
 
@@ -178,6 +191,8 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = 64
         kernels["flex score_mod"] = make_flex(slopes)
         kernels["flex score_mod, dropout 0.1"] = make_flex_dropout(slopes)
+        kernels["triton"] = make_triton(slopes)
+        kernels["triton, dropout 0.1"] = make_triton(slopes, DROPOUT)
         if args.flex_sweep:
             kernels.update({f"flex {options}": make_flex(slopes, options) for options in FLEX_CANDIDATES[1:]})
             kernels["flex, max-autotune-no-cudagraphs"] = make_flex(slopes, mode="max-autotune-no-cudagraphs")

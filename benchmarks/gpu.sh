@@ -16,7 +16,9 @@
 # on varlen FlashAttention; real tokens/s and the fill are in each log's update lines), modernbert
 # (modernbert-base at 8192, 14 of 22 layers through a 128-token window, vs transformers'
 # ModernBertForMaskedLM: SDPA with the window in the bias, Flex whose BlockMask skips the blocks outside
-# it, varlen with the kernel's window). Each step has its own time limit and log file; a failed step is
+# it, varlen with the kernel's window), triton (model.attention_backend=triton, our Triton kernels: compiled on
+# the GPU against the fp64 reference, timed beside cuDNN and Flex at the loop's batch, and the loop on them).
+# Each step has its own time limit and log file; a failed step is
 # reported and the next one runs.
 #   GPU_SH_SMOKE=1 bash benchmarks/gpu.sh LOG_DIR [STEP ...]
 # runs every command at toy size (tiny model, 16-token benchmarks, 128-token training runs, a few updates) on whatever device there is:
@@ -28,7 +30,7 @@
 set -u
 LOG_DIR=${1:-benchmarks/results/gpu}
 shift || true
-STEPS=${*:-throughput compiled large attention head flex-tune profile loop packed modernbert}
+STEPS=${*:-triton throughput compiled large attention head flex-tune profile loop packed modernbert}
 mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python3}
 TP="$PY benchmarks/train_throughput.py --dtype bf16 --seq-length 2048"
@@ -38,12 +40,13 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_HOST="--device cpu --rounds 1 --steps 2"
     SMOKE_ROWS="--device cpu --rows 1000 --rounds 1"
     SMOKE_HASH="--device cpu --shape 1,2,64,64 --rounds 1"
+    SMOKE_TRITON="--device cpu --lengths 40 --batch 2 --heads 2 --head-dim 16 --dtype fp32"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_HEAD="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_HEAD="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
@@ -95,6 +98,21 @@ train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES [CONFIG]: 2
 
 for s in $STEPS; do
     case $s in
+    triton)
+        # the compiled kernels against the fp64 reference first (tests run them in Triton's interpreter)
+        step triton-check 240 $PY benchmarks/triton_check.py $SMOKE_TRITON
+        # beside cuDNN (bias, with and without dropout) and Flex at the loop's micro-batch of 8
+        step triton-attention 240 $PY benchmarks/attention.py --lengths 2048 --dtype bf16 --heads 12 --batch 8 \
+            --kernels "sdpa,flex score_mod,triton" $SMOKE_ATTENTION
+        # the best measured loop (flat, compiled, zero-clap with the recipe's attention dropout 0.1) on the kernels
+        train_run loop-2048-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
+            $PROFILE" 60
+        train_run loop-2048-triton-flat-micro16 2048 16 "train.engine=flat train.compile=true \
+            model.attention_backend=triton $PROFILE" 30
+        train_run loop-2048-large-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
+            $PROFILE" 40 configs/pile/large-zero-clap.yaml
+        train_run packed-2048-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
+            data.packing=packed $PROFILE" 60 ;;
     throughput)
         bench base-baseline 240 --model base --batch 8
         bench base-zero-clap-sdpa 240 --model base --batch 8 --variant zero-clap
@@ -207,7 +225,7 @@ for s in $STEPS; do
         train_run packed-2048-baseline-padded-sdpa 2048 8 "model.attention_dropout=0" 60 $BASE
         train_run packed-2048-baseline-varlen 2048 8 "model.attention_dropout=0 model.attention_backend=varlen \
             data.packing=packed" 60 $BASE ;;
-    *) echo "unknown step $s (throughput compiled large attention head flex-tune profile loop packed modernbert)"; exit 2 ;;
+    *) echo "unknown step $s (triton throughput compiled large attention head flex-tune profile loop packed modernbert)"; exit 2 ;;
     esac
 done
 [ -z "$SKIPPED" ] || echo "skipped:$SKIPPED (GPU_SH_DEADLINE)"

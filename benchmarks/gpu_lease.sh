@@ -30,16 +30,16 @@ cat "$LOGS/device.txt"
 
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows, session
 # 24's two the flat engine, session 29's two (leases 5-6) the attention kernels, the Flex sweep, the head and
-# five loop rows (BENCHMARKS.md). Next: the flat compiled loop on Flex without attention dropout (what the
-# loop reaches when attention is 1.42 ms per layer, not cuDNN's 2.30 with dropout), base and large, and
-# the best base row again beside itself with train.compile_head (session 29, CPU-only so far); the
-# packed rows on Flex (their first update compiled for over 104 s in lease 5: give them a call's start);
-# the Pile recipe's update (4 x 16, fp16) on DeepSpeed and on flat; CUDA graphs on DeepSpeed (failed in
-# session 24, fixed since); the bare step's Flex dropout row; ModernBERT; 8192; the host-overhead step.
-# One call of ~525 s reaches about the recipe rows; a second call (LEASE_ROWS) takes what is left.
+# five loop rows (BENCHMARKS.md). Next: session 30's Triton kernels (model.attention_backend=triton: ALiBi
+# and attention dropout in one pass), checked against the fp64 reference, timed beside cuDNN and Flex, and
+# the best loop on them (base micro 8 and 16, large); then the flat compiled loop on Flex without attention
+# dropout, the best base row with train.compile_head, the packed rows, the Pile recipe's update, CUDA graphs
+# on DeepSpeed, ModernBERT, 8192, the host-overhead step. A second call (LEASE_ROWS) takes what is left.
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-4096,8192} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
+    "triton triton-check triton-attention loop-2048-triton-flat loop-2048-triton-flat-micro16"
+    "triton loop-2048-large-triton-flat packed-2048-triton-flat"
     "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16"
     "loop loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-micro16-head loop-2048-large-flex-flat-nodropout"
     "packed packed-2048-flex-flat packed-2048-flex-flat-dropout"

@@ -8,16 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from megamlm.config import ConfigError
-from megamlm.data.batch import collate
 from megamlm.model.alibi_flash import ReferenceKernel, alibi_flash_attention, alibi_terms, check_kernel, flash_kernel
 from megamlm.model.attention import AlibiFlashAttention, PackedRows
 from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.positions import Alibi, alibi_bias, alibi_slopes
 from megamlm.objectives import MaskedLM, get_objective
 from megamlm.train.loop import check_before_work
-from tests.multiproc import run_on_ranks
-from tests.test_packing import _no_corruption, _samples
-from tests.test_train import _train, config, tiny_shards
+from tests.backend_parity import assert_loop_trains_sdpas_losses, assert_model_gives_sdpas_loss_and_gradients
+from tests.test_train import tiny_shards
 from tests.variants import variant_config
 
 
@@ -111,21 +109,7 @@ def test_the_backend_equals_sdpa_in_padded_and_packed_rows(layout):
 
 def test_a_model_on_alibi_flash_gives_sdpas_loss_and_gradients(world):
     """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
-    samples = [(s, i) for i, s in enumerate(_samples(1100))]
-    batches = [collate(samples, _no_corruption, 0, 16, pad_id=1),
-               collate(samples, _no_corruption, 0, 56, pad_id=1, packed=True)]
-    models = {name: MaskedLM(variant_config("zero-clap", [f"model.attention_backend={name}"]).model, world, seed=3)
-              for name in ("sdpa", "alibi-flash")}
-    for batch in batches:
-        results = {}
-        for name, model in models.items():
-            model.zero_grad()
-            loss = model(batch.inputs, batch.target_index, batch.documents, batch.segments,
-                         targets=batch.targets).float().mean()
-            loss.backward()
-            results[name] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
-        for ours, theirs in zip(results["alibi-flash"], results["sdpa"]):
-            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    assert_model_gives_sdpas_loss_and_gradients(world, "alibi-flash")
 
 
 @pytest.fixture(scope="module")
@@ -133,26 +117,9 @@ def shards(tmp_path_factory):
     return tiny_shards(tmp_path_factory, "alibi-flash")
 
 
-def _two_backends(cfgs):
-    return [_train(cfg)["losses"] for cfg in cfgs]
-
-
 @pytest.mark.slow
 def test_the_loop_trains_sdpas_losses_at_tp1_and_tp2_and_compiled(shards, tmp_path):
-    common = ["model.position=alibi", "model.alibi_mode=offset", "model.attention_dropout=0", "train.steps=4"]
-    cfgs = {name: config(shards, tmp_path / name, *common, f"model.attention_backend={backend}", *extra)
-            for name, backend, extra in (("sdpa", "sdpa", []), ("ours", "alibi-flash", []),
-                                         ("compiled", "alibi-flash", ["train.compile=true", "model.hidden_dropout=0"]),
-                                         ("sdpa-no-dropout", "sdpa", ["model.hidden_dropout=0"]),
-                                         ("ours-tp2", "alibi-flash", ["parallel.tensor_parallel=2"]))}
-    sdpa, ours, compiled, sdpa_no_dropout = run_on_ranks(
-        _two_backends, 1, [cfgs[name] for name in ("sdpa", "ours", "compiled", "sdpa-no-dropout")])[0]
-    tp2 = run_on_ranks(_two_backends, 2, [cfgs["ours-tp2"]])[0][0]
-    assert len(ours) == 4 and ours[-1] < ours[0]
-    torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=0)
-    torch.testing.assert_close(tp2, ours, rtol=1e-5, atol=0)
-    # train.compile (Inductor draws its own dropout masks: hidden dropout off in both)
-    torch.testing.assert_close(compiled, sdpa_no_dropout, rtol=1e-4, atol=0)
+    assert_loop_trains_sdpas_losses(shards, tmp_path, "alibi-flash")
 
 
 def test_alibi_flash_refuses_what_it_cannot_compute():

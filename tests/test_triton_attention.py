@@ -5,29 +5,16 @@ flex.py's mask — and a model on them gives sdpa's loss and gradients, at TP=1 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from megamlm.config import ConfigError
+from megamlm.model.positions import Alibi, PositionEncoding
+from megamlm.model.triton_attention import TritonAttention, materialized_attention, triton_attention
+from megamlm.objectives import MaskedLM
+from tests.backend_parity import assert_loop_trains_sdpas_losses, assert_model_gives_sdpas_loss_and_gradients
+from tests.multiproc import run_on_ranks
+from tests.test_train import _straight_then_resume, _train, config, tiny_shards
+from tests.variants import variant_config
 
-from megamlm.config import ConfigError  # noqa: E402
-from megamlm.model.flex import keep_mask, keep_scale  # noqa: E402
-from megamlm.model.positions import Alibi, PositionEncoding, alibi_bias  # noqa: E402
-from megamlm.model.triton_attention import TritonAttention, triton_attention  # noqa: E402
-from tests.variants import variant_config  # noqa: E402
-
-
-def _reference(q, k, v, slopes, offset, groups, p, seed, scale):
-    """softmax(q·kᵀ·scale + ALiBi) over the visible keys, flex.py's dropout mask, @ v: all materialized."""
-    b, np_, s, _ = q.shape
-    scores = q @ k.transpose(-1, -2) * scale
-    if slopes is not None:
-        scores = scores + alibi_bias(slopes, slopes, s, s, offset)[None]
-    if groups is not None:  # [b, 1, s, 1] vs [b, 1, 1, s]: a real query its group's real keys, padding all real keys
-        query, key = groups[:, None, :, None], groups[:, None, None, :]
-        scores = scores.masked_fill(~((key >= 0) & ((query < 0) | (key == query))), float("-inf"))
-    probs = torch.softmax(scores, -1)
-    if p > 0:
-        index = [torch.arange(n).view([-1 if d == i else 1 for d in range(4)]) for i, n in enumerate((b, np_, s, s))]
-        probs = probs * keep_mask(seed, p, *index) * keep_scale(p)
-    return probs @ v
+pytest.importorskip("triton")  # the dev install has it (setup.py); the package imports without it
 
 
 def _layer_inputs(b, np_, s, hn, seed=0):
@@ -53,7 +40,7 @@ def test_the_kernels_give_eager_attention_and_its_gradients(alibi, layout, p):
             groups[0, 11:], groups[0, 30:], groups[1, 5:29] = 1, 2, 1
     seed = torch.tensor(987654321)
     out = triton_attention(q, k, v, slopes, offset, groups, p, seed if p else None)
-    want = _reference(q, k, v, slopes, offset, groups, p, seed, hn ** -0.5)
+    want = materialized_attention(q, k, v, slopes, offset, groups, p, seed)
     torch.testing.assert_close(out, want, rtol=0, atol=2e-6)
     assert out.permute(2, 0, 1, 3).is_contiguous()  # laid out [s, b, np, hn]: the layer's permute is a view
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
@@ -97,75 +84,30 @@ def test_triton_refuses_what_it_cannot_compute(world):
     assert "has no local attention" in problem("model.local_window=8", "model.global_every=2")
     assert "a power of 2 >= 16, not 24" in problem("model.hidden_size=96", "model.num_attention_heads=4")
     with pytest.raises(ConfigError, match="a power of 2 >= 16, not 24"):
-        from megamlm.objectives.mlm import MaskedLM
         MaskedLM(variant_config("zero-clap", ["model.attention_backend=triton", "model.hidden_size=96",
                                               "model.num_attention_heads=4"]).model, world, seed=1)
 
 
 def test_a_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
-    from megamlm.data.batch import collate
-    from megamlm.objectives import MaskedLM
-    from tests.test_packing import _no_corruption, _samples
-
-    samples = [(s, i) for i, s in enumerate(_samples(1100))]
-    batches = [collate(samples, _no_corruption, 0, 16, pad_id=1),
-               collate(samples, _no_corruption, 0, 56, pad_id=1, packed=True)]
-    models = {name: MaskedLM(variant_config("zero-clap", [f"model.attention_backend={name}"]).model, world, seed=3)
-              for name in ("sdpa", "triton")}
-    for batch in batches:
-        results = {}
-        for name, model in models.items():
-            model.zero_grad()
-            loss = model(batch.inputs, batch.target_index, batch.documents, batch.segments,
-                         targets=batch.targets).float().mean()
-            loss.backward()
-            results[name] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
-        for ours, theirs in zip(results["triton"], results["sdpa"]):
-            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    assert_model_gives_sdpas_loss_and_gradients(world, "triton")
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from tests.test_train import tiny_shards
-
     return tiny_shards(tmp_path_factory, "triton")
-
-
-def _losses(cfgs):
-    from tests.test_train import _train
-
-    return [_train(cfg)["losses"] for cfg in cfgs]
 
 
 @pytest.mark.slow
 def test_the_loop_trains_sdpas_losses_at_tp1_and_tp2_and_compiled(shards, tmp_path):
-    from tests.multiproc import run_on_ranks
-    from tests.test_train import config
-
-    common = ["model.position=alibi", "model.alibi_mode=offset", "model.attention_dropout=0", "train.steps=4"]
-    cfgs = {name: config(shards, tmp_path / name, *common, f"model.attention_backend={backend}", *extra)
-            for name, backend, extra in (("sdpa", "sdpa", []), ("ours", "triton", []),
-                                         ("compiled", "triton", ["train.compile=true", "model.hidden_dropout=0"]),
-                                         ("sdpa-no-dropout", "sdpa", ["model.hidden_dropout=0"]),
-                                         ("ours-tp2", "triton", ["parallel.tensor_parallel=2"]))}
-    sdpa, ours, compiled, sdpa_no_dropout = run_on_ranks(
-        _losses, 1, [cfgs[name] for name in ("sdpa", "ours", "compiled", "sdpa-no-dropout")])[0]
-    tp2 = run_on_ranks(_losses, 2, [cfgs["ours-tp2"]])[0][0]
-    assert len(ours) == 4 and ours[-1] < ours[0]
-    torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=0)
-    torch.testing.assert_close(tp2, ours, rtol=1e-5, atol=0)
-    # train.compile: the kernels are one custom op inside the compiled layer (Inductor draws its own
-    # hidden-dropout masks: off in both)
-    torch.testing.assert_close(compiled, sdpa_no_dropout, rtol=1e-4, atol=0)
+    """The kernels are one custom op inside train.compile's compiled layers."""
+    assert_loop_trains_sdpas_losses(shards, tmp_path, "triton")
 
 
 @pytest.mark.slow
 def test_attention_dropout_on_triton_resumes_the_uninterrupted_losses(shards, tmp_path):
     """The masks' seeds come from the TP stream, which a checkpoint keeps: a run killed after its
     checkpoint and resumed continues the uninterrupted run's losses bit for bit."""
-    from tests.multiproc import run_on_ranks
-    from tests.test_train import _straight_then_resume, _train, config
 
     def run(name):
         return config(shards, tmp_path / name, "model.attention_backend=triton", "model.attention_dropout=0.1",

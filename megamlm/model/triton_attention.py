@@ -19,7 +19,8 @@ import torch
 
 from megamlm.config import GLOBAL_ATTENTION, ModelConfig
 from megamlm.model.attention import AttentionBackend
-from megamlm.model.flex import draw_seed, dropped_levels, level_keep_scale
+from megamlm.model.flex import draw_seed, dropped_levels, keep_mask, keep_scale, level_keep_scale
+from megamlm.model.positions import alibi_bias
 from megamlm.model.sequences import LayoutReads, attention_groups
 
 try:  # triton comes with CUDA builds of torch; a CPU-only install may lack it (the backend says so)
@@ -111,6 +112,24 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: 
     dropped = dropped_levels(dropout_p)
     out, _ = _attention_op(q, k, v, slopes, groups, seed if dropped else None, scale, offset, dropped)
     return out
+
+
+def materialized_attention(q, k, v, slopes, offset: float, groups, dropout_p: float, seed, scale: float | None = None):
+    """What `triton_attention` computes, every [b, np, s, s] tensor materialized (the tests' and
+    benchmarks/triton_check.py's reference; run it in fp64 for one)."""
+    b, np_local, s, hn = q.shape
+    scores = q @ k.transpose(-1, -2) * (hn ** -0.5 if scale is None else scale)  # [b, np, s, s]
+    if slopes is not None:
+        scores = scores + alibi_bias(slopes, slopes, s, s, offset).to(scores)[None]
+    if groups is not None:  # [b, 1, s, 1] vs [b, 1, 1, s]: real queries their group's real keys, padding all real keys
+        query, key = groups[:, None, :, None], groups[:, None, None, :]
+        scores = scores.masked_fill(~((key >= 0) & ((query < 0) | (key == query))), float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num()  # a query that sees no key: zeros
+    if dropout_p > 0:  # the [b, np, s, s] grid of (row, head, query, key) indices
+        index = [torch.arange(n, device=q.device).view([-1 if d == i else 1 for d in range(4)])
+                 for i, n in enumerate((b, np_local, s, s))]
+        probs = probs * keep_mask(seed, dropout_p, *index) * keep_scale(dropout_p)
+    return probs @ v
 
 
 class TritonAttention(AttentionBackend):

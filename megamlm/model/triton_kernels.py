@@ -88,6 +88,46 @@ def _query_bits(SEED, b, h, offs_m, DROPPED: tl.constexpr):
 
 
 @triton.jit
+def _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM: tl.constexpr):
+    """Element offsets [len(offs), hn] of positions offs of head h of row b, with strides sb, sh, ss."""
+    return b * sb + h * sh + offs[:, None] * ss + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
+def _load_rows(PTR, b, h, offs, sb, sh, ss, S, HEAD_DIM: tl.constexpr):
+    """[len(offs), hn] of [b, np, s, hn] PTR (zeros past S)."""
+    return tl.load(PTR + _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM), mask=offs[:, None] < S, other=0.0)
+
+
+@triton.jit
+def _store_rows(PTR, value, b, h, offs, sb, sh, ss, S, HEAD_DIM: tl.constexpr):
+    tl.store(PTR + _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM), value.to(PTR.dtype.element_ty), mask=offs[:, None] < S)
+
+
+@triton.jit
+def _groups(GROUPS, b, sgb, offs, S, HAS_GROUPS: tl.constexpr):
+    """The group of each position (`attention_groups`; -1 past S); unused without HAS_GROUPS."""
+    if HAS_GROUPS:
+        return tl.load(GROUPS + b * sgb + offs, mask=offs < S, other=-1)
+    return offs
+
+
+@triton.jit
+def _slope(SLOPES, h, HAS_ALIBI: tl.constexpr):
+    """Head h's ALiBi slope in log2 units."""
+    if HAS_ALIBI:
+        return tl.load(SLOPES + h) * 1.4426950408889634
+    return 0.0
+
+
+@triton.jit
+def _row_terms(LSE, DELTA, bh, offs, S):
+    """The backward's per-query terms: the forward's lse (+inf past S: zero probabilities) and Σ dO·O."""
+    return (tl.load(LSE + bh * S + offs, mask=offs < S, other=float("inf")),
+            tl.load(DELTA + bh * S + offs, mask=offs < S, other=0.0))
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SEED,
                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sgb,
                     H, S, qk_scale, offset, keep_scale,
@@ -96,19 +136,17 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SEED,
     start_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=offs_m[:, None] < S, other=0.0)
-    slope = tl.load(SLOPES + h) * 1.4426950408889634 if HAS_ALIBI else 0.0
-    q_group = tl.load(GROUPS + b * sgb + offs_m, mask=offs_m < S, other=-1) if HAS_GROUPS else offs_m
+    q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
+    slope = _slope(SLOPES, h, HAS_ALIBI)
+    q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
     query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start_n in range(0, S, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_rows = offs_n[:, None] < S
-        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_rows, other=0.0)
-        k_group = tl.load(GROUPS + b * sgb + offs_n, mask=offs_n < S, other=-1) if HAS_GROUPS else offs_n
+        k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
+        k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
         qk = _scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
                      HAS_ALIBI, HAS_GROUPS, False)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -118,13 +156,12 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SEED,
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator counts every key, dropped or not
         if DROPPED > 0:
             p = tl.where(_kept(query_bits, offs_n, DROPPED, False), p, 0.0)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_rows, other=0.0)
+        v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * keep_scale
-    tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(OUT.dtype.element_ty),
-             mask=offs_m[:, None] < S)
+    _store_rows(OUT, out, b, h, offs_m, sob, soh, sos, S, HEAD_DIM)
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
 
@@ -139,22 +176,18 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SEED,
     start_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_rows = offs_n[:, None] < S
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_rows, other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_rows, other=0.0)
-    slope = tl.load(SLOPES + h) * 1.4426950408889634 if HAS_ALIBI else 0.0
-    k_group = tl.load(GROUPS + b * sgb + offs_n, mask=offs_n < S, other=-1) if HAS_GROUPS else offs_n
+    k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
+    v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
+    slope = _slope(SLOPES, h, HAS_ALIBI)
+    k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for start_m in range(0, S, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_rows = offs_m[:, None] < S
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_rows, other=0.0)
-        do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=q_rows, other=0.0)
-        lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=float("inf"))
-        delta = tl.load(DELTA + bh * S + offs_m, mask=offs_m < S, other=0.0)
-        q_group = tl.load(GROUPS + b * sgb + offs_m, mask=offs_m < S, other=-1) if HAS_GROUPS else offs_m
+        q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
+        do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
+        lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
+        q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
         # [BN, BM]: the probabilities transposed
         p_t = tl.math.exp2(_scores(k, q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
                                    HAS_ALIBI, HAS_GROUPS, True) - lse[None, :])
@@ -168,9 +201,8 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SEED,
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q)
     dk *= sm_scale
-    grad = b * sxb + h * sxh + offs_n[:, None] * sxs + offs_d[None, :]
-    tl.store(DK + grad, dk.to(DK.dtype.element_ty), mask=kv_rows)
-    tl.store(DV + grad, dv.to(DV.dtype.element_ty), mask=kv_rows)
+    _store_rows(DK, dk, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
+    _store_rows(DV, dv, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
 
 
 @triton.jit
@@ -183,22 +215,18 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SEED,
     start_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_rows = offs_m[:, None] < S
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=q_rows, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=q_rows, other=0.0)
-    lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=float("inf"))
-    delta = tl.load(DELTA + bh * S + offs_m, mask=offs_m < S, other=0.0)
-    slope = tl.load(SLOPES + h) * 1.4426950408889634 if HAS_ALIBI else 0.0
-    q_group = tl.load(GROUPS + b * sgb + offs_m, mask=offs_m < S, other=-1) if HAS_GROUPS else offs_m
+    q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
+    do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
+    lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
+    slope = _slope(SLOPES, h, HAS_ALIBI)
+    q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
     query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start_n in range(0, S, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_rows = offs_n[:, None] < S
-        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * sks + offs_d[None, :], mask=kv_rows, other=0.0)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svs + offs_d[None, :], mask=kv_rows, other=0.0)
-        k_group = tl.load(GROUPS + b * sgb + offs_n, mask=offs_n < S, other=-1) if HAS_GROUPS else offs_n
+        k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
+        v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
+        k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
         p = tl.math.exp2(_scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
                                  HAS_ALIBI, HAS_GROUPS, False) - lse[:, None])
         dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
@@ -207,7 +235,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SEED,
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     dq *= sm_scale
-    tl.store(DQ + b * sxb + h * sxh + offs_m[:, None] * sxs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_rows)
+    _store_rows(DQ, dq, b, h, offs_m, sxb, sxh, sxs, S, HEAD_DIM)
 
 
 def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -219,8 +247,8 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
 
 _TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "DROPPED"]
 # (BLOCK_M, BLOCK_N, warps, stages) for head dim 64 on Hopper (FlashAttention-2's and Triton's tutorial's
-# shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse), each without
-# register spills with dropout on sm_90a (ptxas -v; 4 warps at 128 x 64 spill: the hash's lanes)
+# shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse). Left out: those
+# that spilled registers with dropout on sm_90a in ptxas -v (4 warps at 128 x 64: the hash's lanes)
 _forward = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
                                      (64, 32, 4, 3)]), key=_TUNING_KEY)(_forward_kernel)
 _backward_keys = triton.autotune(_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]),
