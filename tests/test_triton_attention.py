@@ -28,16 +28,16 @@ def _layer_inputs(b, np_, s, hn, seed=0):
 @pytest.mark.parametrize("layout", ["whole-rows", "padded", "documents"])
 @pytest.mark.parametrize("alibi", ["offset", "symmetric", None])
 def test_the_kernels_give_eager_attention_and_its_gradients(alibi, layout, p):
-    b, np_, s, hn = 2, 3, 37, 16  # s not a multiple of the interpreter's 32-wide blocks
+    b, np_, s, hn = 2, 3, 100, 16  # two of the interpreter's 64-wide blocks, the second partial
     q, k, v = (t.detach().clone().requires_grad_() for t in _layer_inputs(b, np_, s, hn))
     slopes = Alibi(np_, alibi, 0, 1).slopes if alibi else None
     offset = 0.5 if alibi == "offset" else 0.0
     groups = None
     if layout != "whole-rows":
         groups = torch.zeros(b, s, dtype=torch.int32)
-        groups[1, 29:] = -1  # padding
+        groups[1, 80:] = -1  # padding
         if layout == "documents":
-            groups[0, 11:], groups[0, 30:], groups[1, 5:29] = 1, 2, 1
+            groups[0, 11:], groups[0, 70:], groups[1, 5:80] = 1, 2, 1  # documents across the block edge
     seed = torch.tensor(987654321)
     out = triton_attention(q, k, v, slopes, offset, groups, p, seed if p else None)
     want = materialized_attention(q, k, v, slopes, offset, groups, p, seed)

@@ -241,20 +241,23 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SEED,
 def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     """(BLOCK_M, BLOCK_N, warps, stages) candidates for the autotuner; the interpreter runs one small one."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=1, num_stages=1)]
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=1, num_stages=1)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in candidates]
 
 
 _TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "DROPPED"]
 # (BLOCK_M, BLOCK_N, warps, stages) for head dim 64 on Hopper (FlashAttention-2's and Triton's tutorial's
 # shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse). Left out: those
-# that spilled registers with dropout on sm_90a in ptxas -v (4 warps at 128 x 64: the hash's lanes)
+# that spilled registers with dropout on sm_90a in ptxas -v (the hash's lanes), e.g. the forward's 128 x 64
+# and dK/dV's 64 x 64 at 4 warps (BENCHMARKS.md, session 30)
 _forward = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
                                      (64, 32, 4, 3)]), key=_TUNING_KEY)(_forward_kernel)
-_backward_keys = triton.autotune(_configs([(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]),
-                                 key=_TUNING_KEY)(_backward_keys_kernel)
+_backward_keys = triton.autotune(_configs([(32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 8, 3), (64, 64, 8, 3),
+                                           (32, 64, 4, 4)]), key=_TUNING_KEY)(_backward_keys_kernel)
 _backward_queries = triton.autotune(_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]),
                                     key=_TUNING_KEY)(_backward_queries_kernel)
+AUTOTUNED = {"forward": _forward, "dK/dV": _backward_keys, "dQ": _backward_queries}
+"""The autotuned kernels by pass (benchmarks/triton_registers.py lists their candidates' registers)."""
 
 
 

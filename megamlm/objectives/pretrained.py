@@ -18,7 +18,7 @@ from megamlm.parallel import ParallelContext, init_distributed
 
 def _config(saved, folder, ctx: ParallelContext, overrides: list[str]) -> Config:
     """The folder's config at ctx's TP degree with `overrides`. An attention backend the folder's
-    training chose that cannot run here (flex, varlen, alibi-flash with dropout on a CPU) gives way to
+    training chose that cannot run here (flex, varlen, triton, alibi-flash with dropout on a CPU) gives way to
     sdpa, with a warning: every backend computes the same attention. One the overrides name is kept."""
     origin = str(Path(folder) / "config.yaml")
     cfg = replace_config(saved.cfg, [f"parallel.tensor_parallel={ctx.tp_size}", *overrides], origin=origin)
