@@ -49,7 +49,7 @@ def test_every_command_of_the_step_runs_at_toy_size(step, tmp_path):
 def test_without_the_smoke_switch_the_commands_are_full_size(tmp_path):
     """PYTHON=echo: the script prints its commands instead of running them."""
     env = {k: v for k, v in os.environ.items() if k != "GPU_SH_SMOKE"}
-    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "throughput", "loop"], cwd=ROOT,
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "throughput", "loop", "triton"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60, env={**env, "PYTHON": "echo"})
     assert result.returncode == 0, result.stdout + result.stderr
     commands = dict(re.findall(r"^=== (\S+): (echo .*)$", result.stdout, re.M))
@@ -59,6 +59,9 @@ def test_without_the_smoke_switch_the_commands_are_full_size(tmp_path):
     assert "data.seq_length=2048" in loop and "train.micro_batch_size=8" in loop and "train.steps=60" in loop
     assert "train.run_dir=runs/loop-2048" in loop and "model.num_layers" not in loop
     assert "--config configs/pile/large-zero-clap.yaml" in commands["loop-2048-large"]
+    triton = commands["loop-2048-triton-flat"]  # the recipe's attention dropout kept: what the kernels are for
+    assert "model.attention_backend=triton" in triton and "data.seq_length=2048" in triton
+    assert "model.attention_dropout" not in triton and "--lengths 2048" in commands["triton-attention"]
 
 
 def test_a_lease_runs_only_the_named_rows_and_skips_what_its_deadline_leaves_no_time_for(tmp_path):
