@@ -31,6 +31,7 @@ from megamlm.errors import error_line
 from megamlm.model.alibi_flash import CudnnKernel, FlashKernel, ReferenceKernel, alibi_flash_attention, alibi_terms
 from megamlm.model.flex import attend_with_dropout, kernel_options
 from megamlm.model.positions import alibi_bias, alibi_slopes
+from megamlm.model.triton_attention import triton_attention
 from timing import timed, warm_clocks
 
 DROPOUT = 0.1  # the reference recipe's attention dropout
@@ -112,8 +113,6 @@ def make_alibi_flash(slopes, kernel, dropout_p: float = 0.0):
 
 def make_triton(slopes, dropout_p: float = 0.0):
     """megamlm's triton backend: ALiBi-offset (and the dropout mask) inside its own kernels."""
-    from megamlm.model.triton_attention import triton_attention
-
     seed = torch.tensor(1234, device=slopes.device)  # as the Flex dropout row's (one mask: speed only)
 
     def run(q, k, v, bias):

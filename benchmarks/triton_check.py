@@ -20,8 +20,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megamlm.model.positions import alibi_bias, alibi_slopes
-from megamlm.model.triton_attention import materialized_attention, triton_attention
+from megamlm.model.positions import alibi_slopes
+from megamlm.model.triton_attention import materialized_attention, materialized_bias, triton_attention
 
 DROPOUT = 0.1
 
@@ -35,11 +35,7 @@ def _groups(b: int, s: int, device) -> torch.Tensor:
 
 
 def _sdpa(q, k, v, slopes, groups):
-    s = q.size(2)
-    bias = alibi_bias(slopes, slopes, s, s, 0.5).to(q.dtype)[None]
-    if groups is not None:
-        query, key = groups[:, None, :, None], groups[:, None, None, :]
-        bias = bias.masked_fill(~((key >= 0) & ((query < 0) | (key == query))), float("-inf"))
+    bias = materialized_bias(slopes, 0.5, groups, q.size(2), q.dtype, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 

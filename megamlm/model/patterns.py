@@ -52,6 +52,12 @@ def pattern_sees(pattern: LayerAttention, query_position, key_position, table: t
     return seen
 
 
+def group_sees(query_group, key_group):
+    """Whether a query of `query_group` sees a key of `key_group` (`attention_groups`' ids; -1 padding): a
+    real query the real keys of its own group, a padding query every real key. Broadcasts."""
+    return (key_group >= 0) & ((query_group < 0) | (key_group == query_group))
+
+
 def flex_block_mask(groups: torch.Tensor, pattern: LayerAttention = GLOBAL_ATTENTION,
                     starts: torch.Tensor | None = None):
     """[b, s] key groups (-1 on padding, else the document index; 0 when samples are not split into
@@ -65,7 +71,7 @@ def flex_block_mask(groups: torch.Tensor, pattern: LayerAttention = GLOBAL_ATTEN
 
     def visible(b, h, q_idx, kv_idx):
         query, key = groups[b, q_idx], groups[b, kv_idx]
-        seen = (key >= 0) & ((query < 0) | (key == query))
+        seen = group_sees(query, key)
         if pattern.window is None:
             return seen
         query_position = q_idx if starts is None else q_idx - starts[b, q_idx]

@@ -20,6 +20,7 @@ import torch
 from megamlm.config import GLOBAL_ATTENTION, ModelConfig
 from megamlm.model.attention import AttentionBackend
 from megamlm.model.flex import draw_seed, dropped_levels, keep_mask, keep_scale, level_keep_scale
+from megamlm.model.patterns import group_sees
 from megamlm.model.positions import alibi_bias
 from megamlm.model.sequences import LayoutReads, attention_groups
 
@@ -43,7 +44,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _kernel_inputs(q, slopes, groups, seed, dropped: int) -> tuple:
     """(slopes, groups, seed, flags) as the kernels take them: placeholders where a feature is off (its
     loads are compiled out); flags are the kernels' HAS_ALIBI, HAS_GROUPS and DROPPED."""
-    placeholder = q.new_zeros(1, dtype=torch.int32)
+    placeholder = q.new_empty(1, dtype=torch.int32)  # never read: no fill kernel per call
     flags = {"HAS_ALIBI": slopes is not None, "HAS_GROUPS": groups is not None, "DROPPED": dropped}
     return (placeholder if slopes is None else slopes.float().contiguous(),
             placeholder if groups is None else groups.to(torch.int32).contiguous(),
@@ -114,16 +115,23 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: 
     return out
 
 
+def materialized_bias(slopes, offset: float, groups, s: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive bias [b|1, np|1, s, s] the kernels apply without building it: ALiBi (slopes [np] or
+    None) and -inf where `group_sees` says no (groups [b, s] or None)."""
+    bias = torch.zeros(1, 1, s, s, dtype=dtype, device=device)
+    if slopes is not None:
+        bias = bias + alibi_bias(slopes, slopes, s, s, offset).to(dtype)[None]
+    if groups is not None:  # [b, 1, s, 1] vs [b, 1, 1, s] -> [b, 1, s, s]
+        bias = bias.masked_fill(~group_sees(groups[:, None, :, None], groups[:, None, None, :]), float("-inf"))
+    return bias
+
+
 def materialized_attention(q, k, v, slopes, offset: float, groups, dropout_p: float, seed, scale: float | None = None):
     """What `triton_attention` computes, every [b, np, s, s] tensor materialized (the tests' and
     benchmarks/triton_check.py's reference; run it in fp64 for one)."""
     b, np_local, s, hn = q.shape
     scores = q @ k.transpose(-1, -2) * (hn ** -0.5 if scale is None else scale)  # [b, np, s, s]
-    if slopes is not None:
-        scores = scores + alibi_bias(slopes, slopes, s, s, offset).to(scores)[None]
-    if groups is not None:  # [b, 1, s, 1] vs [b, 1, 1, s]: real queries their group's real keys, padding all real keys
-        query, key = groups[:, None, :, None], groups[:, None, None, :]
-        scores = scores.masked_fill(~((key >= 0) & ((query < 0) | (key == query))), float("-inf"))
+    scores = scores + materialized_bias(slopes, offset, groups, s, scores.dtype, q.device)
     probs = torch.softmax(scores, -1).nan_to_num()  # a query that sees no key: zeros
     if dropout_p > 0:  # the [b, np, s, s] grid of (row, head, query, key) indices
         index = [torch.arange(n, device=q.device).view([-1 if d == i else 1 for d in range(4)])

@@ -260,8 +260,6 @@ AUTOTUNED = {"forward": _forward, "dK/dV": _backward_keys, "dQ": _backward_queri
 """The autotuned kernels by pass (benchmarks/triton_registers.py lists their candidates' registers)."""
 
 
-
-
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     """[b, np, s, hn] strides of b, np and s (hn's is 1)."""
     return t.stride(0), t.stride(1), t.stride(2)
@@ -271,10 +269,9 @@ def launch_forward(q, k, v, out, lse, slopes, groups, seed, scale: float, offset
                    flags: dict) -> None:
     """Fill out [b, np, s, hn] and lse [b, np, s] (log2 units); flags: HAS_ALIBI, HAS_GROUPS, DROPPED."""
     b, np_local, s, hn = q.shape
-    grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)  # noqa: E731
-    _forward[grid](q, k, v, out, lse, slopes, groups, seed, *_strides(q), *_strides(k), *_strides(v),
-                   *_strides(out), groups.stride(0), np_local, s, scale * LOG2E, offset, keep_scale,
-                   HEAD_DIM=hn, **flags)
+    _forward[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)](
+        q, k, v, out, lse, slopes, groups, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        groups.stride(0), np_local, s, scale * LOG2E, offset, keep_scale, HEAD_DIM=hn, **flags)
 
 
 def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, slopes, groups, seed, scale: float, offset: float,
