@@ -132,7 +132,9 @@ for s in $STEPS; do
         MB="--seq-length 8192 --model modernbert-base --variant modernbert --batch 2"
         bench modernbert-sdpa 300 $MB
         bench modernbert-flex 360 $MB --set model.attention_backend=flex
-        bench modernbert-varlen 300 $MB --set model.attention_backend=varlen ;;
+        bench modernbert-varlen 300 $MB --set model.attention_backend=varlen
+        # our kernels: the window and the packed samples' block skipping in the one pass
+        bench modernbert-triton 300 $MB --set model.attention_backend=triton ;;
     attention)
         step attention 300 $PY benchmarks/attention.py --lengths "${ATTENTION_LENGTHS:-512,1024,2048,4096,8192}" --dtype bf16 \
             --heads 12 --batch 2 $SMOKE_ATTENTION

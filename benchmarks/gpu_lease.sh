@@ -47,7 +47,7 @@ ROWS=(
     "head head-memory"
     "loop loop-2048-cudagraphs"
     "throughput base-zero-clap-flex-dropout base-baseline"
-    "modernbert modernbert-sdpa modernbert-flex modernbert-varlen"
+    "modernbert modernbert-sdpa modernbert-flex modernbert-varlen modernbert-triton"
     "loop loop-8192 loop-8192-documents"
     "flex-tune flex-tune"
     "profile host-overhead"

@@ -6,9 +6,10 @@ that the GPU's compiled kernels (integer hash lanes, exp2, block sizes the autot
 
     python benchmarks/triton_check.py                     # GPU: bf16, 2 x 12 heads x 64, lengths 1000, 2048
 
-Cases: whole rows, padded rows with two documents in one, each without and with attention dropout 0.1
-(SDPA cannot take the mask: its yardstick is the same case without dropout). Exits 1 when an error
-exceeds 4x SDPA's (+ 1e-3), naming the case.
+Cases: whole rows; padded rows with two documents in one; packed rows (three samples and a free tail)
+through a 256-token window (a ModernBERT local layer's) — the last two skip the blocks no query sees;
+each without and with attention dropout 0.1 (SDPA cannot take the mask: its yardstick is the same case
+without dropout). Exits 1 when an error exceeds 4x SDPA's (+ 1e-3), naming the case.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from megamlm.model.triton_attention import materialized_attention, materialized_
 DROPOUT = 0.1
 
 
+WINDOW = 256
+
+
 def _groups(b: int, s: int, device) -> torch.Tensor:
     """Row 0: two documents; row 1: padded after 3/4 of its length."""
     groups = torch.zeros(b, s, dtype=torch.int32, device=device)
@@ -34,9 +38,21 @@ def _groups(b: int, s: int, device) -> torch.Tensor:
     return groups
 
 
-def _sdpa(q, k, v, slopes, groups):
-    bias = materialized_bias(slopes, 0.5, groups, q.size(2), q.dtype, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+def _packed(b: int, s: int, device) -> torch.Tensor:
+    """Every row: three samples of s/4, s/3 and s/4 positions, then free."""
+    groups = torch.full((b, s), -1, dtype=torch.int32, device=device)
+    groups[:, : s // 4], groups[:, s // 4: s // 4 + s // 3], groups[:, s // 4 + s // 3: s // 2 + s // 3] = 0, 1, 2
+    return groups
+
+
+def _sdpa(q, k, v, slopes, groups, window):
+    """SDPA with the kernels' bias; the kernels' padding queries see no key (zeros): SDPA's see every key
+    and are zeroed after, so that no softmax row is empty."""
+    bias = materialized_bias(slopes, 0.5, groups, q.size(2), q.dtype, q.device, window)
+    if groups is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    real = (groups >= 0)[:, None, :, None]  # [b, 1, s, 1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~real, 0.0)) * real
 
 
 def _errors(fn, inputs, grad, reference) -> list[float]:
@@ -70,17 +86,20 @@ def main() -> None:
         inputs = [t.to(dtype) for t in inputs64]  # the reference sees the rounded inputs too
         inputs64 = [t.double() for t in inputs]
         grad = torch.randn(shape, generator=g, device=device, dtype=torch.float64)
-        for case, groups in (("whole rows", None), ("documents + padding", _groups(args.batch, length, device))):
+        for case, groups, window in (("whole rows", None, None),
+                                     ("documents + padding", _groups(args.batch, length, device), None),
+                                     (f"packed, window {WINDOW}", _packed(args.batch, length, device), WINDOW)):
             sdpa = None
             for p in (0.0, DROPOUT):
                 seed = torch.tensor(20261127 + length, device=device) if p else None
                 q, k, v = (t.detach().clone().requires_grad_() for t in inputs64)
-                out = materialized_attention(q, k, v, slopes.double(), 0.5, groups, p, seed)
+                out = materialized_attention(q, k, v, slopes.double(), 0.5, groups, p, seed, window=window)
                 reference = [out, *torch.autograd.grad(out, (q, k, v), grad)]
                 ours = _errors(functools.partial(triton_attention, slopes=slopes, offset=0.5, groups=groups,
-                                                 dropout_p=p, seed=seed), inputs, grad, reference)
+                                                 dropout_p=p, seed=seed, window=window), inputs, grad, reference)
                 if sdpa is None:
-                    sdpa = _errors(functools.partial(_sdpa, slopes=slopes, groups=groups), inputs, grad, reference)
+                    sdpa = _errors(functools.partial(_sdpa, slopes=slopes, groups=groups, window=window), inputs,
+                                   grad, reference)
                     print(f"{length:>7}  {case:<30}{'sdpa':<8}" + "".join(f"{e:>10.2e}" for e in sdpa))
                 label = case + (", dropout" if p else "")
                 print(f"{length:>7}  {label:<30}{'triton':<8}" + "".join(f"{e:>10.2e}" for e in ours))

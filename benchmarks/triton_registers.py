@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 from megamlm.model import triton_kernels
 from megamlm.model.flex import dropped_levels
 
-POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "GROUPS": "*i32", "SEED": "*i64"}
+POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "GROUPS": "*i32", "SPANS": "*i32", "SEED": "*i64"}
 FLOAT_ARGUMENTS = {"qk_scale", "sm_scale", "offset", "keep_scale"}
 INT_ARGUMENTS = {"H", "S"}  # heads and length; strides are the lowercase rest
 
@@ -61,19 +61,20 @@ def main() -> None:
         parser.error("unset TRITON_INTERPRET: the interpreter's kernels have one configuration and no compiler")
     print(f"model.attention_backend=triton's autotuner candidates on sm_{args.arch}, head dim {args.head_dim}, "
           f"{args.dtype}, ALiBi; triton {triton.__version__}")
-    print("| kernel | BLOCK_M × BLOCK_N, warps, stages | no dropout: registers, stack | dropout 0.1 |")
-    print("|---|---|---:|---:|")
+    print("| kernel | BLOCK_M × BLOCK_N, warps, stages | no dropout: registers, stack | dropout 0.1 | dropout 0.1, "
+          "groups (padding, documents, packed rows) |")
+    print("|---|---|---:|---:|---:|")
     for name, tuner in triton_kernels.AUTOTUNED.items():
         for config in tuner.configs:
             rows = []
-            for dropped in (0, dropped_levels(0.1)):
-                constants = {"HEAD_DIM": args.head_dim, **config.kwargs, "HAS_ALIBI": True, "HAS_GROUPS": False,
-                             "DROPPED": dropped}
+            for dropped, groups in ((0, False), (dropped_levels(0.1), False), (dropped_levels(0.1), True)):
+                constants = {"HEAD_DIM": args.head_dim, **config.kwargs, "HAS_ALIBI": True, "HAS_GROUPS": groups,
+                             "HAS_WINDOW": False, "DROPPED": dropped}
                 registers, stack = resources(tuner.fn, constants, config.num_warps, config.num_stages, args.arch,
                                              args.dtype)
                 rows.append(f"{registers}, {stack} B" + (" (spills)" if stack else ""))
             shape = f"{config.kwargs['BLOCK_M']} × {config.kwargs['BLOCK_N']}, {config.num_warps}, {config.num_stages}"
-            print(f"| {name} | {shape} | {rows[0]} | {rows[1]} |", flush=True)
+            print(f"| {name} | {shape} | {' | '.join(rows)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ from tests.test_train import _train, config
 from tests.variants import variant_config
 
 
-def assert_model_gives_sdpas_loss_and_gradients(world, backend: str) -> None:
-    """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
+def assert_model_gives_sdpas_loss_and_gradients(world, backend: str, variant: str = "zero-clap") -> None:
+    """The zero-clap variant (ALiBi offset, CLAP) unless named: padded and packed batches."""
     samples = [(s, i) for i, s in enumerate(_samples(1100))]
     batches = [collate(samples, _no_corruption, 0, 16, pad_id=1),
                collate(samples, _no_corruption, 0, 56, pad_id=1, packed=True)]
-    models = {name: MaskedLM(variant_config("zero-clap", [f"model.attention_backend={name}"]).model, world, seed=3)
+    models = {name: MaskedLM(variant_config(variant, [f"model.attention_backend={name}"]).model, world, seed=3)
               for name in ("sdpa", backend)}
     for batch in batches:
         results = {}

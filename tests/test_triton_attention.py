@@ -7,7 +7,9 @@ import torch
 
 from megamlm.config import ConfigError
 from megamlm.model.positions import Alibi, PositionEncoding
-from megamlm.model.triton_attention import TritonAttention, materialized_attention, triton_attention
+from megamlm.model.patterns import group_sees
+from megamlm.model.triton_attention import (TritonAttention, group_spans, materialized_attention,
+                                            triton_attention)
 from megamlm.objectives import MaskedLM
 from tests.backend_parity import assert_loop_trains_sdpas_losses, assert_model_gives_sdpas_loss_and_gradients
 from tests.multiproc import run_on_ranks
@@ -24,23 +26,13 @@ def _layer_inputs(b, np_, s, hn, seed=0):
     return [t.permute(1, 2, 0, 3).requires_grad_() for t in mixed.split(hn, dim=-1)]
 
 
-@pytest.mark.parametrize("p", [0.0, 0.25])
-@pytest.mark.parametrize("layout", ["whole-rows", "padded", "documents"])
-@pytest.mark.parametrize("alibi", ["offset", "symmetric", None])
-def test_the_kernels_give_eager_attention_and_its_gradients(alibi, layout, p):
-    b, np_, s, hn = 2, 3, 100, 16  # two of the interpreter's 64-wide blocks, the second partial
-    q, k, v = (t.detach().clone().requires_grad_() for t in _layer_inputs(b, np_, s, hn))
+def _assert_kernels_give_the_reference(b, np_, s, alibi, groups, p, window=None):
+    q, k, v = (t.detach().clone().requires_grad_() for t in _layer_inputs(b, np_, s, 16))
     slopes = Alibi(np_, alibi, 0, 1).slopes if alibi else None
     offset = 0.5 if alibi == "offset" else 0.0
-    groups = None
-    if layout != "whole-rows":
-        groups = torch.zeros(b, s, dtype=torch.int32)
-        groups[1, 80:] = -1  # padding
-        if layout == "documents":
-            groups[0, 11:], groups[0, 70:], groups[1, 5:80] = 1, 2, 1  # documents across the block edge
     seed = torch.tensor(987654321)
-    out = triton_attention(q, k, v, slopes, offset, groups, p, seed if p else None)
-    want = materialized_attention(q, k, v, slopes, offset, groups, p, seed)
+    out = triton_attention(q, k, v, slopes, offset, groups, p, seed if p else None, window=window)
+    want = materialized_attention(q, k, v, slopes, offset, groups, p, seed, window=window)
     torch.testing.assert_close(out, want, rtol=0, atol=2e-6)
     assert out.permute(2, 0, 1, 3).is_contiguous()  # laid out [s, b, np, hn]: the layer's permute is a view
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
@@ -48,8 +40,53 @@ def test_the_kernels_give_eager_attention_and_its_gradients(alibi, layout, p):
     for ours, theirs in zip(got, expected):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=5e-6)
     if p:  # the mask depends on the seed
-        other = triton_attention(q, k, v, slopes, offset, groups, p, seed + 1)
+        other = triton_attention(q, k, v, slopes, offset, groups, p, seed + 1, window=window)
         assert (other - out).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("layout", ["whole-rows", "padded", "documents"])
+@pytest.mark.parametrize("alibi", ["offset", "symmetric", None])
+def test_the_kernels_give_eager_attention_and_its_gradients(alibi, layout, p):
+    b, np_, s = 2, 3, 100  # two of the interpreter's 64-wide blocks, the second partial
+    groups = None
+    if layout != "whole-rows":
+        groups = torch.zeros(b, s, dtype=torch.int32)
+        groups[1, 80:] = -1  # padding
+        if layout == "documents":
+            groups[0, 11:], groups[0, 70:], groups[1, 5:80] = 1, 2, 1  # documents across the block edge
+    _assert_kernels_give_the_reference(b, np_, s, alibi, groups, p)
+
+
+def _packed_groups(s: int) -> torch.Tensor:
+    """Row 0: three samples and a free tail; row 1: one sample that ends one past a block edge, then free."""
+    groups = torch.full((2, s), -1, dtype=torch.int32)
+    groups[0, :70], groups[0, 70:150], groups[0, 150:190], groups[1, :129] = 0, 1, 2, 0
+    return groups
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize(("layout", "window"), [("packed", None), ("whole-rows", 130), ("packed", 130)])
+def test_the_kernels_visit_only_the_blocks_a_group_or_window_reaches(layout, window, p):
+    """Five blocks of 64 per row, most of them out of reach of the others: a block skipped that a query
+    sees would change the output or a gradient (ALiBi offset). Edges one position past a block's: the
+    sample ending at 129, the window (65 each side) reaching key 63 from query 128."""
+    groups = _packed_groups(300) if layout == "packed" else None
+    _assert_kernels_give_the_reference(2, 2, 300, "offset", groups, p, window)
+
+
+def test_group_spans_hold_every_pair_a_query_sees():
+    groups = torch.tensor([[0, 0, 1, 1, 1, 2, -1, -1],   # packed samples, a free tail
+                           [3, 3, 0, 0, 3, -1, 9, 9],    # a group in two pieces; an id above s
+                           [-1] * 8])                    # no real token
+    spans = group_spans(groups)
+    assert spans.tolist() == [[[0, 0, 2, 2, 2, 5, 8, 8], [0, 0, 2, 2, 0, 8, 6, 6], [8] * 8],
+                              [[2, 2, 5, 5, 5, 6, 0, 0], [5, 5, 4, 4, 5, 0, 8, 8], [0] * 8]]
+    query, key = groups[:, :, None], groups[:, None, :]  # [b, s, 1] vs [b, 1, s]: the kernels' rule
+    sees = group_sees(query, key) & (query >= 0)
+    row, i, j = sees.nonzero(as_tuple=True)
+    assert ((spans[0, row, i] <= j) & (j < spans[1, row, i])).all()  # keys of query i
+    assert ((spans[0, row, j] <= i) & (i < spans[1, row, j])).all()  # queries of key j
 
 
 def test_a_query_that_sees_no_key_gets_zeros_and_no_gradient():
@@ -64,14 +101,16 @@ def test_a_query_that_sees_no_key_gets_zeros_and_no_gradient():
 def test_the_backend_prepares_groups_only_where_a_query_cannot_see_its_whole_row():
     backend = TritonAttention(Alibi(4, "offset", 0, 1))
     padding = torch.zeros(2, 8, dtype=torch.bool)
-    groups, slopes, offset = backend.prepare(padding, None, None, torch.float32)
+    prepared = backend.prepare(padding, None, None, torch.float32)
+    groups, slopes, offset = prepared.groups, prepared.slopes, prepared.offset
     assert groups is None and torch.equal(slopes, Alibi(4, "offset", 0, 1).slopes) and offset == 0.5
     padding[1, 6:] = True
-    groups, _, _ = backend.prepare(padding, None, None, torch.float32)
+    groups = backend.prepare(padding, None, None, torch.float32).groups
     assert groups.tolist() == [[0] * 8, [0] * 6 + [-1] * 2]
     segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1]] * 2)
-    assert backend.prepare(segments < 0, None, segments, torch.float32)[0].tolist() == segments.tolist()
-    assert TritonAttention(PositionEncoding()).prepare(padding, None, None, torch.float32)[1:] == (None, 0.0)
+    assert backend.prepare(segments < 0, None, segments, torch.float32).groups.tolist() == segments.tolist()
+    without_alibi = TritonAttention(PositionEncoding()).prepare(padding, None, None, torch.float32)
+    assert (without_alibi.slopes, without_alibi.offset) == (None, 0.0)
 
 
 def test_triton_refuses_what_it_cannot_compute(world):
@@ -81,7 +120,9 @@ def test_triton_refuses_what_it_cannot_compute(world):
 
     assert problem() is None and problem(variant="baseline") is None  # ALiBi offset; learned positions
     assert "needs model.alibi_mode symmetric or offset" in problem("model.alibi_mode=learned")
-    assert "has no local attention" in problem("model.local_window=8", "model.global_every=2")
+    assert problem("model.local_window=8", "model.global_every=2") is None  # sliding windows: in the kernels
+    assert "has no model.local_attention=bigbird" in problem("model.local_window=8", "model.global_every=2",
+                                                             "model.local_attention=bigbird")
     assert "a power of 2 >= 16, not 24" in problem("model.hidden_size=96", "model.num_attention_heads=4")
     with pytest.raises(ConfigError, match="a power of 2 >= 16, not 24"):
         MaskedLM(variant_config("zero-clap", ["model.attention_backend=triton", "model.hidden_size=96",
@@ -91,6 +132,11 @@ def test_triton_refuses_what_it_cannot_compute(world):
 def test_a_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
     assert_model_gives_sdpas_loss_and_gradients(world, "triton")
+
+
+def test_a_local_global_model_on_triton_gives_sdpas_loss_and_gradients(world):
+    """ModernBERT's recipe (RoPE, a global then a windowed layer): the window in the kernels."""
+    assert_model_gives_sdpas_loss_and_gradients(world, "triton", "modernbert")
 
 
 @pytest.fixture(scope="module")

@@ -158,8 +158,9 @@ class ModelConfig:
     FlashAttention over the real tokens only (CUDA; no ALiBi, no attention dropout); alibi-flash:
     ALiBi (fixed slopes) as extra head dimensions of two causal flash passes, no bias, memory linear
     in length (model/alibi_flash.py; attention dropout on CUDA only); triton: our Triton kernel, ALiBi
-    (fixed slopes), padding, documents and attention dropout in one FlashAttention-style pass (CUDA;
-    global attention only; model/triton_attention.py). model/attention.py's ATTENTION_BACKENDS."""
+    (fixed slopes), padding, documents, packed samples, sliding windows and attention dropout in one
+    FlashAttention-style pass, skipping the key blocks no query sees (CUDA; no BigBird;
+    model/triton_attention.py). model/attention.py's ATTENTION_BACKENDS."""
     flex_kernel_options: str = ""
     """FlexAttention's Triton kernel options, comma-separated NAME=VALUE (e.g. "BLOCK_M=128,BLOCK_N=64,
     num_warps=8,num_stages=3"; fwd_/bwd_ prefixes apply to one pass); empty: torch's defaults.

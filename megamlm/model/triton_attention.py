@@ -15,12 +15,14 @@ layer's layout: BidirectionalAttention's permute back to [s, b, np · hn] is a v
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from megamlm.config import GLOBAL_ATTENTION, ModelConfig
+from megamlm.config import GLOBAL_ATTENTION, LayerAttention, ModelConfig
 from megamlm.model.attention import AttentionBackend
 from megamlm.model.flex import draw_seed, dropped_levels, keep_mask, keep_scale, level_keep_scale
-from megamlm.model.patterns import group_sees
+from megamlm.model.patterns import group_sees, pattern_sees
 from megamlm.model.positions import alibi_bias
 from megamlm.model.sequences import LayoutReads, attention_groups
 
@@ -41,30 +43,47 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _kernel_inputs(q, slopes, groups, seed, dropped: int) -> tuple:
-    """(slopes, groups, seed, flags) as the kernels take them: placeholders where a feature is off (its
-    loads are compiled out); flags are the kernels' HAS_ALIBI, HAS_GROUPS and DROPPED."""
+def group_spans(groups: torch.Tensor) -> torch.Tensor:
+    """[b, s] `attention_groups` -> [2, b, s] int32: for each real position the first and one past the
+    last position of its group — the keys a query may see, and the queries that may see a key (the
+    kernels' rule is symmetric) — and (s, 0), nothing, for padding. The kernels visit only the blocks
+    between. Ids at or above s (attention_groups' are below) share one extent: still every visible pair."""
+    b, s = groups.shape
+    position = torch.arange(s, device=groups.device).expand(b, s)
+    slot = torch.where(groups >= 0, groups.clamp(max=s - 1), s).long()  # padding: slot s
+    first = position.new_full((b, s + 1), s).scatter_reduce(1, slot, position, "amin")
+    end = position.new_zeros(b, s + 1).scatter_reduce(1, slot, position + 1, "amax")
+    real = groups >= 0
+    return torch.stack([torch.where(real, first.gather(1, slot), s),
+                        torch.where(real, end.gather(1, slot), 0)]).to(torch.int32)
+
+
+def _kernel_inputs(q, slopes, groups, spans, seed, dropped: int, half_window: int) -> tuple:
+    """(slopes, groups, spans, seed, flags) as the kernels take them: placeholders where a feature is off
+    (its loads are compiled out); flags are the kernels' HAS_ALIBI, HAS_GROUPS, HAS_WINDOW and DROPPED."""
     placeholder = q.new_empty(1, dtype=torch.int32)  # never read: no fill kernel per call
-    flags = {"HAS_ALIBI": slopes is not None, "HAS_GROUPS": groups is not None, "DROPPED": dropped}
+    flags = {"HAS_ALIBI": slopes is not None, "HAS_GROUPS": groups is not None, "HAS_WINDOW": half_window >= 0,
+             "DROPPED": dropped}
     return (placeholder if slopes is None else slopes.float().contiguous(),
             placeholder if groups is None else groups.to(torch.int32).contiguous(),
+            placeholder if groups is None else spans.contiguous(),
             placeholder if seed is None else seed, flags)
 
 
 @torch.library.custom_op("megamlm::triton_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None,
-                  groups: torch.Tensor | None, seed: torch.Tensor | None, scale: float, offset: float,
-                  dropped: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units)."""
+                  groups: torch.Tensor | None, spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float,
+                  offset: float, dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units). half_window -1: no window."""
     q, k, v = _rows(q), _rows(k), _rows(v)
-    out, lse = _attention_fake(q, k, v, slopes, groups, seed, scale, offset, dropped)
-    *inputs, flags = _kernel_inputs(q, slopes, groups, seed, dropped)
-    launch_forward(q, k, v, out, lse, *inputs, scale, offset, level_keep_scale(dropped), flags)
+    out, lse = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
+    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
+    launch_forward(q, k, v, out, lse, *inputs, scale, offset, level_keep_scale(dropped), half_window, flags)
     return out, lse
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, slopes, groups, seed, scale, offset, dropped):
+def _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window):
     b, np_local, s, hn = q.shape
     return _like_sbh(q), q.new_empty(b, np_local, s, dtype=torch.float32)
 
@@ -72,32 +91,35 @@ def _attention_fake(q, k, v, slopes, groups, seed, scale, offset, dropped):
 @torch.library.custom_op("megamlm::triton_attention_backward", mutates_args=())
 def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, slopes: torch.Tensor | None, groups: torch.Tensor | None,
-                           seed: torch.Tensor | None, scale: float, offset: float,
-                           dropped: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float, offset: float,
+                           dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do, q, k, v = _rows(do), _rows(q), _rows(k), _rows(v)
-    dq, dk, dv = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, seed, scale, offset, dropped)
+    dq, dk, dv = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset,
+                                          dropped, half_window)
     # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
     delta = (do.float() * out.float()).sum(-1)
-    *inputs, flags = _kernel_inputs(q, slopes, groups, seed, dropped)
-    launch_backward(do, q, k, v, lse, delta, dq, dk, dv, *inputs, scale, offset, level_keep_scale(dropped), flags)
+    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
+    launch_backward(do, q, k, v, lse, delta, dq, dk, dv, *inputs, scale, offset, level_keep_scale(dropped),
+                    half_window, flags)
     return dq, dk, dv
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, seed, scale, offset, dropped):
+def _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset, dropped,
+                             half_window):
     return _like_sbh(q), _like_sbh(q), _like_sbh(q)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, slopes, groups, seed, scale, offset, dropped = inputs
-    ctx.save_for_backward(q, k, v, *output, slopes, groups, seed)
-    ctx.constants = scale, offset, dropped
+    q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window = inputs
+    ctx.save_for_backward(q, k, v, *output, slopes, groups, spans, seed)
+    ctx.constants = scale, offset, dropped, half_window
 
 
 def _backward(ctx, do, _lse_grad):
-    q, k, v, out, lse, slopes, groups, seed = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do, q, k, v, out, lse, slopes, groups, seed, *ctx.constants)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, slopes, groups, spans, seed = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(do, q, k, v, out, lse, slopes, groups, spans, seed, *ctx.constants)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -105,34 +127,48 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None, offset: float,
                      groups: torch.Tensor | None, dropout_p: float, seed: torch.Tensor | None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, window: int | None = None,
+                     spans: torch.Tensor | None = None) -> torch.Tensor:
     """q, k, v [b, np, s, hn] -> [b, np, s, hn] (memory laid out [s, b, np, hn]): softmax(q·kᵀ·scale +
-    ALiBi(slopes [np], offset)) over the keys each query sees (groups [b, s], `attention_groups`; None:
-    all), dropout p on the probabilities with flex.py's mask of `seed` (int64 on the device), @ v."""
+    ALiBi(slopes [np], offset)) over the keys each query sees (groups [b, s], `attention_groups`, None:
+    all; a padding query sees none and gets zeros; `window`: within window // 2 positions), dropout p on
+    the probabilities with flex.py's mask of `seed` (int64 on the device), @ v. spans: `group_spans(groups)`
+    where the caller has them (one forward's layers share them)."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
     dropped = dropped_levels(dropout_p)
-    out, _ = _attention_op(q, k, v, slopes, groups, seed if dropped else None, scale, offset, dropped)
+    spans = group_spans(groups) if groups is not None and spans is None else spans
+    out, _ = _attention_op(q, k, v, slopes, groups, spans, seed if dropped else None, scale, offset, dropped,
+                           -1 if window is None else window // 2)
     return out
 
 
-def materialized_bias(slopes, offset: float, groups, s: int, dtype: torch.dtype, device) -> torch.Tensor:
+def materialized_bias(slopes, offset: float, groups, s: int, dtype: torch.dtype, device,
+                      window: int | None = None) -> torch.Tensor:
     """The additive bias [b|1, np|1, s, s] the kernels apply without building it: ALiBi (slopes [np] or
-    None) and -inf where `group_sees` says no (groups [b, s] or None)."""
+    None) and -inf where a query does not see a key: `group_sees` (groups [b, s] or None), but a padding
+    query sees no key (the kernels' rule: a row of -inf), and `pattern_sees` the window."""
     bias = torch.zeros(1, 1, s, s, dtype=dtype, device=device)
     if slopes is not None:
         bias = bias + alibi_bias(slopes, slopes, s, s, offset).to(dtype)[None]
     if groups is not None:  # [b, 1, s, 1] vs [b, 1, 1, s] -> [b, 1, s, s]
-        bias = bias.masked_fill(~group_sees(groups[:, None, :, None], groups[:, None, None, :]), float("-inf"))
+        query, key = groups[:, None, :, None], groups[:, None, None, :]
+        bias = bias.masked_fill(~(group_sees(query, key) & (query >= 0)), float("-inf"))
+    if window is not None:  # positions in the row: a visible pair is in one sample, where distances agree
+        index = torch.arange(s, device=device)
+        near = pattern_sees(LayerAttention(window=window), index[:, None], index[None, :], None)
+        bias = bias.masked_fill(~near, float("-inf"))
     return bias
 
 
-def materialized_attention(q, k, v, slopes, offset: float, groups, dropout_p: float, seed, scale: float | None = None):
+def materialized_attention(q, k, v, slopes, offset: float, groups, dropout_p: float, seed, scale: float | None = None,
+                           window: int | None = None):
     """What `triton_attention` computes, every [b, np, s, s] tensor materialized (the tests' and
     benchmarks/triton_check.py's reference; run it in fp64 for one)."""
     b, np_local, s, hn = q.shape
     scores = q @ k.transpose(-1, -2) * (hn ** -0.5 if scale is None else scale)  # [b, np, s, s]
-    scores = scores + materialized_bias(slopes, offset, groups, s, scores.dtype, q.device)
-    probs = torch.softmax(scores, -1).nan_to_num()  # a query that sees no key: zeros
+    scores = scores + materialized_bias(slopes, offset, groups, s, scores.dtype, q.device, window)
+    seen = scores.isfinite().any(-1, keepdim=True)  # [b, np, s, 1]: a query that sees no key gets zeros
+    probs = torch.softmax(scores.masked_fill(~seen, 0.0), -1) * seen  # (and no NaN in the gradient)
     if dropout_p > 0:  # the [b, np, s, s] grid of (row, head, query, key) indices
         index = [torch.arange(n, device=q.device).view([-1 if d == i else 1 for d in range(4)])
                  for i, n in enumerate((b, np_local, s, s))]
@@ -140,8 +176,23 @@ def materialized_attention(q, k, v, slopes, offset: float, groups, dropout_p: fl
     return probs @ v
 
 
+class TritonInputs(NamedTuple):
+    """What TritonAttention prepares once per forward and attention pattern."""
+
+    groups: torch.Tensor | None
+    """[b, s] int32 `attention_groups`; None where every query sees its whole row."""
+    slopes: torch.Tensor | None
+    """ALiBi's slopes [np] (None: no score term)."""
+    offset: float
+    """ALiBi's offset (0 without ALiBi)."""
+    spans: torch.Tensor | None = None
+    """`group_spans(groups)`: the blocks the kernels visit."""
+    window: int | None = None
+    """The pattern's window (None: a global layer)."""
+
+
 class TritonAttention(AttentionBackend):
-    """The layout as `attention_groups` (None where every query sees its whole row), ALiBi as slopes."""
+    """The layout as `attention_groups` and their spans, ALiBi as slopes, a local layer's window."""
 
     name = "triton"
     additive_bias = False
@@ -150,8 +201,9 @@ class TritonAttention(AttentionBackend):
     def unsupported_here(model: ModelConfig) -> str | None:
         if model.position == "alibi" and model.alibi_mode == "learned":
             return "model.attention_backend=triton needs model.alibi_mode symmetric or offset; use sdpa or flex"
-        if model.local_window is not None:
-            return "model.attention_backend=triton has no local attention; use model.attention_backend=flex (or sdpa)"
+        if model.local_window is not None and model.local_attention != "window":
+            return (f"model.attention_backend=triton has no model.local_attention={model.local_attention} (only "
+                    "sliding windows); use model.attention_backend=flex (or sdpa)")
         if model.head_dim < 16 or model.head_dim & (model.head_dim - 1):
             return f"model.attention_backend=triton needs a head dim that is a power of 2 >= 16, not {model.head_dim}"
         if launch_forward is None or not (torch.cuda.is_available() or INTERPRET):
@@ -159,15 +211,16 @@ class TritonAttention(AttentionBackend):
         return None
 
     def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, reads=None):
-        """(groups [b, s] int32 or None, ALiBi's slopes [np] or None, ALiBi's offset)."""
+        """-> TritonInputs."""
         reads = reads or LayoutReads(padding, documents, segments)
         whole_rows = documents is None and segments is None and reads.any_padding(free_only=True) is False
         groups = None if whole_rows else attention_groups(padding, documents, segments).to(torch.int32)
         alibi = self.position if self.position.score_term else None
-        return groups, None if alibi is None else alibi.slopes, 0.0 if alibi is None else alibi.offset
+        return TritonInputs(groups, None if alibi is None else alibi.slopes, 0.0 if alibi is None else alibi.offset,
+                            None if groups is None else group_spans(groups), pattern.window)
 
-    def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
-        groups, slopes, offset = prepared
+    def attend(self, q, k, v, prepared: TritonInputs, dropout_p: float, scale: float | None) -> torch.Tensor:
         # heads are sharded: the seed comes from this TP rank's stream (flex.py)
         seed = draw_seed(q.device) if dropout_p > 0 else None
-        return triton_attention(q, k, v, slopes, offset, groups, dropout_p, seed, scale)
+        return triton_attention(q, k, v, prepared.slopes, prepared.offset, prepared.groups, dropout_p, seed, scale,
+                                prepared.window, prepared.spans)

@@ -9,8 +9,12 @@ over (seed ^ (b << 16 | h), i, j) is at or above round(p · 2^32); kept probabil
 per query; only the last one per score. Nothing [s, s] is stored; the backward recomputes the mask.
 
 Visibility is `attention_groups`': a real query sees the real keys of its group (its document, else its
-packed sample, else its row), a padding query every real key; HAS_GROUPS false: every key of the row.
-A query never sees another sample, so distances in a packed row are distances within its sample.
+packed sample, else its row); HAS_GROUPS false: every key of the row; HAS_WINDOW: only keys within
+half_window positions (a local layer's `LayerAttention.window`). A padding query sees no key: its output
+is zeros, never read (sdpa's padding queries see every real key, only so that no softmax row is empty).
+A query never sees another sample, so distances in a packed row are distances within its sample. Each
+program visits only the blocks that its groups' extent and the window reach (`_span`): a packed row of
+n samples costs about n samples' attention, not one row's, and a local layer about its window's.
 
 Scores run in log2 units (exp2, as FlashAttention's kernels do): scale · log2(e) is folded into the
 product and the ALiBi slope; the saved log-sum-exp is in log2 units too. A query that sees no key gets
@@ -46,23 +50,25 @@ def _fmix32(x):
 
 
 @triton.jit
-def _scores(q_or_k, k_or_q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
-            HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _scores(q_or_k, k_or_q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset, half_window,
+            HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Scores in log2 units with ALiBi and -inf where not visible: [BLOCK_M, BLOCK_N] for queries
     offs_m and keys offs_n, or their transpose [BLOCK_N, BLOCK_M] (TRANSPOSED: q_or_k is k)."""
+    qk = tl.dot(q_or_k, tl.trans(k_or_q)) * qk_scale  # [BM, hn] x [hn, BN] -> [BM, BN] (or [BN, BM])
     if TRANSPOSED:
-        qk = tl.dot(q_or_k, tl.trans(k_or_q)) * qk_scale  # [BN, hn] x [hn, BM] -> [BN, BM]
-        distance = (offs_n[:, None] - offs_m[None, :]).to(tl.float32)  # key - query
+        distance = offs_n[:, None] - offs_m[None, :]  # key - query
         visible = offs_n[:, None] < S
-        if HAS_GROUPS:
-            visible &= (k_group[:, None] >= 0) & ((q_group[None, :] < 0) | (k_group[:, None] == q_group[None, :]))
+        if HAS_GROUPS:  # a real query sees the keys of its own group; padding sees none
+            visible &= (k_group[:, None] == q_group[None, :]) & (q_group[None, :] >= 0)
     else:
-        qk = tl.dot(q_or_k, tl.trans(k_or_q)) * qk_scale  # [BM, hn] x [hn, BN] -> [BM, BN]
-        distance = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
+        distance = offs_n[None, :] - offs_m[:, None]
         visible = offs_n[None, :] < S
         if HAS_GROUPS:
-            visible &= (k_group[None, :] >= 0) & ((q_group[:, None] < 0) | (k_group[None, :] == q_group[:, None]))
+            visible &= (k_group[None, :] == q_group[:, None]) & (q_group[:, None] >= 0)
+    if HAS_WINDOW:  # patterns.pattern_sees' window: distances within a group are distances in its sample
+        visible &= tl.abs(distance) <= half_window
     if HAS_ALIBI:  # positions.alibi_score, in log2 units (slope is pre-multiplied by log2 e)
+        distance = distance.to(tl.float32)
         qk += tl.where(distance > 0, -slope * (distance - offset), slope * distance)
     return tl.where(visible, qk, float("-inf"))
 
@@ -113,6 +119,23 @@ def _groups(GROUPS, b, sgb, offs, S, HAS_GROUPS: tl.constexpr):
 
 
 @triton.jit
+def _span(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK: tl.constexpr,
+          HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[lo, hi): the positions on the other side (keys of a block of queries, or queries of a block of
+    keys) that may see the block at offs (starting at first): its groups' extent (`group_spans`)
+    narrowed by the window. lo is aligned down to BLOCK, the other side's block; the loop skips the rest."""
+    lo = S * 0
+    hi = S
+    if HAS_GROUPS:
+        lo = tl.min(tl.load(SPANS + b * sgb + offs, mask=offs < S, other=S))
+        hi = tl.max(tl.load(SPANS + span_stride + b * sgb + offs, mask=offs < S, other=0))
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, first - half_window)
+        hi = tl.minimum(hi, first + offs.shape[0] + half_window)
+    return tl.maximum(lo, 0) // BLOCK * BLOCK, hi
+
+
+@triton.jit
 def _slope(SLOPES, h, HAS_ALIBI: tl.constexpr):
     """Head h's ALiBi slope in log2 units."""
     if HAS_ALIBI:
@@ -128,11 +151,11 @@ def _row_terms(LSE, DELTA, bh, offs, S):
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SEED,
-                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sgb,
-                    H, S, qk_scale, offset, keep_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, DROPPED: tl.constexpr):
+def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SPANS, SEED,
+                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sgb, span_stride,
+                    H, S, qk_scale, offset, keep_scale, half_window,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, DROPPED: tl.constexpr):
     start_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -143,12 +166,14 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SEED,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start_n in range(0, S, BLOCK_N):
+    lo, hi = _span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
+                   HAS_GROUPS, HAS_WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
         k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
-        qk = _scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
-                     HAS_ALIBI, HAS_GROUPS, False)
+        qk = _scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset, half_window,
+                     HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: nothing to rescale
         p = tl.math.exp2(qk - m_safe[:, None])
@@ -167,11 +192,12 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SEED,
 
 
 @triton.jit
-def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SEED,
-                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, sxb, sxh, sxs,
-                          H, S, qk_scale, sm_scale, offset, keep_scale,
+def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS, SEED,
+                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
+                          sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, DROPPED: tl.constexpr):
+                          HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                          DROPPED: tl.constexpr):
     """dK, dV of one block of keys, over every block of queries. DK and DV have the strides sx*."""
     start_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -182,7 +208,9 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SEED,
     k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    for start_m in range(0, S, BLOCK_M):
+    lo, hi = _span(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, S, half_window, BLOCK_M,
+                   HAS_GROUPS, HAS_WINDOW)  # the queries that see these keys (the relation is symmetric)
+    for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
         do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
@@ -190,7 +218,7 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SEED,
         q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
         # [BN, BM]: the probabilities transposed
         p_t = tl.math.exp2(_scores(k, q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
-                                   HAS_ALIBI, HAS_GROUPS, True) - lse[None, :])
+                                   half_window, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True) - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
         if DROPPED > 0:
             kept = _kept(_query_bits(SEED, b, h, offs_m, DROPPED), offs_n, DROPPED, True)
@@ -206,11 +234,12 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SEED,
 
 
 @triton.jit
-def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SEED,
-                             sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, sxb, sxh, sxs,
-                             H, S, qk_scale, sm_scale, offset, keep_scale,
+def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SPANS, SEED,
+                             sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
+                             sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, DROPPED: tl.constexpr):
+                             HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                             DROPPED: tl.constexpr):
     """dQ of one block of queries, over every block of keys. DQ has the strides sx*."""
     start_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -222,13 +251,15 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SEED,
     q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
     query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start_n in range(0, S, BLOCK_N):
+    lo, hi = _span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
+                   HAS_GROUPS, HAS_WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
         v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
         k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
         p = tl.math.exp2(_scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
-                                 HAS_ALIBI, HAS_GROUPS, False) - lse[:, None])
+                                 half_window, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False) - lse[:, None])
         dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
         if DROPPED > 0:
             dp = tl.where(_kept(query_bits, offs_n, DROPPED, False), dp * keep_scale, 0.0)
@@ -245,7 +276,7 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in candidates]
 
 
-_TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "DROPPED"]
+_TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "HAS_WINDOW", "DROPPED"]
 # (BLOCK_M, BLOCK_N, warps, stages) for head dim 64 on Hopper (FlashAttention-2's and Triton's tutorial's
 # shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse). Left out: those
 # that spilled registers with dropout on sm_90a in ptxas -v (the hash's lanes), e.g. the forward's 128 x 64
@@ -265,21 +296,23 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def launch_forward(q, k, v, out, lse, slopes, groups, seed, scale: float, offset: float, keep_scale: float,
-                   flags: dict) -> None:
-    """Fill out [b, np, s, hn] and lse [b, np, s] (log2 units); flags: HAS_ALIBI, HAS_GROUPS, DROPPED."""
+def launch_forward(q, k, v, out, lse, slopes, groups, spans, seed, scale: float, offset: float, keep_scale: float,
+                   half_window: int, flags: dict) -> None:
+    """Fill out [b, np, s, hn] and lse [b, np, s] (log2 units); flags: HAS_ALIBI, HAS_GROUPS, HAS_WINDOW,
+    DROPPED; spans [2, b, s] (`group_spans`) with groups."""
     b, np_local, s, hn = q.shape
     _forward[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)](
-        q, k, v, out, lse, slopes, groups, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        groups.stride(0), np_local, s, scale * LOG2E, offset, keep_scale, HEAD_DIM=hn, **flags)
+        q, k, v, out, lse, slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        groups.stride(0), b * s, np_local, s, scale * LOG2E, offset, keep_scale, half_window, HEAD_DIM=hn, **flags)
 
 
-def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, slopes, groups, seed, scale: float, offset: float,
-                    keep_scale: float, flags: dict) -> None:
+def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, slopes, groups, spans, seed, scale: float, offset: float,
+                    keep_scale: float, half_window: int, flags: dict) -> None:
     """Fill dq, dk, dv (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O."""
     b, np_local, s, hn = q.shape
-    common = (slopes, groups, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do), groups.stride(0),
-              *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale)
+    common = (slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+              groups.stride(0), b * s, *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale,
+              half_window)
     _backward_keys[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local)](
         q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=hn, **flags)
     _backward_queries[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)](
