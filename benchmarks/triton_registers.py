@@ -25,7 +25,8 @@ from triton.compiler import ASTSource
 from megamlm.model import triton_kernels
 from megamlm.model.flex import dropped_levels
 
-POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "GROUPS": "*i32", "SPANS": "*i32", "SEED": "*i64"}
+POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "DSLOPES": "*fp32", "SLOPES": "*fp32", "GROUPS": "*i32",
+                 "SPANS": "*i32", "SEED": "*i64"}
 FLOAT_ARGUMENTS = {"qk_scale", "sm_scale", "offset", "keep_scale"}
 INT_ARGUMENTS = {"H", "S"}  # heads and length; strides are the lowercase rest
 
@@ -70,6 +71,8 @@ def main() -> None:
             for dropped, groups in ((0, False), (dropped_levels(0.1), False), (dropped_levels(0.1), True)):
                 constants = {"HEAD_DIM": args.head_dim, **config.kwargs, "HAS_ALIBI": True, "HAS_GROUPS": groups,
                              "HAS_WINDOW": False, "DROPPED": dropped}
+                if "SLOPE_GRAD" in tuner.fn.arg_names:  # dQ: fixed slopes, no gradient of theirs
+                    constants["SLOPE_GRAD"] = False
                 registers, stack = resources(tuner.fn, constants, config.num_warps, config.num_stages, args.arch,
                                              args.dtype)
                 rows.append(f"{registers}, {stack} B" + (" (spills)" if stack else ""))

@@ -75,6 +75,24 @@ def test_the_kernels_visit_only_the_blocks_a_group_or_window_reaches(layout, win
     _assert_kernels_give_the_reference(2, 2, 300, "offset", groups, p, window)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("layout", ["whole-rows", "packed"])
+def test_learned_slopes_before_and_after_the_query_get_the_reference_gradient(layout, p):
+    """Learned ALiBi (alibi_mode=learned): slopes [2, np] that differ before and after the query; their
+    gradient, summed over every query of every row, against autograd through the materialized bias."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in _layer_inputs(2, 3, 150, 16))
+    log_slopes = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, -4.0]], requires_grad=True)
+    groups = _packed_groups(150) if layout == "packed" else None
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    results = []
+    for attention in (triton_attention, materialized_attention):
+        out = attention(q, k, v, log_slopes.exp(), 0.0, groups, p, torch.tensor(5))
+        results.append([out, *torch.autograd.grad(out, (q, k, v, log_slopes), grad)])
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=5e-6)
+    assert results[0][-1].abs().min() > 1e-3  # every slope has a gradient to get right
+
+
 def test_group_spans_hold_every_pair_a_query_sees():
     groups = torch.tensor([[0, 0, 1, 1, 1, 2, -1, -1],   # packed samples, a free tail
                            [3, 3, 0, 0, 3, -1, 9, 9],    # a group in two pieces; an id above s
@@ -119,7 +137,7 @@ def test_triton_refuses_what_it_cannot_compute(world):
                                                                         *overrides]).model)
 
     assert problem() is None and problem(variant="baseline") is None  # ALiBi offset; learned positions
-    assert "needs model.alibi_mode symmetric or offset" in problem("model.alibi_mode=learned")
+    assert problem("model.alibi_mode=learned") is None  # the slopes' gradient: in the dQ kernel
     assert problem("model.local_window=8", "model.global_every=2") is None  # sliding windows: in the kernels
     assert "has no model.local_attention=bigbird" in problem("model.local_window=8", "model.global_every=2",
                                                              "model.local_attention=bigbird")
@@ -132,6 +150,11 @@ def test_triton_refuses_what_it_cannot_compute(world):
 def test_a_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
     assert_model_gives_sdpas_loss_and_gradients(world, "triton")
+
+
+def test_a_learned_alibi_model_on_triton_gives_sdpas_loss_and_gradients(world):
+    """alibi_mode=learned: the log-slopes' gradient (every layer's share) is a parameter's gradient."""
+    assert_model_gives_sdpas_loss_and_gradients(world, "triton", "alibi-learned")
 
 
 def test_a_local_global_model_on_triton_gives_sdpas_loss_and_gradients(world):

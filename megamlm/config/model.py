@@ -158,7 +158,7 @@ class ModelConfig:
     FlashAttention over the real tokens only (CUDA; no ALiBi, no attention dropout); alibi-flash:
     ALiBi (fixed slopes) as extra head dimensions of two causal flash passes, no bias, memory linear
     in length (model/alibi_flash.py; attention dropout on CUDA only); triton: our Triton kernel, ALiBi
-    (fixed slopes), padding, documents, packed samples, sliding windows and attention dropout in one
+    (any mode), padding, documents, packed samples, sliding windows and attention dropout in one
     FlashAttention-style pass, skipping the key blocks no query sees (CUDA; no BigBird;
     model/triton_attention.py). model/attention.py's ATTENTION_BACKENDS."""
     flex_kernel_options: str = ""

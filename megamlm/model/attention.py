@@ -38,7 +38,7 @@ score term; padding, document boundaries and patterns are the backend's to expre
          kernel (tests check the layout with it).
   alibi-flash  sdpa's layout with ALiBi (fixed slopes) as extra head dimensions of two causal flash
          passes instead of a bias (alibi_flash.py): O(s) memory, the key-padding mask as the only input.
-  triton our Triton kernels (triton_attention.py): ALiBi (fixed slopes), key padding, documents, packed
+  triton our Triton kernels (triton_attention.py): ALiBi (any mode), key padding, documents, packed
          samples, sliding windows and attention dropout in one FlashAttention-style pass; key blocks
          no query of a block can see (other samples, documents, outside the window) are skipped;
          padding queries see no key; no BigBird patterns; CUDA.

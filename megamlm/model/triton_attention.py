@@ -1,6 +1,6 @@
 """model.attention_backend=triton: attention in our own Triton kernels (triton_kernels.py), with what the
-encoder adds to it — ALiBi's score term (fixed slopes), key padding, documents and packed samples,
-attention dropout — in one FlashAttention-style pass, forward and backward.
+encoder adds to it — ALiBi's score term (fixed or learned slopes), key padding, documents, packed
+samples, sliding windows, attention dropout — in one FlashAttention-style pass, forward and backward.
 
 Why a kernel of our own: cuDNN takes ALiBi only as an additive [b, np, s, s] bias and its attention
 dropout costs half again (H200, base at 2048, batch 8: 1.55 -> 2.30 ms per layer, fwd+bwd);
@@ -92,22 +92,30 @@ def _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped
 def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, slopes: torch.Tensor | None, groups: torch.Tensor | None,
                            spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float, offset: float,
-                           dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           dropped: int, half_window: int,
+                           slope_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dq, dk, dv and, with slope_grad, the slopes' [2, np] (else an empty tensor)."""
     do, q, k, v = _rows(do), _rows(q), _rows(k), _rows(v)
-    dq, dk, dv = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset,
-                                          dropped, half_window)
+    dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset,
+                                             dropped, half_window, slope_grad)
+    b, np_local, s, _ = q.shape
+    # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size)
+    shares = q.new_empty((b, np_local, s, 2) if slope_grad else (0,), dtype=torch.float32)
     # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
     delta = (do.float() * out.float()).sum(-1)
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
-    launch_backward(do, q, k, v, lse, delta, dq, dk, dv, *inputs, scale, offset, level_keep_scale(dropped),
+    launch_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset, level_keep_scale(dropped),
                     half_window, flags)
-    return dq, dk, dv
+    # [b, np, s, 2] -> [2, np], in the slopes' dtype
+    dslopes = shares.sum((0, 2)).t().contiguous().to(slopes.dtype) if slope_grad else shares
+    return dq, dk, dv, dslopes
 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset, dropped,
-                             half_window):
-    return _like_sbh(q), _like_sbh(q), _like_sbh(q)
+                             half_window, slope_grad):
+    return (_like_sbh(q), _like_sbh(q), _like_sbh(q),
+            slopes.new_empty(slopes.shape) if slope_grad else q.new_empty(0, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -118,8 +126,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _lse_grad):
     q, k, v, out, lse, slopes, groups, spans, seed = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do, q, k, v, out, lse, slopes, groups, spans, seed, *ctx.constants)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    slope_grad = ctx.needs_input_grad[3]  # learned ALiBi slopes
+    dq, dk, dv, dslopes = _attention_backward_op(do, q, k, v, out, lse, slopes, groups, spans, seed, *ctx.constants,
+                                                 slope_grad)
+    return dq, dk, dv, dslopes if slope_grad else None, None, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -130,13 +140,15 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: 
                      scale: float | None = None, window: int | None = None,
                      spans: torch.Tensor | None = None) -> torch.Tensor:
     """q, k, v [b, np, s, hn] -> [b, np, s, hn] (memory laid out [s, b, np, hn]): softmax(q·kᵀ·scale +
-    ALiBi(slopes [np], offset)) over the keys each query sees (groups [b, s], `attention_groups`, None:
-    all; a padding query sees none and gets zeros; `window`: within window // 2 positions), dropout p on
-    the probabilities with flex.py's mask of `seed` (int64 on the device), @ v. spans: `group_spans(groups)`
-    where the caller has them (one forward's layers share them)."""
+    ALiBi(slopes [np], or [2, np] for keys before and after the query; offset)) over the keys each query
+    sees (groups [b, s], `attention_groups`, None: all; a padding query sees none and gets zeros;
+    `window`: within window // 2 positions), dropout p on the probabilities with flex.py's mask of `seed`
+    (int64 on the device), @ v. spans: `group_spans(groups)` where the caller has them (one forward's
+    layers share them)."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
     dropped = dropped_levels(dropout_p)
     spans = group_spans(groups) if groups is not None and spans is None else spans
+    slopes = slopes if slopes is None or slopes.dim() == 2 else slopes.expand(2, -1)  # before, after
     out, _ = _attention_op(q, k, v, slopes, groups, spans, seed if dropped else None, scale, offset, dropped,
                            -1 if window is None else window // 2)
     return out
@@ -144,12 +156,13 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: 
 
 def materialized_bias(slopes, offset: float, groups, s: int, dtype: torch.dtype, device,
                       window: int | None = None) -> torch.Tensor:
-    """The additive bias [b|1, np|1, s, s] the kernels apply without building it: ALiBi (slopes [np] or
-    None) and -inf where a query does not see a key: `group_sees` (groups [b, s] or None), but a padding
-    query sees no key (the kernels' rule: a row of -inf), and `pattern_sees` the window."""
+    """The additive bias [b|1, np|1, s, s] the kernels apply without building it: ALiBi (slopes [np], [2, np]
+    before / after, or None) and -inf where a query does not see a key: `group_sees` (groups [b, s] or
+    None), but a padding query sees no key (the kernels' rule: a row of -inf), and `pattern_sees` the window."""
     bias = torch.zeros(1, 1, s, s, dtype=dtype, device=device)
     if slopes is not None:
-        bias = bias + alibi_bias(slopes, slopes, s, s, offset).to(dtype)[None]
+        before, after = slopes.expand(2, -1)
+        bias = bias + alibi_bias(before, after, s, s, offset).to(dtype)[None]
     if groups is not None:  # [b, 1, s, 1] vs [b, 1, 1, s] -> [b, 1, s, s]
         query, key = groups[:, None, :, None], groups[:, None, None, :]
         bias = bias.masked_fill(~(group_sees(query, key) & (query >= 0)), float("-inf"))
@@ -182,7 +195,7 @@ class TritonInputs(NamedTuple):
     groups: torch.Tensor | None
     """[b, s] int32 `attention_groups`; None where every query sees its whole row."""
     slopes: torch.Tensor | None
-    """ALiBi's slopes [np] (None: no score term)."""
+    """ALiBi's slopes: [np] fixed, [2, np] learned (before, after; their gradient flows); None: no score term."""
     offset: float
     """ALiBi's offset (0 without ALiBi)."""
     spans: torch.Tensor | None = None
@@ -199,8 +212,6 @@ class TritonAttention(AttentionBackend):
 
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
-        if model.position == "alibi" and model.alibi_mode == "learned":
-            return "model.attention_backend=triton needs model.alibi_mode symmetric or offset; use sdpa or flex"
         if model.local_window is not None and model.local_attention != "window":
             return (f"model.attention_backend=triton has no model.local_attention={model.local_attention} (only "
                     "sliding windows); use model.attention_backend=flex (or sdpa)")
@@ -216,7 +227,8 @@ class TritonAttention(AttentionBackend):
         whole_rows = documents is None and segments is None and reads.any_padding(free_only=True) is False
         groups = None if whole_rows else attention_groups(padding, documents, segments).to(torch.int32)
         alibi = self.position if self.position.score_term else None
-        return TritonInputs(groups, None if alibi is None else alibi.slopes, 0.0 if alibi is None else alibi.offset,
+        slopes = None if alibi is None else alibi.score_params() if alibi.mode == "learned" else alibi.slopes
+        return TritonInputs(groups, slopes, 0.0 if alibi is None else alibi.offset,
                             None if groups is None else group_spans(groups), pattern.window)
 
     def attend(self, q, k, v, prepared: TritonInputs, dropout_p: float, scale: float | None) -> torch.Tensor:

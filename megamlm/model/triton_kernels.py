@@ -1,7 +1,8 @@
 """The Triton kernels of model.attention_backend=triton (triton_attention.py: the op, its autograd and
-the backend): bidirectional attention with ALiBi's score term (fixed slopes), key padding, documents,
-packed samples and attention dropout, forward and backward, FlashAttention's way (online softmax; the
-backward recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ).
+the backend): bidirectional attention with ALiBi's score term (slopes for keys before and after the
+query, and their gradient where they are learned), key padding, documents, packed samples, sliding
+windows and attention dropout, forward and backward, FlashAttention's way (online softmax; the backward
+recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ).
 
 The dropout mask is flex.py's: key j of query i (row b, head h) is kept when murmur3's finalizer chained
 over (seed ^ (b << 16 | h), i, j) is at or above round(p · 2^32); kept probabilities are scaled by
@@ -50,7 +51,7 @@ def _fmix32(x):
 
 
 @triton.jit
-def _scores(q_or_k, k_or_q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset, half_window,
+def _scores(q_or_k, k_or_q, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
             HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Scores in log2 units with ALiBi and -inf where not visible: [BLOCK_M, BLOCK_N] for queries
     offs_m and keys offs_n, or their transpose [BLOCK_N, BLOCK_M] (TRANSPOSED: q_or_k is k)."""
@@ -67,9 +68,9 @@ def _scores(q_or_k, k_or_q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale
             visible &= (k_group[None, :] == q_group[:, None]) & (q_group[:, None] >= 0)
     if HAS_WINDOW:  # patterns.pattern_sees' window: distances within a group are distances in its sample
         visible &= tl.abs(distance) <= half_window
-    if HAS_ALIBI:  # positions.alibi_score, in log2 units (slope is pre-multiplied by log2 e)
+    if HAS_ALIBI:  # positions.alibi_score, in log2 units (the slopes are pre-multiplied by log2 e)
         distance = distance.to(tl.float32)
-        qk += tl.where(distance > 0, -slope * (distance - offset), slope * distance)
+        qk += tl.where(distance > 0, -after * (distance - offset), before * distance)
     return tl.where(visible, qk, float("-inf"))
 
 
@@ -136,11 +137,11 @@ def _span(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK: tl.con
 
 
 @triton.jit
-def _slope(SLOPES, h, HAS_ALIBI: tl.constexpr):
-    """Head h's ALiBi slope in log2 units."""
+def _slopes(SLOPES, H, h, HAS_ALIBI: tl.constexpr):
+    """Head h's ALiBi slopes for keys before (and at) the query and after it, in log2 units (SLOPES [2, H])."""
     if HAS_ALIBI:
-        return tl.load(SLOPES + h) * 1.4426950408889634
-    return 0.0
+        return tl.load(SLOPES + h) * 1.4426950408889634, tl.load(SLOPES + H + h) * 1.4426950408889634
+    return 0.0, 0.0
 
 
 @triton.jit
@@ -160,7 +161,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SPANS, SEED,
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
-    slope = _slope(SLOPES, h, HAS_ALIBI)
+    before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
     q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
     query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -172,7 +173,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SPANS, SEED,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
         k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
-        qk = _scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset, half_window,
+        qk = _scores(q, k, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
                      HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: nothing to rescale
@@ -204,7 +205,7 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
     v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
-    slope = _slope(SLOPES, h, HAS_ALIBI)
+    before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
     k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -217,7 +218,7 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
         lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
         q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
         # [BN, BM]: the probabilities transposed
-        p_t = tl.math.exp2(_scores(k, q, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
+        p_t = tl.math.exp2(_scores(k, q, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset,
                                    half_window, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True) - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
         if DROPPED > 0:
@@ -234,23 +235,27 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
 
 
 @triton.jit
-def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SPANS, SEED,
+def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUPS, SPANS, SEED,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
                              sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                             DROPPED: tl.constexpr):
-    """dQ of one block of queries, over every block of keys. DQ has the strides sx*."""
+                             DROPPED: tl.constexpr, SLOPE_GRAD: tl.constexpr):
+    """dQ of one block of queries, over every block of keys. DQ has the strides sx*. SLOPE_GRAD: also each
+    query's share of the slopes' gradient, DSLOPES [b, H, S, 2] (before, after; summed by the caller:
+    deterministic, whatever the block size)."""
     start_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
     do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
     lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
-    slope = _slope(SLOPES, h, HAS_ALIBI)
+    before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
     q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
     query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    d_before = tl.zeros([BLOCK_M], tl.float32)
+    d_after = tl.zeros([BLOCK_M], tl.float32)
     lo, hi = _span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
                    HAS_GROUPS, HAS_WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
@@ -258,15 +263,22 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, GROUPS, SPANS,
         k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
         v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
         k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
-        p = tl.math.exp2(_scores(q, k, offs_m, offs_n, slope, q_group, k_group, S, qk_scale, offset,
+        p = tl.math.exp2(_scores(q, k, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset,
                                  half_window, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False) - lse[:, None])
         dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
         if DROPPED > 0:
             dp = tl.where(_kept(query_bits, offs_n, DROPPED, False), dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
+        if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
+            distance = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
+            d_before += tl.sum(tl.where(distance > 0, 0.0, ds * distance), 1)
+            d_after += tl.sum(tl.where(distance > 0, ds * (offset - distance), 0.0), 1)
     dq *= sm_scale
     _store_rows(DQ, dq, b, h, offs_m, sxb, sxh, sxs, S, HEAD_DIM)
+    if SLOPE_GRAD:
+        tl.store(DSLOPES + (bh * S + offs_m) * 2, d_before, mask=offs_m < S)
+        tl.store(DSLOPES + (bh * S + offs_m) * 2 + 1, d_after, mask=offs_m < S)
 
 
 def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -286,7 +298,7 @@ _forward = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64,
 _backward_keys = triton.autotune(_configs([(32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 8, 3), (64, 64, 8, 3),
                                            (32, 64, 4, 4)]), key=_TUNING_KEY)(_backward_keys_kernel)
 _backward_queries = triton.autotune(_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]),
-                                    key=_TUNING_KEY)(_backward_queries_kernel)
+                                    key=[*_TUNING_KEY, "SLOPE_GRAD"])(_backward_queries_kernel)
 AUTOTUNED = {"forward": _forward, "dK/dV": _backward_keys, "dQ": _backward_queries}
 """The autotuned kernels by pass (benchmarks/triton_registers.py lists their candidates' registers)."""
 
@@ -306,9 +318,10 @@ def launch_forward(q, k, v, out, lse, slopes, groups, spans, seed, scale: float,
         groups.stride(0), b * s, np_local, s, scale * LOG2E, offset, keep_scale, half_window, HEAD_DIM=hn, **flags)
 
 
-def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, slopes, groups, spans, seed, scale: float, offset: float,
-                    keep_scale: float, half_window: int, flags: dict) -> None:
-    """Fill dq, dk, dv (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O."""
+def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, groups, spans, seed, scale: float,
+                    offset: float, keep_scale: float, half_window: int, flags: dict) -> None:
+    """Fill dq, dk, dv (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O; and
+    dslopes [b, np, s, 2], each query's share of the slopes' gradient, unless it is empty."""
     b, np_local, s, hn = q.shape
     common = (slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
               groups.stride(0), b * s, *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale,
@@ -316,4 +329,4 @@ def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, slopes, groups, spans, 
     _backward_keys[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local)](
         q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=hn, **flags)
     _backward_queries[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)](
-        q, k, v, do, lse, delta, dq, *common, HEAD_DIM=hn, **flags)
+        q, k, v, do, lse, delta, dq, dslopes, *common, HEAD_DIM=hn, SLOPE_GRAD=dslopes.numel() > 0, **flags)
