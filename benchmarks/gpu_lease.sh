@@ -30,16 +30,17 @@ cat "$LOGS/device.txt"
 
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows, session
 # 24's two the flat engine, session 29's two (leases 5-6) the attention kernels, the Flex sweep, the head and
-# five loop rows (BENCHMARKS.md). Next: session 30's Triton kernels (model.attention_backend=triton: ALiBi
-# and attention dropout in one pass), checked against the fp64 reference, timed beside cuDNN and Flex, and
-# the best loop on them (base micro 8 and 16, large); then the flat compiled loop on Flex without attention
+# five loop rows (BENCHMARKS.md). Next: sessions 30-31's Triton kernels (model.attention_backend=triton:
+# ALiBi and attention dropout in one pass, blocks no query sees skipped), checked against the fp64
+# reference, timed beside cuDNN and Flex, and the best loop on them (padded and packed, base micro 8 and
+# 16, packed without attention dropout, large); then the flat compiled loop on Flex without attention
 # dropout, the best base row with train.compile_head, the packed rows, the Pile recipe's update, CUDA graphs
 # on DeepSpeed, ModernBERT, 8192, the host-overhead step. A second call (LEASE_ROWS) takes what is left.
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-4096,8192} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "triton triton-check triton-attention loop-2048-triton-flat loop-2048-triton-flat-micro16"
-    "triton loop-2048-large-triton-flat packed-2048-triton-flat"
+    "triton triton-check triton-attention loop-2048-triton-flat packed-2048-triton-flat"
+    "triton loop-2048-triton-flat-micro16 packed-2048-triton-flat-nodropout loop-2048-large-triton-flat"
     "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16"
     "loop loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-micro16-head loop-2048-large-flex-flat-nodropout"
     "packed packed-2048-flex-flat packed-2048-flex-flat-dropout"
