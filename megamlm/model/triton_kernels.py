@@ -37,6 +37,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
 
 LOG2E = 1.4426950408889634
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy
 
 
 @triton.jit
@@ -140,7 +141,7 @@ def _span(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK: tl.con
 def _slopes(SLOPES, H, h, HAS_ALIBI: tl.constexpr):
     """Head h's ALiBi slopes for keys before (and at) the query and after it, in log2 units (SLOPES [2, H])."""
     if HAS_ALIBI:
-        return tl.load(SLOPES + h) * 1.4426950408889634, tl.load(SLOPES + H + h) * 1.4426950408889634
+        return tl.load(SLOPES + h) * _LOG2E, tl.load(SLOPES + H + h) * _LOG2E
     return 0.0, 0.0
 
 
