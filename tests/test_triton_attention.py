@@ -1,6 +1,7 @@
 """model.attention_backend=triton: our Triton kernels (run by Triton's interpreter on the CPU) give the
-eager attention's output and gradients — ALiBi, padding, documents, packed samples, and dropout with
-flex.py's mask — and a model on them gives sdpa's loss and gradients, at TP=1 and TP=2."""
+eager attention's output and gradients — ALiBi (fixed and learned slopes), padding, documents, packed
+samples, sliding windows, and dropout with flex.py's mask — visiting only the blocks a query can see,
+and a model on them gives sdpa's loss and gradients, at TP=1 and TP=2."""
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ def _layer_inputs(b, np_, s, hn, seed=0):
 
 
 def _assert_kernels_give_the_reference(b, np_, s, alibi, groups, p, window=None):
+    """Output and dQ, dK, dV against `materialized_attention`; with dropout, another seed another mask."""
     q, k, v = (t.detach().clone().requires_grad_() for t in _layer_inputs(b, np_, s, 16))
     slopes = Alibi(np_, alibi, 0, 1).slopes if alibi else None
     offset = 0.5 if alibi == "offset" else 0.0
