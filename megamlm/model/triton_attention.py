@@ -99,15 +99,16 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset,
                                              dropped, half_window, slope_grad)
     b, np_local, s, _ = q.shape
-    # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size)
-    shares = q.new_empty((b, np_local, s, 2) if slope_grad else (0,), dtype=torch.float32)
+    # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size); without
+    # slope_grad a placeholder, never written (as _kernel_inputs': no null pointer for the launcher)
+    shares = q.new_empty((b, np_local, s, 2) if slope_grad else (1,), dtype=torch.float32)
     # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
     delta = (do.float() * out.float()).sum(-1)
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
     launch_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset, level_keep_scale(dropped),
-                    half_window, flags)
+                    half_window, flags, slope_grad)
     # [b, np, s, 2] -> [2, np], in the slopes' dtype
-    dslopes = shares.sum((0, 2)).t().contiguous().to(slopes.dtype) if slope_grad else shares
+    dslopes = shares.sum((0, 2)).t().contiguous().to(slopes.dtype) if slope_grad else shares.new_empty(0)
     return dq, dk, dv, dslopes
 
 

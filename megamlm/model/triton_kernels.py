@@ -320,9 +320,9 @@ def launch_forward(q, k, v, out, lse, slopes, groups, spans, seed, scale: float,
 
 
 def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, groups, spans, seed, scale: float,
-                    offset: float, keep_scale: float, half_window: int, flags: dict) -> None:
-    """Fill dq, dk, dv (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O; and
-    dslopes [b, np, s, 2], each query's share of the slopes' gradient, unless it is empty."""
+                    offset: float, keep_scale: float, half_window: int, flags: dict, slope_grad: bool) -> None:
+    """Fill dq, dk, dv (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O; with
+    slope_grad also dslopes [b, np, s, 2], each query's share of the slopes' gradient."""
     b, np_local, s, hn = q.shape
     common = (slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
               groups.stride(0), b * s, *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale,
@@ -330,4 +330,4 @@ def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, groups
     _backward_keys[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local)](
         q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=hn, **flags)
     _backward_queries[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)](
-        q, k, v, do, lse, delta, dq, dslopes, *common, HEAD_DIM=hn, SLOPE_GRAD=dslopes.numel() > 0, **flags)
+        q, k, v, do, lse, delta, dq, dslopes, *common, HEAD_DIM=hn, SLOPE_GRAD=slope_grad, **flags)
