@@ -25,9 +25,7 @@ from megamlm.model.positions import alibi_slopes
 from megamlm.model.triton_attention import materialized_attention, materialized_bias, triton_attention
 
 DROPOUT = 0.1
-
-
-WINDOW = 256
+WINDOW = 256  # the packed case's window (a ModernBERT local layer's is 128)
 
 
 def _groups(b: int, s: int, device) -> torch.Tensor:

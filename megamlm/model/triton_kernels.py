@@ -57,16 +57,14 @@ def _scores(q_or_k, k_or_q, offs_m, offs_n, before, after, q_group, k_group, S, 
     """Scores in log2 units with ALiBi and -inf where not visible: [BLOCK_M, BLOCK_N] for queries
     offs_m and keys offs_n, or their transpose [BLOCK_N, BLOCK_M] (TRANSPOSED: q_or_k is k)."""
     qk = tl.dot(q_or_k, tl.trans(k_or_q)) * qk_scale  # [BM, hn] x [hn, BN] -> [BM, BN] (or [BN, BM])
+    # a real query sees the keys of its own group; padding (query group -2, key group -1) and keys past S
+    # (-1) none; without groups every key before S
     if TRANSPOSED:
         distance = offs_n[:, None] - offs_m[None, :]  # key - query
-        visible = offs_n[:, None] < S
-        if HAS_GROUPS:  # a real query sees the keys of its own group; padding sees none
-            visible &= (k_group[:, None] == q_group[None, :]) & (q_group[None, :] >= 0)
+        visible = (k_group[:, None] == q_group[None, :]) if HAS_GROUPS else (offs_n[:, None] < S)
     else:
         distance = offs_n[None, :] - offs_m[:, None]
-        visible = offs_n[None, :] < S
-        if HAS_GROUPS:
-            visible &= (k_group[None, :] == q_group[:, None]) & (q_group[:, None] >= 0)
+        visible = (k_group[None, :] == q_group[:, None]) if HAS_GROUPS else (offs_n[None, :] < S)
     if HAS_WINDOW:  # patterns.pattern_sees' window: distances within a group are distances in its sample
         visible &= tl.abs(distance) <= half_window
     if HAS_ALIBI:  # positions.alibi_score, in log2 units (the slopes are pre-multiplied by log2 e)
@@ -113,10 +111,12 @@ def _store_rows(PTR, value, b, h, offs, sb, sh, ss, S, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _groups(GROUPS, b, sgb, offs, S, HAS_GROUPS: tl.constexpr):
-    """The group of each position (`attention_groups`; -1 past S); unused without HAS_GROUPS."""
+def _groups(GROUPS, b, sgb, offs, S, HAS_GROUPS: tl.constexpr, QUERIES: tl.constexpr):
+    """The group of each position (`attention_groups`; -1 past S); unused without HAS_GROUPS. QUERIES:
+    padding's -1 becomes -2, a group no key has, so that one comparison per score says what is visible."""
     if HAS_GROUPS:
-        return tl.load(GROUPS + b * sgb + offs, mask=offs < S, other=-1)
+        group = tl.load(GROUPS + b * sgb + offs, mask=offs < S, other=-1)
+        return tl.where(group < 0, -2, group) if QUERIES else group
     return offs
 
 
@@ -126,7 +126,7 @@ def _span(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK: tl.con
     """[lo, hi): the positions on the other side (keys of a block of queries, or queries of a block of
     keys) that may see the block at offs (starting at first): its groups' extent (`group_spans`)
     narrowed by the window. lo is aligned down to BLOCK, the other side's block; the loop skips the rest."""
-    lo = S * 0
+    lo = S * 0  # an int32 zero, as S
     hi = S
     if HAS_GROUPS:
         lo = tl.min(tl.load(SPANS + b * sgb + offs, mask=offs < S, other=S))
@@ -163,7 +163,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SPANS, SEED,
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
-    q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
+    q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
     query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -173,7 +173,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SPANS, SEED,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
-        k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
+        k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
         qk = _scores(q, k, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
                      HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -207,7 +207,7 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
     k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
     v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
-    k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
+    k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     lo, hi = _span(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, S, half_window, BLOCK_M,
@@ -217,7 +217,7 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
         q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
         do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
         lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
-        q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
+        q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
         # [BN, BM]: the probabilities transposed
         p_t = tl.math.exp2(_scores(k, q, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset,
                                    half_window, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True) - lse[None, :])
@@ -252,7 +252,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
     do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
     lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
-    q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS)
+    q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
     query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     d_before = tl.zeros([BLOCK_M], tl.float32)
@@ -263,7 +263,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
         v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
-        k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS)
+        k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
         p = tl.math.exp2(_scores(q, k, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset,
                                  half_window, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False) - lse[:, None])
         dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
