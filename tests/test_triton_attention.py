@@ -9,7 +9,7 @@ import torch
 from megamlm.config import ConfigError
 from megamlm.model.positions import Alibi, PositionEncoding
 from megamlm.model.patterns import group_sees
-from megamlm.model.triton_attention import (TritonAttention, group_spans, materialized_attention,
+from megamlm.model.triton_attention import (TritonAttention, group_runs, group_spans, materialized_attention,
                                             triton_attention)
 from megamlm.objectives import MaskedLM
 from tests.backend_parity import assert_loop_trains_sdpas_losses, assert_model_gives_sdpas_loss_and_gradients
@@ -68,11 +68,13 @@ def _packed_groups(s: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
-@pytest.mark.parametrize(("layout", "window"), [("packed", None), ("whole-rows", 130), ("packed", 130)])
+@pytest.mark.parametrize(("layout", "window"), [("packed", None), ("whole-rows", 130), ("packed", 130),
+                                               ("whole-rows", 252), ("whole-rows", 254)])
 def test_the_kernels_visit_only_the_blocks_a_group_or_window_reaches(layout, window, p):
     """Five blocks of 64 per row, most of them out of reach of the others: a block skipped that a query
     sees would change the output or a gradient (ALiBi offset). Edges one position past a block's: the
-    sample ending at 129, the window (65 each side) reaching key 63 from query 128."""
+    sample ending at 129, the window (65 each side) reaching key 63 from query 128. Windows of 126 and
+    127 each side: neighbouring blocks (127 apart at most) are whole (unmasked) with the second only."""
     groups = _packed_groups(300) if layout == "packed" else None
     _assert_kernels_give_the_reference(2, 2, 300, "offset", groups, p, window)
 
@@ -107,6 +109,26 @@ def test_group_spans_hold_every_pair_a_query_sees():
     row, i, j = sees.nonzero(as_tuple=True)
     assert ((spans[0, row, i] <= j) & (j < spans[1, row, i])).all()  # keys of query i
     assert ((spans[0, row, j] <= i) & (i < spans[1, row, j])).all()  # queries of key j
+
+
+def test_group_runs_are_the_stretches_of_one_group():
+    groups = torch.tensor([[0, 0, 1, 1, 1, 2, -1, -1],   # packed samples, a free tail
+                           [3, 3, 0, 0, 3, -1, 9, 9],    # a group in two pieces; an id above s
+                           [-1] * 8])                    # no real token
+    assert group_runs(groups).tolist() == [[[0, 0, 2, 2, 2, 5, 8, 8], [0, 0, 2, 2, 4, 8, 6, 6], [8] * 8],
+                                           [[2, 2, 5, 5, 5, 6, 0, 0], [2, 2, 4, 4, 5, 0, 8, 8], [0] * 8]]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_whole_blocks_are_whole_runs_not_group_spans(p):
+    """A group in two pieces around another: the key block between them lies inside the first query
+    block's group span but not in its run, so it keeps its mask (the kernels skip the visibility test
+    only for block pairs within one run of equal groups, `group_runs`); row 1: a run that ends one
+    position into a block."""
+    groups = torch.zeros(2, 256, dtype=torch.int32)
+    groups[0, 64:128] = 1
+    groups[1, 129:] = 1
+    _assert_kernels_give_the_reference(2, 2, 256, "offset", groups, p)
 
 
 def test_a_query_that_sees_no_key_gets_zeros_and_no_gradient():

@@ -27,9 +27,11 @@ from megamlm.model.positions import alibi_bias
 from megamlm.model.sequences import LayoutReads, attention_groups
 
 try:  # triton comes with CUDA builds of torch; a CPU-only install may lack it (the backend says so)
-    from megamlm.model.triton_kernels import INTERPRET, launch_backward, launch_forward
+    from megamlm.model.triton_kernels import INTERPRET, Launch
+    from megamlm.model.triton_kernels import backward_launches as kernel_backward
+    from megamlm.model.triton_kernels import forward_launch as kernel_forward
 except ImportError:
-    INTERPRET, launch_forward, launch_backward = False, None, None
+    INTERPRET, Launch, kernel_forward, kernel_backward = False, None, None, None
 
 
 def _like_sbh(t: torch.Tensor) -> torch.Tensor:
@@ -43,19 +45,39 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _extents(slot: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[2, b, s] int32: per real position the first and one past the last position with its slot (slot
+    [b, s] in [0, s]), and (s, 0) — nothing — for the rest."""
+    b, s = slot.shape
+    position = torch.arange(s, device=slot.device).expand(b, s)
+    slot = torch.where(real, slot, s).long()  # the rest: slot s
+    first = position.new_full((b, s + 1), s).scatter_reduce(1, slot, position, "amin")
+    end = position.new_zeros(b, s + 1).scatter_reduce(1, slot, position + 1, "amax")
+    return torch.stack([torch.where(real, first.gather(1, slot), s),
+                        torch.where(real, end.gather(1, slot), 0)]).to(torch.int32)
+
+
 def group_spans(groups: torch.Tensor) -> torch.Tensor:
     """[b, s] `attention_groups` -> [2, b, s] int32: for each real position the first and one past the
     last position of its group — the keys a query may see, and the queries that may see a key (the
     kernels' rule is symmetric) — and (s, 0), nothing, for padding. The kernels visit only the blocks
-    between. Ids at or above s (attention_groups' are below) share one extent: still every visible pair."""
-    b, s = groups.shape
-    position = torch.arange(s, device=groups.device).expand(b, s)
-    slot = torch.where(groups >= 0, groups.clamp(max=s - 1), s).long()  # padding: slot s
-    first = position.new_full((b, s + 1), s).scatter_reduce(1, slot, position, "amin")
-    end = position.new_zeros(b, s + 1).scatter_reduce(1, slot, position + 1, "amax")
-    real = groups >= 0
-    return torch.stack([torch.where(real, first.gather(1, slot), s),
-                        torch.where(real, end.gather(1, slot), 0)]).to(torch.int32)
+    between. Ids at or above s share one extent: still every visible pair."""
+    return _extents(groups.clamp(max=groups.size(1) - 1), groups >= 0)
+
+
+def group_runs(groups: torch.Tensor) -> torch.Tensor:
+    """[b, s] `attention_groups` -> [2, b, s] int32: for each real position the first and one past the
+    last position of the run of equal groups it sits in, (s, 0) for padding. Every query of a run sees
+    every key of it (and the reverse): where a block of queries and a block of keys lie in one run, the
+    kernels skip the visibility test."""
+    start = torch.ones_like(groups, dtype=torch.bool)
+    start[:, 1:] = groups[:, 1:] != groups[:, :-1]
+    return _extents(start.cumsum(1) - 1, groups >= 0)  # a run's index: below s
+
+
+def kernel_spans(groups: torch.Tensor) -> torch.Tensor:
+    """[4, b, s] int32, what the kernels read: `group_spans`, then `group_runs`."""
+    return torch.cat([group_spans(groups), group_runs(groups)])
 
 
 def _kernel_inputs(q, slopes, groups, spans, seed, dropped: int, half_window: int) -> tuple:
@@ -70,15 +92,41 @@ def _kernel_inputs(q, slopes, groups, spans, seed, dropped: int, half_window: in
             placeholder if seed is None else seed, flags)
 
 
+def forward_launch(q, k, v, slopes, groups, spans, seed, scale: float, offset: float, dropped: int,
+                   half_window: int) -> tuple[Launch, torch.Tensor, torch.Tensor]:
+    """(the forward kernel's launch, out, lse) for `_attention_op`'s arguments."""
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    out, lse = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
+    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
+    launch = kernel_forward(q, k, v, out, lse, *inputs, scale, offset, level_keep_scale(dropped), half_window, flags)
+    return launch, out, lse
+
+
+def backward_launches(do, q, k, v, out, lse, slopes, groups, spans, seed, scale: float, offset: float, dropped: int,
+                      half_window: int, slope_grad: bool) -> tuple[tuple[Launch, Launch], tuple[torch.Tensor, ...]]:
+    """(the backward kernels' launches, (dq, dk, dv, shares)) for `_attention_backward_op`'s arguments."""
+    do, q, k, v = _rows(do), _rows(q), _rows(k), _rows(v)
+    dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset,
+                                             dropped, half_window, slope_grad)
+    b, np_local, s, _ = q.shape
+    # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size); without
+    # slope_grad a placeholder, never written (as _kernel_inputs': no null pointer for the launcher)
+    shares = q.new_empty((b, np_local, s, 2) if slope_grad else (1,), dtype=torch.float32)
+    # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
+    delta = (do.float() * out.float()).sum(-1)
+    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
+    launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset,
+                               level_keep_scale(dropped), half_window, flags, slope_grad)
+    return launches, (dq, dk, dv, shares)
+
+
 @torch.library.custom_op("megamlm::triton_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None,
                   groups: torch.Tensor | None, spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float,
                   offset: float, dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units). half_window -1: no window."""
-    q, k, v = _rows(q), _rows(k), _rows(v)
-    out, lse = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
-    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
-    launch_forward(q, k, v, out, lse, *inputs, scale, offset, level_keep_scale(dropped), half_window, flags)
+    launch, out, lse = forward_launch(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
+    launch()
     return out, lse
 
 
@@ -95,18 +143,10 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                            dropped: int, half_window: int,
                            slope_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv and, with slope_grad, the slopes' [2, np] (else an empty tensor)."""
-    do, q, k, v = _rows(do), _rows(q), _rows(k), _rows(v)
-    dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset,
-                                             dropped, half_window, slope_grad)
-    b, np_local, s, _ = q.shape
-    # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size); without
-    # slope_grad a placeholder, never written (as _kernel_inputs': no null pointer for the launcher)
-    shares = q.new_empty((b, np_local, s, 2) if slope_grad else (1,), dtype=torch.float32)
-    # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
-    delta = (do.float() * out.float()).sum(-1)
-    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
-    launch_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset, level_keep_scale(dropped),
-                    half_window, flags, slope_grad)
+    launches, (dq, dk, dv, shares) = backward_launches(do, q, k, v, out, lse, slopes, groups, spans, seed, scale,
+                                                       offset, dropped, half_window, slope_grad)
+    for launch in launches:
+        launch()
     # [b, np, s, 2] -> [2, np], in the slopes' dtype
     dslopes = shares.sum((0, 2)).t().contiguous().to(slopes.dtype) if slope_grad else shares.new_empty(0)
     return dq, dk, dv, dslopes
@@ -144,11 +184,11 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: 
     ALiBi(slopes [np], or [2, np] for keys before and after the query; offset)) over the keys each query
     sees (groups [b, s], `attention_groups`, None: all; a padding query sees none and gets zeros;
     `window`: within window // 2 positions), dropout p on the probabilities with flex.py's mask of `seed`
-    (int64 on the device), @ v. spans: `group_spans(groups)` where the caller has them (one forward's
+    (int64 on the device), @ v. spans: `kernel_spans(groups)` where the caller has them (one forward's
     layers share them)."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
     dropped = dropped_levels(dropout_p)
-    spans = group_spans(groups) if groups is not None and spans is None else spans
+    spans = kernel_spans(groups) if groups is not None and spans is None else spans
     slopes = slopes if slopes is None or slopes.dim() == 2 else slopes.expand(2, -1)  # before, after
     out, _ = _attention_op(q, k, v, slopes, groups, spans, seed if dropped else None, scale, offset, dropped,
                            -1 if window is None else window // 2)
@@ -200,7 +240,7 @@ class TritonInputs(NamedTuple):
     offset: float
     """ALiBi's offset (0 without ALiBi)."""
     spans: torch.Tensor | None = None
-    """`group_spans(groups)`: the blocks the kernels visit."""
+    """`kernel_spans(groups)`: the blocks the kernels visit, and those they need not mask."""
     window: int | None = None
     """The pattern's window (None: a global layer)."""
 
@@ -218,7 +258,7 @@ class TritonAttention(AttentionBackend):
                     "sliding windows); use model.attention_backend=flex (or sdpa)")
         if model.head_dim < 16 or model.head_dim & (model.head_dim - 1):
             return f"model.attention_backend=triton needs a head dim that is a power of 2 >= 16, not {model.head_dim}"
-        if launch_forward is None or not (torch.cuda.is_available() or INTERPRET):
+        if kernel_forward is None or not (torch.cuda.is_available() or INTERPRET):
             return "model.attention_backend=triton needs a CUDA GPU and the triton package; use sdpa"
         return None
 
@@ -230,7 +270,7 @@ class TritonAttention(AttentionBackend):
         alibi = self.position if self.position.score_term else None
         slopes = None if alibi is None else alibi.score_params() if alibi.mode == "learned" else alibi.slopes
         return TritonInputs(groups, slopes, 0.0 if alibi is None else alibi.offset,
-                            None if groups is None else group_spans(groups), pattern.window)
+                            None if groups is None else kernel_spans(groups), pattern.window)
 
     def attend(self, q, k, v, prepared: TritonInputs, dropout_p: float, scale: float | None) -> torch.Tensor:
         # heads are sharded: the seed comes from this TP rank's stream (flex.py)

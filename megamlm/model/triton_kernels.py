@@ -17,6 +17,12 @@ A query never sees another sample, so distances in a packed row are distances wi
 program visits only the blocks that its groups' extent and the window reach (`_span`): a packed row of
 n samples costs about n samples' attention, not one row's, and a local layer about its window's.
 
+Whole blocks: most block pairs lie in one run of equal groups (`group_runs`), within the window and off
+the diagonal. Their loop (`_partition`) skips the visibility test and splits ALiBi's slope · distance into
+a key term and a query term that the softmax applies per query: one operation per score instead of about
+eight (benchmarks/triton_static.py counts the loops' instructions). The other blocks — the diagonal's,
+the groups' edges, the window's reach — run the masked loop.
+
 Scores run in log2 units (exp2, as FlashAttention's kernels do): scale · log2(e) is folded into the
 product and the ALiBi slope; the saved log-sum-exp is in log2 units too. A query that sees no key gets
 a zero output and a log-sum-exp of +inf (zero probabilities in the backward).
@@ -28,6 +34,8 @@ features); under TRITON_INTERPRET=1 (the tests, on CPU tensors) one small config
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,11 +60,11 @@ def _fmix32(x):
 
 
 @triton.jit
-def _scores(q_or_k, k_or_q, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
+def _scores(qk, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
             HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Scores in log2 units with ALiBi and -inf where not visible: [BLOCK_M, BLOCK_N] for queries
-    offs_m and keys offs_n, or their transpose [BLOCK_N, BLOCK_M] (TRANSPOSED: q_or_k is k)."""
-    qk = tl.dot(q_or_k, tl.trans(k_or_q)) * qk_scale  # [BM, hn] x [hn, BN] -> [BM, BN] (or [BN, BM])
+    """Scores in log2 units with ALiBi and -inf where not visible, from qk = q·kᵀ [BLOCK_M, BLOCK_N] for
+    queries offs_m and keys offs_n, or its transpose [BLOCK_N, BLOCK_M] (TRANSPOSED): any block pair."""
+    qk = qk * qk_scale
     # a real query sees the keys of its own group; padding (query group -2, key group -1) and keys past S
     # (-1) none; without groups every key before S
     if TRANSPOSED:
@@ -71,6 +79,98 @@ def _scores(q_or_k, k_or_q, offs_m, offs_n, before, after, q_group, k_group, S, 
         distance = distance.to(tl.float32)
         qk += tl.where(distance > 0, -after * (distance - offset), before * distance)
     return tl.where(visible, qk, float("-inf"))
+
+
+@triton.jit
+def _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset, HAS_ALIBI: tl.constexpr,
+                        TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_scores` of a whole block pair (`_partition`: every query sees every key, every key on one side
+    of every query) as (scores less a query term, the query term [BLOCK_M]): no visibility test, and
+    ALiBi's slope · distance split into a key term, added here, and a query term, which the softmax adds
+    per query (its max) or subtracts from its per-query constant (exp2's argument): one operation per score."""
+    query_term = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_ALIBI:
+        key_after = start_n >= start_m + BLOCK_M  # else every key at or before every query
+        slope = tl.where(key_after, -after, before)
+        # distance = (start_n + jj) - (start_m + ii) = (start_n - start_m + ref - ii) + (jj - ref), ref the
+        # block's key nearest the queries (0 after them, BLOCK_N - 1 before): two integer distances of one
+        # sign, so that the terms never cancel (the score keeps the precision of slope · distance). After
+        # the query the term is -after · (distance - offset) = slope · distance + after · offset
+        ref = tl.where(key_after, 0, BLOCK_N - 1)
+        query_distance = start_n - start_m + ref - tl.arange(0, BLOCK_M)
+        query_term += slope * query_distance.to(tl.float32) + tl.where(key_after, after * offset, 0.0)
+        key_term = slope * (tl.arange(0, BLOCK_N) - ref).to(tl.float32)
+        if TRANSPOSED:
+            qk = qk * qk_scale + key_term[:, None]
+        else:
+            qk = qk * qk_scale + key_term[None, :]
+    else:
+        qk = qk * qk_scale
+    return qk, query_term
+
+
+@triton.jit
+def _block_scores(qk, GROUPS, b, sgb, own_group, offs_m, offs_n, start_m, start_n, before, after, S, qk_scale,
+                  offset, half_window, WHOLE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(scores less a query term, the query term [BLOCK_M]) of a block pair from qk = q·kᵀ (its transpose
+    when TRANSPOSED): `_whole_block_scores` for whole blocks, else `_scores` (term 0). own_group: the
+    groups of the program's block (queries, or keys when TRANSPOSED); the loop's block's are loaded here."""
+    if WHOLE:
+        qk, query_term = _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset, HAS_ALIBI,
+                                             TRANSPOSED, BLOCK_M, BLOCK_N)
+    else:
+        if TRANSPOSED:
+            q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
+            k_group = own_group
+        else:
+            q_group = own_group
+            k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
+        qk = _scores(qk, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
+                     HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, TRANSPOSED)
+        query_term = tl.zeros([BLOCK_M], tl.float32)
+    return qk, query_term
+
+
+@triton.jit
+def _partition(SPANS, span_stride, b, sgb, offs, first, lo, S, half_window, BLOCK: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The loop's blocks (starts lo, lo + BLOCK, ... below `_span`'s hi; lo aligned) split for the program's
+    block at offs (starting at first): whole blocks — inside `_whole`'s range and, with ALiBi, off the
+    diagonal — in [a1, a2) and [b1, z); the rest (masked) in [lo, a1), [a2, b1) and [z, hi)."""
+    whole_lo, whole_hi = _whole(SPANS, span_stride, b, sgb, offs, first, S, half_window, HAS_GROUPS, HAS_WINDOW)
+    z = tl.maximum(lo, whole_hi // BLOCK * BLOCK)
+    a1 = tl.minimum(tl.maximum(tl.cdiv(whole_lo, BLOCK) * BLOCK, lo), z)
+    if HAS_ALIBI:  # the diagonal's blocks [d1, d2): some key before (or at) a query, another after one
+        if TRANSPOSED:  # a fixed block of keys, the loop over queries
+            d1 = tl.cdiv(tl.maximum(first + 1 - BLOCK, 0), BLOCK) * BLOCK
+            d2 = tl.cdiv(first + offs.shape[0] - 1, BLOCK) * BLOCK
+        else:
+            d1 = tl.cdiv(tl.maximum(first + 2 - BLOCK, 0), BLOCK) * BLOCK
+            d2 = tl.cdiv(first + offs.shape[0], BLOCK) * BLOCK
+        a2 = tl.maximum(a1, tl.minimum(d1, z))
+        b1 = tl.maximum(a2, tl.minimum(d2, z))
+    else:
+        a2 = z
+        b1 = z
+    return a1, a2, b1, z
+
+
+@triton.jit
+def _block_start(t, s0, e0, s1, e1, s2, BLOCK: tl.constexpr):
+    """The t-th block of the stretches [s0, e0), [s1, e1), [s2, ...) (`_stretches`)."""
+    n0 = (e0 - s0) // BLOCK
+    n1 = n0 + (e1 - s1) // BLOCK
+    return tl.where(t < n0, s0 + t * BLOCK, tl.where(t < n1, s1 + (t - n0) * BLOCK, s2 + (t - n1) * BLOCK))
+
+
+@triton.jit
+def _stretches(lo, hi, a1, a2, b1, z, WHOLE: tl.constexpr, BLOCK: tl.constexpr):
+    """(s0, e0, s1, e1, s2, count): the stretches of blocks of one kind (`_partition`: the whole ones, or
+    the masked ones), and their number of blocks."""
+    if WHOLE:
+        return a1, a2, b1, z, z, (a2 - a1) // BLOCK + (z - b1) // BLOCK
+    return lo, a1, a2, b1, z, (a1 - lo) // BLOCK + (b1 - a2) // BLOCK + tl.cdiv(tl.maximum(hi - z, 0), BLOCK)
 
 
 @triton.jit
@@ -138,6 +238,23 @@ def _span(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK: tl.con
 
 
 @triton.jit
+def _whole(SPANS, span_stride, b, sgb, offs, first, S, half_window, HAS_GROUPS: tl.constexpr,
+           HAS_WINDOW: tl.constexpr):
+    """[whole_lo, whole_hi): the positions on the other side that see every position of the block at offs
+    (starting at first) and that every one of them sees: the block's common run of equal groups
+    (`group_runs`; empty where the block holds two runs or padding), narrowed by the window."""
+    lo = S * 0
+    hi = S
+    if HAS_GROUPS:  # positions past S are never stored: they do not narrow the range
+        lo = tl.max(tl.load(SPANS + 2 * span_stride + b * sgb + offs, mask=offs < S, other=0))
+        hi = tl.min(tl.load(SPANS + 3 * span_stride + b * sgb + offs, mask=offs < S, other=S))
+    if HAS_WINDOW:  # every pair within the window: from the block's last position back, its first on
+        lo = tl.maximum(lo, first + offs.shape[0] - 1 - half_window)
+        hi = tl.minimum(hi, first + half_window + 1)
+    return lo, hi
+
+
+@triton.jit
 def _slopes(SLOPES, H, h, HAS_ALIBI: tl.constexpr):
     """Head h's ALiBi slopes for keys before (and at) the query and after it, in log2 units (SLOPES [2, H])."""
     if HAS_ALIBI:
@@ -170,22 +287,28 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SPANS, SEED,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     lo, hi = _span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
                    HAS_GROUPS, HAS_WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
-        k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
-        qk = _scores(q, k, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
-                     HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: nothing to rescale
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator counts every key, dropped or not
-        if DROPPED > 0:
-            p = tl.where(_kept(query_bits, offs_n, DROPPED, False), p, 0.0)
-        v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
+                               HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
+    for WHOLE in tl.static_range(2):  # the masked blocks' loop, then the whole blocks'
+        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, WHOLE, BLOCK_N)
+        for block in range(0, count):
+            start_n = _block_start(block, s0, e0, s1, e1, s2, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
+            qk = tl.dot(q, tl.trans(k))  # [BM, hn] x [hn, BN] -> [BM, BN]
+            qk, query_term = _block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
+                                           before, after, S, qk_scale, offset, half_window, WHOLE, HAS_ALIBI,
+                                           HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) + query_term)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: nothing to rescale
+            p = tl.math.exp2(qk - (m_safe - query_term)[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator counts every key, dropped or not
+            if DROPPED > 0:
+                p = tl.where(_kept(query_bits, offs_n, DROPPED, False), p, 0.0)
+            v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * keep_scale
     _store_rows(OUT, out, b, h, offs_m, sob, soh, sos, S, HEAD_DIM)
@@ -210,26 +333,33 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
     k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # the queries that see these keys, and those that see all of them (the relation is symmetric)
     lo, hi = _span(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, S, half_window, BLOCK_M,
-                   HAS_GROUPS, HAS_WINDOW)  # the queries that see these keys (the relation is symmetric)
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
-        do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
-        lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
-        q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
-        # [BN, BM]: the probabilities transposed
-        p_t = tl.math.exp2(_scores(k, q, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset,
-                                   half_window, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True) - lse[None, :])
-        dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
-        if DROPPED > 0:
-            kept = _kept(_query_bits(SEED, b, h, offs_m, DROPPED), offs_n, DROPPED, True)
-            dv += tl.dot(tl.where(kept, p_t * keep_scale, 0.0).to(do.dtype), do)
-            dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
-        else:
-            dv += tl.dot(p_t.to(do.dtype), do)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
+                   HAS_GROUPS, HAS_WINDOW)
+    a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, lo, S, half_window, BLOCK_M,
+                               HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True)
+    for WHOLE in tl.static_range(2):  # the masked blocks' loop, then the whole blocks'
+        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, WHOLE, BLOCK_M)
+        for block in range(0, count):
+            start_m = _block_start(block, s0, e0, s1, e1, s2, BLOCK_M)
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
+            do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
+            lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
+            qk_t = tl.dot(k, tl.trans(q))  # [BN, hn] x [hn, BM] -> [BN, BM]: the scores transposed
+            qk_t, query_term = _block_scores(qk_t, GROUPS, b, sgb, k_group, offs_m, offs_n, start_m,
+                                             start_n * BLOCK_N, before, after, S, qk_scale, offset, half_window,
+                                             WHOLE, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True, BLOCK_M, BLOCK_N)
+            p_t = tl.math.exp2(qk_t - (lse - query_term)[None, :])  # [BN, BM]: the probabilities transposed
+            dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
+            if DROPPED > 0:
+                kept = _kept(_query_bits(SEED, b, h, offs_m, DROPPED), offs_n, DROPPED, True)
+                dv += tl.dot(tl.where(kept, p_t * keep_scale, 0.0).to(do.dtype), do)
+                dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
+            else:
+                dv += tl.dot(p_t.to(do.dtype), do)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
     dk *= sm_scale
     _store_rows(DK, dk, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
     _store_rows(DV, dv, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
@@ -259,22 +389,29 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
     d_after = tl.zeros([BLOCK_M], tl.float32)
     lo, hi = _span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
                    HAS_GROUPS, HAS_WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
-        v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
-        k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
-        p = tl.math.exp2(_scores(q, k, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset,
-                                 half_window, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False) - lse[:, None])
-        dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
-        if DROPPED > 0:
-            dp = tl.where(_kept(query_bits, offs_n, DROPPED, False), dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-        if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
-            distance = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
-            d_before += tl.sum(tl.where(distance > 0, 0.0, ds * distance), 1)
-            d_after += tl.sum(tl.where(distance > 0, ds * (offset - distance), 0.0), 1)
+    a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
+                               HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
+    for WHOLE in tl.static_range(2):  # the masked blocks' loop, then the whole blocks'
+        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, WHOLE, BLOCK_N)
+        for block in range(0, count):
+            start_n = _block_start(block, s0, e0, s1, e1, s2, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
+            v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
+            qk = tl.dot(q, tl.trans(k))  # [BM, hn] x [hn, BN] -> [BM, BN]
+            qk, query_term = _block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
+                                           before, after, S, qk_scale, offset, half_window, WHOLE, HAS_ALIBI,
+                                           HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
+            p = tl.math.exp2(qk - (lse - query_term)[:, None])
+            dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
+            if DROPPED > 0:
+                dp = tl.where(_kept(query_bits, offs_n, DROPPED, False), dp * keep_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+            if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
+                distance = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
+                d_before += tl.sum(tl.where(distance > 0, 0.0, ds * distance), 1)
+                d_after += tl.sum(tl.where(distance > 0, ds * (offset - distance), 0.0), 1)
     dq *= sm_scale
     _store_rows(DQ, dq, b, h, offs_m, sxb, sxh, sxs, S, HEAD_DIM)
     if SLOPE_GRAD:
@@ -300,8 +437,6 @@ _backward_keys = triton.autotune(_configs([(32, 128, 8, 3), (64, 128, 8, 2), (16
                                            (32, 64, 4, 4)]), key=_TUNING_KEY)(_backward_keys_kernel)
 _backward_queries = triton.autotune(_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]),
                                     key=[*_TUNING_KEY, "SLOPE_GRAD"])(_backward_queries_kernel)
-AUTOTUNED = {"forward": _forward, "dK/dV": _backward_keys, "dQ": _backward_queries}
-"""The autotuned kernels by pass (benchmarks/triton_registers.py lists their candidates' registers)."""
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -309,25 +444,42 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def launch_forward(q, k, v, out, lse, slopes, groups, spans, seed, scale: float, offset: float, keep_scale: float,
-                   half_window: int, flags: dict) -> None:
-    """Fill out [b, np, s, hn] and lse [b, np, s] (log2 units); flags: HAS_ALIBI, HAS_GROUPS, HAS_WINDOW,
+class Launch(NamedTuple):
+    """One kernel call, built apart from running it so that benchmarks/triton_static.py can compile exactly
+    what a training step launches (its arguments decide Triton's specializations) without a GPU."""
+
+    kernel: triton.runtime.Autotuner
+    grid: Callable[[dict], tuple[int, int]]
+    args: tuple
+    constants: dict
+    """The constexpr keyword arguments (the autotuner adds BLOCK_M and BLOCK_N)."""
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constants)
+
+
+def forward_launch(q, k, v, out, lse, slopes, groups, spans, seed, scale: float, offset: float, keep_scale: float,
+                   half_window: int, flags: dict) -> Launch:
+    """Filling out [b, np, s, hn] and lse [b, np, s] (log2 units); flags: HAS_ALIBI, HAS_GROUPS, HAS_WINDOW,
     DROPPED; spans [2, b, s] (`group_spans`) with groups."""
     b, np_local, s, hn = q.shape
-    _forward[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)](
-        q, k, v, out, lse, slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        groups.stride(0), b * s, np_local, s, scale * LOG2E, offset, keep_scale, half_window, HEAD_DIM=hn, **flags)
+    return Launch(_forward, lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local),
+                  (q, k, v, out, lse, slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v),
+                   *_strides(out), groups.stride(0), b * s, np_local, s, scale * LOG2E, offset, keep_scale,
+                   half_window), {"HEAD_DIM": hn, **flags})
 
 
-def launch_backward(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, groups, spans, seed, scale: float,
-                    offset: float, keep_scale: float, half_window: int, flags: dict, slope_grad: bool) -> None:
-    """Fill dq, dk, dv (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O; with
-    slope_grad also dslopes [b, np, s, 2], each query's share of the slopes' gradient."""
+def backward_launches(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, groups, spans, seed, scale: float,
+                      offset: float, keep_scale: float, half_window: int, flags: dict,
+                      slope_grad: bool) -> tuple[Launch, Launch]:
+    """Filling dk, dv, then dq (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O;
+    with slope_grad also dslopes [b, np, s, 2], each query's share of the slopes' gradient."""
     b, np_local, s, hn = q.shape
     common = (slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
               groups.stride(0), b * s, *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale,
               half_window)
-    _backward_keys[lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local)](
-        q, k, v, do, lse, delta, dk, dv, *common, HEAD_DIM=hn, **flags)
-    _backward_queries[lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local)](
-        q, k, v, do, lse, delta, dq, dslopes, *common, HEAD_DIM=hn, SLOPE_GRAD=slope_grad, **flags)
+    return (Launch(_backward_keys, lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local),
+                   (q, k, v, do, lse, delta, dk, dv, *common), {"HEAD_DIM": hn, **flags}),
+            Launch(_backward_queries, lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local),
+                   (q, k, v, do, lse, delta, dq, dslopes, *common),
+                   {"HEAD_DIM": hn, "SLOPE_GRAD": slope_grad, **flags}))
