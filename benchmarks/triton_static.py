@@ -144,12 +144,14 @@ def launches(batch: int, length: int, heads: int, head_dim: int, dtype: torch.dt
     q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.split(head_dim, -1))
     slopes = torch.empty(heads, device="meta")
     layout = torch.empty(batch, length, device="meta", dtype=torch.int32) if groups else None
-    spans = torch.empty(2, batch, length, device="meta", dtype=torch.int32) if groups else None
+    spans = torch.empty(4, batch, length, device="meta", dtype=torch.int32) if groups else None
     seed = torch.empty((), device="meta", dtype=torch.int64)
     dropped = dropped_levels(dropout)
-    arguments = (slopes.expand(2, -1), layout, spans, seed, head_dim ** -0.5, 0.0, dropped, -1)
-    forward, out, lse = forward_launch(q, k, v, *arguments)
-    (keys, queries), _ = backward_launches(torch.empty_like(out), q, k, v, out, lse, *arguments, False)
+    pattern = (slopes.expand(2, -1), layout, spans)
+    constants = (head_dim ** -0.5, 0.0, dropped, -1)
+    forward, (out, lse, query_bits) = forward_launch(q, k, v, *pattern, seed, *constants)
+    (keys, queries), _ = backward_launches(torch.empty_like(out), q, k, v, out, lse, query_bits, *pattern, *constants,
+                                           False)
     return {"forward": forward, "dK/dV": keys, "dQ": queries}
 
 

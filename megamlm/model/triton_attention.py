@@ -80,41 +80,43 @@ def kernel_spans(groups: torch.Tensor) -> torch.Tensor:
     return torch.cat([group_spans(groups), group_runs(groups)])
 
 
-def _kernel_inputs(q, slopes, groups, spans, seed, dropped: int, half_window: int) -> tuple:
-    """(slopes, groups, spans, seed, flags) as the kernels take them: placeholders where a feature is off
-    (its loads are compiled out); flags are the kernels' HAS_ALIBI, HAS_GROUPS, HAS_WINDOW and DROPPED."""
+def _kernel_inputs(q, slopes, groups, spans, bits, dropped: int, half_window: int) -> tuple:
+    """(slopes, groups, spans, bits, flags) as the kernels take them: placeholders where a feature is off
+    (its loads are compiled out); bits are dropout's, the seed (forward) or the query bits (backward);
+    flags are the kernels' HAS_ALIBI, HAS_GROUPS, HAS_WINDOW and DROPPED."""
     placeholder = q.new_empty(1, dtype=torch.int32)  # never read: no fill kernel per call
     flags = {"HAS_ALIBI": slopes is not None, "HAS_GROUPS": groups is not None, "HAS_WINDOW": half_window >= 0,
              "DROPPED": dropped}
     return (placeholder if slopes is None else slopes.float().contiguous(),
             placeholder if groups is None else groups.to(torch.int32).contiguous(),
             placeholder if groups is None else spans.contiguous(),
-            placeholder if seed is None else seed, flags)
+            placeholder if bits is None else bits, flags)
 
 
 def forward_launch(q, k, v, slopes, groups, spans, seed, scale: float, offset: float, dropped: int,
-                   half_window: int) -> tuple[Launch, torch.Tensor, torch.Tensor]:
-    """(the forward kernel's launch, out, lse) for `_attention_op`'s arguments."""
+                   half_window: int) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(the forward kernel's launch, (out, lse, query_bits)) for `_attention_op`'s arguments."""
     q, k, v = _rows(q), _rows(k), _rows(v)
-    out, lse = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
+    outputs = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
-    launch = kernel_forward(q, k, v, out, lse, *inputs, scale, offset, level_keep_scale(dropped), half_window, flags)
-    return launch, out, lse
+    launch = kernel_forward(q, k, v, *outputs, *inputs, scale, offset, level_keep_scale(dropped), half_window, flags)
+    return launch, outputs
 
 
-def backward_launches(do, q, k, v, out, lse, slopes, groups, spans, seed, scale: float, offset: float, dropped: int,
-                      half_window: int, slope_grad: bool) -> tuple[tuple[Launch, Launch], tuple[torch.Tensor, ...]]:
+def backward_launches(do, q, k, v, out, lse, query_bits, slopes, groups, spans, scale: float, offset: float,
+                      dropped: int, half_window: int,
+                      slope_grad: bool) -> tuple[tuple[Launch, Launch], tuple[torch.Tensor, ...]]:
     """(the backward kernels' launches, (dq, dk, dv, shares)) for `_attention_backward_op`'s arguments."""
     do, q, k, v = _rows(do), _rows(q), _rows(k), _rows(v)
-    dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset,
-                                             dropped, half_window, slope_grad)
+    dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, out, lse, query_bits, slopes, groups, spans, scale,
+                                             offset, dropped, half_window, slope_grad)
     b, np_local, s, _ = q.shape
     # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size); without
     # slope_grad a placeholder, never written (as _kernel_inputs': no null pointer for the launcher)
     shares = q.new_empty((b, np_local, s, 2) if slope_grad else (1,), dtype=torch.float32)
     # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
     delta = (do.float() * out.float()).sum(-1)
-    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
+    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, query_bits if dropped else None, dropped, half_window)
     launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset,
                                level_keep_scale(dropped), half_window, flags, slope_grad)
     return launches, (dq, dk, dv, shares)
@@ -123,28 +125,32 @@ def backward_launches(do, q, k, v, out, lse, slopes, groups, spans, seed, scale:
 @torch.library.custom_op("megamlm::triton_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None,
                   groups: torch.Tensor | None, spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float,
-                  offset: float, dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units). half_window -1: no window."""
-    launch, out, lse = forward_launch(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
+                  offset: float, dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units, query_bits). half_window -1: no window.
+    query_bits [b, np, s] int32: the dropout hash's first two links per query, for the backward (in the
+    dK/dV kernel every thread would compute them for each of its queries, each block: half again the hash's
+    work); without dropout a placeholder."""
+    launch, outputs = forward_launch(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
     launch()
-    return out, lse
+    return outputs
 
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window):
     b, np_local, s, hn = q.shape
-    return _like_sbh(q), q.new_empty(b, np_local, s, dtype=torch.float32)
+    return (_like_sbh(q), q.new_empty(b, np_local, s, dtype=torch.float32),
+            q.new_empty((b, np_local, s) if dropped else (1,), dtype=torch.int32))
 
 
 @torch.library.custom_op("megamlm::triton_attention_backward", mutates_args=())
 def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, slopes: torch.Tensor | None, groups: torch.Tensor | None,
-                           spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float, offset: float,
+                           lse: torch.Tensor, query_bits: torch.Tensor, slopes: torch.Tensor | None,
+                           groups: torch.Tensor | None, spans: torch.Tensor | None, scale: float, offset: float,
                            dropped: int, half_window: int,
                            slope_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv and, with slope_grad, the slopes' [2, np] (else an empty tensor)."""
-    launches, (dq, dk, dv, shares) = backward_launches(do, q, k, v, out, lse, slopes, groups, spans, seed, scale,
-                                                       offset, dropped, half_window, slope_grad)
+    launches, (dq, dk, dv, shares) = backward_launches(do, q, k, v, out, lse, query_bits, slopes, groups, spans,
+                                                       scale, offset, dropped, half_window, slope_grad)
     for launch in launches:
         launch()
     # [b, np, s, 2] -> [2, np], in the slopes' dtype
@@ -153,23 +159,23 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(do, q, k, v, out, lse, slopes, groups, spans, seed, scale, offset, dropped,
+def _attention_backward_fake(do, q, k, v, out, lse, query_bits, slopes, groups, spans, scale, offset, dropped,
                              half_window, slope_grad):
     return (_like_sbh(q), _like_sbh(q), _like_sbh(q),
             slopes.new_empty(slopes.shape) if slope_grad else q.new_empty(0, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window = inputs
-    ctx.save_for_backward(q, k, v, *output, slopes, groups, spans, seed)
+    q, k, v, slopes, groups, spans, _seed, scale, offset, dropped, half_window = inputs
+    ctx.save_for_backward(q, k, v, *output, slopes, groups, spans)  # out, lse, query_bits: the seed's work done
     ctx.constants = scale, offset, dropped, half_window
 
 
-def _backward(ctx, do, _lse_grad):
-    q, k, v, out, lse, slopes, groups, spans, seed = ctx.saved_tensors
+def _backward(ctx, do, _lse_grad, _bits_grad):
+    q, k, v, out, lse, query_bits, slopes, groups, spans = ctx.saved_tensors
     slope_grad = ctx.needs_input_grad[3]  # learned ALiBi slopes
-    dq, dk, dv, dslopes = _attention_backward_op(do, q, k, v, out, lse, slopes, groups, spans, seed, *ctx.constants,
-                                                 slope_grad)
+    dq, dk, dv, dslopes = _attention_backward_op(do, q, k, v, out, lse, query_bits, slopes, groups, spans,
+                                                 *ctx.constants, slope_grad)
     return dq, dk, dv, dslopes if slope_grad else None, None, None, None, None, None, None, None
 
 
@@ -190,7 +196,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: 
     dropped = dropped_levels(dropout_p)
     spans = kernel_spans(groups) if groups is not None and spans is None else spans
     slopes = slopes if slopes is None or slopes.dim() == 2 else slopes.expand(2, -1)  # before, after
-    out, _ = _attention_op(q, k, v, slopes, groups, spans, seed if dropped else None, scale, offset, dropped,
+    out, _, _ = _attention_op(q, k, v, slopes, groups, spans, seed if dropped else None, scale, offset, dropped,
                            -1 if window is None else window // 2)
     return out
 

@@ -194,6 +194,12 @@ def _query_bits(SEED, b, h, offs_m, DROPPED: tl.constexpr):
 
 
 @triton.jit
+def _saved_query_bits(QBITS, bh, offs, S):
+    """`_query_bits` of queries offs as the forward saved them ([b, H, S] int32 bits)."""
+    return tl.load(QBITS + bh * S + offs, mask=offs < S, other=0).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM: tl.constexpr):
     """Element offsets [len(offs), hn] of positions offs of head h of row b, with strides sb, sh, ss."""
     return b * sb + h * sh + offs[:, None] * ss + tl.arange(0, HEAD_DIM)[None, :]
@@ -270,7 +276,7 @@ def _row_terms(LSE, DELTA, bh, offs, S):
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SPANS, SEED,
+def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sgb, span_stride,
                     H, S, qk_scale, offset, keep_scale, half_window,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -314,10 +320,12 @@ def _forward_kernel(Q, K, V, OUT, LSE, SLOPES, GROUPS, SPANS, SEED,
     _store_rows(OUT, out, b, h, offs_m, sob, soh, sos, S, HEAD_DIM)
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
+    if DROPPED > 0:  # for the backward (`_saved_query_bits`)
+        tl.store(QBITS + bh * S + offs_m, query_bits.to(tl.int32, bitcast=True), mask=offs_m < S)
 
 
 @triton.jit
-def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS, SEED,
+def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS, QBITS,
                           sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
                           sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -353,7 +361,7 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
             p_t = tl.math.exp2(qk_t - (lse - query_term)[None, :])  # [BN, BM]: the probabilities transposed
             dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
             if DROPPED > 0:
-                kept = _kept(_query_bits(SEED, b, h, offs_m, DROPPED), offs_n, DROPPED, True)
+                kept = _kept(_saved_query_bits(QBITS, bh, offs_m, S), offs_n, DROPPED, True)
                 dv += tl.dot(tl.where(kept, p_t * keep_scale, 0.0).to(do.dtype), do)
                 dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
             else:
@@ -366,7 +374,7 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
 
 
 @triton.jit
-def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUPS, SPANS, SEED,
+def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUPS, SPANS, QBITS,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
                              sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -383,7 +391,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
     lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
     q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
-    query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
+    query_bits = _saved_query_bits(QBITS, bh, offs_m, S)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     d_before = tl.zeros([BLOCK_M], tl.float32)
     d_after = tl.zeros([BLOCK_M], tl.float32)
@@ -458,24 +466,25 @@ class Launch(NamedTuple):
         self.kernel[self.grid](*self.args, **self.constants)
 
 
-def forward_launch(q, k, v, out, lse, slopes, groups, spans, seed, scale: float, offset: float, keep_scale: float,
-                   half_window: int, flags: dict) -> Launch:
-    """Filling out [b, np, s, hn] and lse [b, np, s] (log2 units); flags: HAS_ALIBI, HAS_GROUPS, HAS_WINDOW,
-    DROPPED; spans [2, b, s] (`group_spans`) with groups."""
+def forward_launch(q, k, v, out, lse, query_bits, slopes, groups, spans, seed, scale: float, offset: float,
+                   keep_scale: float, half_window: int, flags: dict) -> Launch:
+    """Filling out [b, np, s, hn], lse [b, np, s] (log2 units) and, with dropout, query_bits [b, np, s]
+    (`_query_bits`); flags: HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, DROPPED; spans [4, b, s] (`kernel_spans`)
+    with groups."""
     b, np_local, s, hn = q.shape
     return Launch(_forward, lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local),
-                  (q, k, v, out, lse, slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v),
+                  (q, k, v, out, lse, query_bits, slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v),
                    *_strides(out), groups.stride(0), b * s, np_local, s, scale * LOG2E, offset, keep_scale,
                    half_window), {"HEAD_DIM": hn, **flags})
 
 
-def backward_launches(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, groups, spans, seed, scale: float,
+def backward_launches(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, groups, spans, query_bits, scale: float,
                       offset: float, keep_scale: float, half_window: int, flags: dict,
                       slope_grad: bool) -> tuple[Launch, Launch]:
-    """Filling dk, dv, then dq (one layout: the strides of dq) from dO, the forward's lse and delta = Σ dO·O;
-    with slope_grad also dslopes [b, np, s, 2], each query's share of the slopes' gradient."""
+    """Filling dk, dv, then dq (one layout: the strides of dq) from dO, the forward's lse and query bits, and
+    delta = Σ dO·O; with slope_grad also dslopes [b, np, s, 2], each query's share of the slopes' gradient."""
     b, np_local, s, hn = q.shape
-    common = (slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+    common = (slopes, groups, spans, query_bits, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
               groups.stride(0), b * s, *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale,
               half_window)
     return (Launch(_backward_keys, lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local),
