@@ -11,8 +11,9 @@ The launch is the training step's (`triton_attention.forward_launch` / `backward
 tensors laid out as the layer's q, k, v views): its arguments decide Triton's specializations (16-divisible
 strides and lengths, 16-byte aligned pointers), and with them vectorized loads and the registers they need.
 
-Reading the loop columns (each kernel has two loops: over its whole blocks — no visibility test, ALiBi
-as a key and a query term — and over the masked rest, `_partition`). Each loop instruction is issued
+Reading the loop columns (each kernel has three loops: two over its whole blocks — no visibility test,
+ALiBi as a key and a query term; keys before and after the queries, the table shows the longer — and one
+over the masked rest, `_partition`). Each loop instruction is issued
 once per warp per block pair, so per score it costs instructions × warps × 32 / (BLOCK_M × BLOCK_N)
 thread-slots: the total, then by class (tensor: HGMMA/HMMA · MUFU: exp2 · FP32 · integer · the rest:
 conversions, loads, shuffles, uniform datapath). An H100 SM issues 4 warp-instructions per cycle, its
@@ -106,7 +107,8 @@ def compile_sass(launch: triton_kernels.Launch, config: triton.Config, arch: int
 
 def loops(sass: str) -> list[list[str]]:
     """The opcodes of each loop (a backward branch's target up to the branch), in address order: the
-    kernels' masked blocks' loop, then their whole blocks' (triton_kernels `_partition`)."""
+    kernels' masked blocks' loop, then their whole blocks' two (keys before, keys after the queries:
+    triton_kernels `_stretches`)."""
     instructions = [(int(m.group(1), 16), m.group(2)) for m in INSTRUCTION.finditer(sass)]
     bodies = []
     for address, text in instructions:
@@ -185,11 +187,11 @@ def main() -> None:
             for variant, step in steps.items():
                 registers, stack, sass = compile_sass(step[kernel], config, args.arch)
                 bodies = loops(sass)
-                if len(bodies) != 2:
-                    raise SystemExit(f"{kernel}: {len(bodies)} loops in the SASS, not the masked and the whole "
-                                     "blocks' two: update benchmarks/triton_static.py's reading of them")
+                if len(bodies) != 3:
+                    raise SystemExit(f"{kernel}: {len(bodies)} loops in the SASS, not the masked blocks' and the "
+                                     "whole blocks' two: update benchmarks/triton_static.py's reading of them")
                 cells = []
-                for body in reversed(bodies):  # whole, then masked
+                for body in (max(bodies[1:], key=len), bodies[0]):  # whole (the longer of the two), masked
                     per_score, issue, mufu = loop_costs(body, config)
                     mix = " · ".join(f"{per_score[c]:.1f}" for c in CLASSES)
                     cells.append(f"{sum(per_score.values()):.1f} ({mix}), **{issue:.2f}**, {mufu:.2f}")

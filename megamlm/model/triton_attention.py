@@ -34,6 +34,9 @@ except ImportError:
     INTERPRET, Launch, kernel_forward, kernel_backward = False, None, None, None
 
 
+_DROPOUT_POSITIONS = 2**16  # triton_kernels._query_bits: key indices below 2^16
+
+
 def _like_sbh(t: torch.Tensor) -> torch.Tensor:
     """An empty [b, np, s, hn] like t, its memory laid out [s, b, np, hn]."""
     b, np_local, s, hn = t.shape
@@ -96,6 +99,9 @@ def _kernel_inputs(q, slopes, groups, spans, bits, dropped: int, half_window: in
 def forward_launch(q, k, v, slopes, groups, spans, seed, scale: float, offset: float, dropped: int,
                    half_window: int) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(the forward kernel's launch, (out, lse, query_bits)) for `_attention_op`'s arguments."""
+    if dropped and q.size(2) > _DROPOUT_POSITIONS:  # the kernels fold a step of the hash into each query's bits
+        raise ValueError(f"model.attention_backend=triton's attention dropout takes sequences of at most "
+                         f"{_DROPOUT_POSITIONS} positions, not {q.size(2)}; use flex or sdpa")
     q, k, v = _rows(q), _rows(k), _rows(v)
     outputs = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)

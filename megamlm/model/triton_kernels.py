@@ -51,7 +51,12 @@ _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy
 @triton.jit
 def _fmix32(x):
     """murmur3's finalizer on uint32 (flex.py's `_fmix32` on int32 bits: the same bits)."""
-    x ^= x >> 16
+    return _fmix32_tail(x ^ (x >> 16))
+
+
+@triton.jit
+def _fmix32_tail(x):
+    """`_fmix32` after its first step (x ^= x >> 16)."""
     x *= 0x85EBCA6B
     x ^= x >> 13
     x *= 0xC2B2AE35
@@ -82,23 +87,29 @@ def _scores(qk, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, of
 
 
 @triton.jit
-def _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset, HAS_ALIBI: tl.constexpr,
-                        TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset, KEYS_AFTER: tl.constexpr,
+                        HAS_ALIBI: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     """`_scores` of a whole block pair (`_partition`: every query sees every key, every key on one side
     of every query) as (scores less a query term, the query term [BLOCK_M]): no visibility test, and
     ALiBi's slope · distance split into a key term, added here, and a query term, which the softmax adds
-    per query (its max) or subtracts from its per-query constant (exp2's argument): one operation per score."""
+    per query (its max) or subtracts from its per-query constant (exp2's argument): one operation per score.
+    KEYS_AFTER: every key after every query, else every key at or before every query (a constexpr, so that
+    the key term is the loop's invariant)."""
     query_term = tl.zeros([BLOCK_M], tl.float32)
     if HAS_ALIBI:
-        key_after = start_n >= start_m + BLOCK_M  # else every key at or before every query
-        slope = tl.where(key_after, -after, before)
         # distance = (start_n + jj) - (start_m + ii) = (start_n - start_m + ref - ii) + (jj - ref), ref the
         # block's key nearest the queries (0 after them, BLOCK_N - 1 before): two integer distances of one
         # sign, so that the terms never cancel (the score keeps the precision of slope · distance). After
         # the query the term is -after · (distance - offset) = slope · distance + after · offset
-        ref = tl.where(key_after, 0, BLOCK_N - 1)
-        query_distance = start_n - start_m + ref - tl.arange(0, BLOCK_M)
-        query_term += slope * query_distance.to(tl.float32) + tl.where(key_after, after * offset, 0.0)
+        if KEYS_AFTER:
+            slope = -after
+            ref: tl.constexpr = 0
+            query_term += after * offset
+        else:
+            slope = before
+            ref: tl.constexpr = BLOCK_N - 1
+        query_term += slope * (start_n - start_m + ref - tl.arange(0, BLOCK_M)).to(tl.float32)
         key_term = slope * (tl.arange(0, BLOCK_N) - ref).to(tl.float32)
         if TRANSPOSED:
             qk = qk * qk_scale + key_term[:, None]
@@ -111,14 +122,16 @@ def _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset, H
 
 @triton.jit
 def _block_scores(qk, GROUPS, b, sgb, own_group, offs_m, offs_n, start_m, start_n, before, after, S, qk_scale,
-                  offset, half_window, WHOLE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr,
+                  offset, half_window, KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(scores less a query term, the query term [BLOCK_M]) of a block pair from qk = q·kᵀ (its transpose
-    when TRANSPOSED): `_whole_block_scores` for whole blocks, else `_scores` (term 0). own_group: the
-    groups of the program's block (queries, or keys when TRANSPOSED); the loop's block's are loaded here."""
-    if WHOLE:
-        qk, query_term = _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset, HAS_ALIBI,
-                                             TRANSPOSED, BLOCK_M, BLOCK_N)
+    when TRANSPOSED): `_whole_block_scores` for whole blocks (KIND, `_stretches`), else `_scores` (term 0).
+    own_group: the groups of the program's block (queries, or keys when TRANSPOSED); the loop's block's are
+    loaded here."""
+    if KIND != MASKED:
+        qk, query_term = _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset,
+                                             (KIND == LATER) != TRANSPOSED, HAS_ALIBI, TRANSPOSED, BLOCK_M,
+                                             BLOCK_N)
     else:
         if TRANSPOSED:
             q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
@@ -164,32 +177,44 @@ def _block_start(t, s0, e0, s1, e1, s2, BLOCK: tl.constexpr):
     return tl.where(t < n0, s0 + t * BLOCK, tl.where(t < n1, s1 + (t - n0) * BLOCK, s2 + (t - n1) * BLOCK))
 
 
+MASKED: tl.constexpr = tl.constexpr(0)
+EARLIER: tl.constexpr = tl.constexpr(1)
+LATER: tl.constexpr = tl.constexpr(2)
+"""The kinds of the loop's blocks (`_partition`), one loop each: masked; whole, before the program's block
+(below the diagonal); whole, after it (without ALiBi every whole block is EARLIER's)."""
+
+
 @triton.jit
-def _stretches(lo, hi, a1, a2, b1, z, WHOLE: tl.constexpr, BLOCK: tl.constexpr):
-    """(s0, e0, s1, e1, s2, count): the stretches of blocks of one kind (`_partition`: the whole ones, or
-    the masked ones), and their number of blocks."""
-    if WHOLE:
-        return a1, a2, b1, z, z, (a2 - a1) // BLOCK + (z - b1) // BLOCK
+def _stretches(lo, hi, a1, a2, b1, z, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """(s0, e0, s1, e1, s2, count): the stretches of the blocks of one kind (`_partition`), and their
+    number of blocks."""
+    if KIND == EARLIER:
+        return a1, a2, a2, a2, a2, (a2 - a1) // BLOCK
+    if KIND == LATER:
+        return b1, z, z, z, z, (z - b1) // BLOCK
     return lo, a1, a2, b1, z, (a1 - lo) // BLOCK + (b1 - a2) // BLOCK + tl.cdiv(tl.maximum(hi - z, 0), BLOCK)
 
 
 @triton.jit
 def _kept(query_bits, offs_n, DROPPED: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Where dropout keeps a score: the last link of the hash chain, per (query, key)."""
+    """Where dropout keeps a score: the rest of the hash chain's last link, per (query, key)."""
     if TRANSPOSED:
-        bits = _fmix32(query_bits[None, :] ^ offs_n[:, None].to(tl.uint32))
+        bits = _fmix32_tail(query_bits[None, :] ^ offs_n[:, None].to(tl.uint32))
     else:
-        bits = _fmix32(query_bits[:, None] ^ offs_n[None, :].to(tl.uint32))
+        bits = _fmix32_tail(query_bits[:, None] ^ offs_n[None, :].to(tl.uint32))
     return bits >= DROPPED
 
 
 @triton.jit
 def _query_bits(SEED, b, h, offs_m, DROPPED: tl.constexpr):
-    """The first two links of the dropout hash: per (seed, row, head), then per query."""
+    """The dropout hash per query: the chain's first two links (per (seed, row, head), then per query) x,
+    and the last link's first step, x ^ (x >> 16): for keys j below 2^16 (the launcher's limit) x ^ j
+    shifted right by 16 is x >> 16, so that step is one per query, not one per score."""
     if DROPPED > 0:
         seed = tl.load(SEED).to(tl.uint32)
         head_bits = _fmix32(seed ^ ((b.to(tl.uint32) << 16) | h.to(tl.uint32)))
-        return _fmix32(head_bits ^ offs_m.to(tl.uint32))
+        x = _fmix32(head_bits ^ offs_m.to(tl.uint32))
+        return x ^ (x >> 16)
     return offs_m.to(tl.uint32)
 
 
@@ -295,15 +320,15 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
                    HAS_GROUPS, HAS_WINDOW)
     a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
                                HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
-    for WHOLE in tl.static_range(2):  # the masked blocks' loop, then the whole blocks'
-        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, WHOLE, BLOCK_N)
+    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`_stretches`)
+        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_N)
         for block in range(0, count):
             start_n = _block_start(block, s0, e0, s1, e1, s2, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
             qk = tl.dot(q, tl.trans(k))  # [BM, hn] x [hn, BN] -> [BM, BN]
             qk, query_term = _block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
-                                           before, after, S, qk_scale, offset, half_window, WHOLE, HAS_ALIBI,
+                                           before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
                                            HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(qk, 1) + query_term)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: nothing to rescale
@@ -346,8 +371,8 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
                    HAS_GROUPS, HAS_WINDOW)
     a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, lo, S, half_window, BLOCK_M,
                                HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True)
-    for WHOLE in tl.static_range(2):  # the masked blocks' loop, then the whole blocks'
-        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, WHOLE, BLOCK_M)
+    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`_stretches`)
+        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_M)
         for block in range(0, count):
             start_m = _block_start(block, s0, e0, s1, e1, s2, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -357,18 +382,20 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
             qk_t = tl.dot(k, tl.trans(q))  # [BN, hn] x [hn, BM] -> [BN, BM]: the scores transposed
             qk_t, query_term = _block_scores(qk_t, GROUPS, b, sgb, k_group, offs_m, offs_n, start_m,
                                              start_n * BLOCK_N, before, after, S, qk_scale, offset, half_window,
-                                             WHOLE, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True, BLOCK_M, BLOCK_N)
+                                             KIND, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True, BLOCK_M, BLOCK_N)
             p_t = tl.math.exp2(qk_t - (lse - query_term)[None, :])  # [BN, BM]: the probabilities transposed
             dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
-            if DROPPED > 0:
+            if DROPPED > 0:  # (dv's keep_scale once, at the end)
                 kept = _kept(_saved_query_bits(QBITS, bh, offs_m, S), offs_n, DROPPED, True)
-                dv += tl.dot(tl.where(kept, p_t * keep_scale, 0.0).to(do.dtype), do)
+                dv += tl.dot(tl.where(kept, p_t, 0.0).to(do.dtype), do)
                 dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
             else:
                 dv += tl.dot(p_t.to(do.dtype), do)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q)
     dk *= sm_scale
+    if DROPPED > 0:
+        dv *= keep_scale
     _store_rows(DK, dk, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
     _store_rows(DV, dv, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
 
@@ -399,8 +426,8 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
                    HAS_GROUPS, HAS_WINDOW)
     a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
                                HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
-    for WHOLE in tl.static_range(2):  # the masked blocks' loop, then the whole blocks'
-        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, WHOLE, BLOCK_N)
+    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`_stretches`)
+        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_N)
         for block in range(0, count):
             start_n = _block_start(block, s0, e0, s1, e1, s2, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -408,7 +435,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
             v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
             qk = tl.dot(q, tl.trans(k))  # [BM, hn] x [hn, BN] -> [BM, BN]
             qk, query_term = _block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
-                                           before, after, S, qk_scale, offset, half_window, WHOLE, HAS_ALIBI,
+                                           before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
                                            HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
             p = tl.math.exp2(qk - (lse - query_term)[:, None])
             dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
