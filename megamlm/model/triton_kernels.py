@@ -464,13 +464,15 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
 _TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "HAS_WINDOW", "DROPPED"]
 # (BLOCK_M, BLOCK_N, warps, stages) for head dim 64 on Hopper (FlashAttention-2's and Triton's tutorial's
 # shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse). Left out: those
-# that spilled registers with dropout on sm_90a in ptxas -v (the hash's lanes), e.g. the forward's 128 x 64
-# and dK/dV's 64 x 64 at 4 warps (BENCHMARKS.md, session 30)
+# that spill registers with dropout on sm_90a (benchmarks/triton_static.py), e.g. the forward's 128 x 64
+# and dK/dV's 64 x 64 at 4 warps, and dK/dV's 64 x 64 at 8 warps, whose two warpgroups each computed the
+# whole tile (twice the matmuls and exp2 per score)
 _forward = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
                                      (64, 32, 4, 3)]), key=_TUNING_KEY)(_forward_kernel)
-_backward_keys = triton.autotune(_configs([(32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 8, 3), (64, 64, 8, 3),
+_backward_keys = triton.autotune(_configs([(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (16, 128, 8, 3),
                                            (32, 64, 4, 4)]), key=_TUNING_KEY)(_backward_keys_kernel)
-_backward_queries = triton.autotune(_configs([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]),
+_backward_queries = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
+                                              (64, 32, 4, 4)]),
                                     key=[*_TUNING_KEY, "SLOPE_GRAD"])(_backward_queries_kernel)
 
 
