@@ -171,6 +171,13 @@ def test_triton_refuses_what_it_cannot_compute(world):
                                               "model.num_attention_heads=4"]).model, world, seed=1)
 
 
+def test_attention_dropout_refuses_rows_longer_than_its_hash_folds():
+    """The kernels fold a step of the dropout hash into each query's bits, exact for keys below 2^16."""
+    q = torch.zeros(1, 1, 2**16 + 1, 16)
+    with pytest.raises(ValueError, match="at most 65536 positions, not 65537; use flex or sdpa"):
+        triton_attention(q, q, q, None, 0.0, None, 0.1, torch.tensor(1))
+
+
 def test_a_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
     assert_model_gives_sdpas_loss_and_gradients(world, "triton")
