@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--first-only", action="store_true", help="only each kernel's first candidate")
+    parser.add_argument("--kernels", nargs="+", default=["forward", "dK/dV", "dQ"], choices=["forward", "dK/dV", "dQ"])
     args = parser.parse_args()
     if triton_kernels.INTERPRET:
         parser.error("unset TRITON_INTERPRET: the interpreter's kernels have one configuration and no compiler")
@@ -180,7 +181,7 @@ def main() -> None:
     print("| kernel | BLOCK_M × BLOCK_N, warps, stages | variant | registers, stack | whole blocks' loop | masked "
           "blocks' loop |")
     print("|---|---|---|---:|---|---|")
-    for kernel in steps["ALiBi"]:
+    for kernel in args.kernels:
         configs = steps["ALiBi"][kernel].kernel.configs
         for config in configs[:1] if args.first_only else configs:
             shape = f"{config.kwargs['BLOCK_M']} × {config.kwargs['BLOCK_N']}, {config.num_warps}, {config.num_stages}"

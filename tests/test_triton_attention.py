@@ -178,6 +178,27 @@ def test_attention_dropout_refuses_rows_longer_than_its_hash_folds():
         triton_attention(q, q, q, None, 0.0, None, 0.1, torch.tensor(1))
 
 
+def test_the_whole_blocks_loop_issues_fewer_instructions_than_the_masked_one():
+    """benchmarks/triton_static.py compiles the forward as a training step launches it (sm_90, on this
+    CPU) and reads its loops from the SASS: the whole blocks' loop (no visibility test, ALiBi as a key
+    and a query term) issues fewer instructions per score than the masked one, in every variant."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "benchmarks/triton_static.py", "--first-only", "--kernels", "forward"],
+                         capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| forward |")]
+    assert len(rows) == 3  # ALiBi, + dropout, + groups
+    for row in rows:
+        stack, whole, masked = (int(re.search(r", (\d+) B", row).group(1)),
+                                *(float(x) for x in re.findall(r"\*\*([\d.]+)\*\*", row)))
+        assert stack == 0 and whole < 0.8 * masked, row
+
+
 def test_a_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
     assert_model_gives_sdpas_loss_and_gradients(world, "triton")
