@@ -10,9 +10,9 @@ every padded row's [s, s], and in packed rows [L, L] per sample, L the batch's l
 Corpora as benchmarks/packing.py's at 2048: WikiText-103 valid+test (gpu.sh's loop rows: long documents
 split, samples of paragraphs) and the Pile-like lengths in fairseq's `complete` samples. Layouts:
 padded (micro-batch rows of seq_length) and packed (one row of micro-batch x seq_length). The count
-follows `triton_kernels._span`: each block of BLOCK_M queries visits the key blocks of BLOCK_N from its
+follows `triton_blocks.span` (megamlm/model): each block of BLOCK_M queries visits the key blocks of BLOCK_N from its
 groups' first position, aligned down, to their end (`group_spans`); padding queries visit none. "whole
-blocks": the share of them in the kernels' whole blocks' loops (`_partition`: within the block's run of
+blocks": the share of them in the kernels' whole blocks' loops (`triton_blocks.partition`: within the block's run of
 equal groups, off the diagonal; no visibility test, ALiBi as a key and a query term), the rest masked.
 """
 
@@ -48,7 +48,7 @@ def _ceil(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def visited_blocks(groups: torch.Tensor, block_m: int, block_n: int) -> tuple[int, int]:
     """(key blocks the forward kernel visits, those of them it computes in its whole blocks' loops) for
-    [b, s] groups, ALiBi on, no window: `_span` and `_partition` in torch."""
+    [b, s] groups, ALiBi on, no window: triton_blocks' `span` and `partition` in torch."""
     b, s = groups.shape
     spans, runs = group_spans(groups), group_runs(groups)
     # [b, blocks]: each query block's first key and one past its last (past s: no query), aligned down

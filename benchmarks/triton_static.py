@@ -13,7 +13,7 @@ strides and lengths, 16-byte aligned pointers), and with them vectorized loads a
 
 Reading the loop columns (each kernel has three loops: two over its whole blocks — no visibility test,
 ALiBi as a key and a query term; keys before and after the queries, the table shows the longer — and one
-over the masked rest, `_partition`). Each loop instruction is issued
+over the masked rest, `partition` in megamlm/model/triton_blocks.py). Each loop instruction is issued
 once per warp per block pair, so per score it costs instructions × warps × 32 / (BLOCK_M × BLOCK_N)
 thread-slots: the total, then by class (tensor: HGMMA/HMMA · MUFU: exp2 · FP32 · integer · the rest:
 conversions, loads, shuffles, uniform datapath). An H100 SM issues 4 warp-instructions per cycle, its
@@ -108,7 +108,7 @@ def compile_sass(launch: triton_kernels.Launch, config: triton.Config, arch: int
 def loops(sass: str) -> list[list[str]]:
     """The opcodes of each loop (a backward branch's target up to the branch), in address order: the
     kernels' masked blocks' loop, then their whole blocks' two (keys before, keys after the queries:
-    triton_kernels `_stretches`)."""
+    triton_blocks `stretches`)."""
     instructions = [(int(m.group(1), 16), m.group(2)) for m in INSTRUCTION.finditer(sass)]
     bodies = []
     for address, text in instructions:

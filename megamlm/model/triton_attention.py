@@ -34,7 +34,7 @@ except ImportError:
     INTERPRET, Launch, kernel_forward, kernel_backward = False, None, None, None
 
 
-_DROPOUT_POSITIONS = 2**16  # triton_kernels._query_bits: key indices below 2^16
+_DROPOUT_POSITIONS = 2**16  # triton_kernels' _query_bits: key indices below 2^16
 
 
 def _like_sbh(t: torch.Tensor) -> torch.Tensor:

@@ -6,22 +6,12 @@ recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, o
 
 The dropout mask is flex.py's: key j of query i (row b, head h) is kept when murmur3's finalizer chained
 over (seed ^ (b << 16 | h), i, j) is at or above round(p · 2^32); kept probabilities are scaled by
-2^32 / (2^32 - round(p · 2^32)). The first two links of the chain are computed once per program and once
-per query; only the last one per score. Nothing [s, s] is stored; the backward recomputes the mask.
+2^32 / (2^32 - round(p · 2^32)). The first two links of the chain (and the last one's first step) are
+computed once per query, in the forward, which saves them for the backward; only the rest per score.
+Nothing [s, s] is stored; the backward recomputes the mask.
 
-Visibility is `attention_groups`': a real query sees the real keys of its group (its document, else its
-packed sample, else its row); HAS_GROUPS false: every key of the row; HAS_WINDOW: only keys within
-half_window positions (a local layer's `LayerAttention.window`). A padding query sees no key: its output
-is zeros, never read (sdpa's padding queries see every real key, only so that no softmax row is empty).
-A query never sees another sample, so distances in a packed row are distances within its sample. Each
-program visits only the blocks that its groups' extent and the window reach (`_span`): a packed row of
-n samples costs about n samples' attention, not one row's, and a local layer about its window's.
-
-Whole blocks: most block pairs lie in one run of equal groups (`group_runs`), within the window and off
-the diagonal. Their loop (`_partition`) skips the visibility test and splits ALiBi's slope · distance into
-a key term and a query term that the softmax applies per query: one operation per score instead of about
-eight (benchmarks/triton_static.py counts the loops' instructions). The other blocks — the diagonal's,
-the groups' edges, the window's reach — run the masked loop.
+Which block pairs a program visits, in which of its loops (the masked one, or the two over whole blocks,
+before and after the diagonal), and their scores with visibility and ALiBi: triton_blocks.py.
 
 Scores run in log2 units (exp2, as FlashAttention's kernels do): scale · log2(e) is folded into the
 product and the ALiBi slope; the saved log-sum-exp is in log2 units too. A query that sees no key gets
@@ -40,6 +30,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from megamlm.model.triton_blocks import block_scores, block_start, groups_of, partition, span, stretches
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
@@ -62,137 +54,6 @@ def _fmix32_tail(x):
     x *= 0xC2B2AE35
     x ^= x >> 16
     return x
-
-
-@triton.jit
-def _scores(qk, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
-            HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Scores in log2 units with ALiBi and -inf where not visible, from qk = q·kᵀ [BLOCK_M, BLOCK_N] for
-    queries offs_m and keys offs_n, or its transpose [BLOCK_N, BLOCK_M] (TRANSPOSED): any block pair."""
-    qk = qk * qk_scale
-    # a real query sees the keys of its own group; padding (query group -2, key group -1) and keys past S
-    # (-1) none; without groups every key before S
-    if TRANSPOSED:
-        distance = offs_n[:, None] - offs_m[None, :]  # key - query
-        visible = (k_group[:, None] == q_group[None, :]) if HAS_GROUPS else (offs_n[:, None] < S)
-    else:
-        distance = offs_n[None, :] - offs_m[:, None]
-        visible = (k_group[None, :] == q_group[:, None]) if HAS_GROUPS else (offs_n[None, :] < S)
-    if HAS_WINDOW:  # patterns.pattern_sees' window: distances within a group are distances in its sample
-        visible &= tl.abs(distance) <= half_window
-    if HAS_ALIBI:  # positions.alibi_score, in log2 units (the slopes are pre-multiplied by log2 e)
-        distance = distance.to(tl.float32)
-        qk += tl.where(distance > 0, -after * (distance - offset), before * distance)
-    return tl.where(visible, qk, float("-inf"))
-
-
-@triton.jit
-def _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset, KEYS_AFTER: tl.constexpr,
-                        HAS_ALIBI: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """`_scores` of a whole block pair (`_partition`: every query sees every key, every key on one side
-    of every query) as (scores less a query term, the query term [BLOCK_M]): no visibility test, and
-    ALiBi's slope · distance split into a key term, added here, and a query term, which the softmax adds
-    per query (its max) or subtracts from its per-query constant (exp2's argument): one operation per score.
-    KEYS_AFTER: every key after every query, else every key at or before every query (a constexpr, so that
-    the key term is the loop's invariant)."""
-    query_term = tl.zeros([BLOCK_M], tl.float32)
-    if HAS_ALIBI:
-        # distance = (start_n + jj) - (start_m + ii) = (start_n - start_m + ref - ii) + (jj - ref), ref the
-        # block's key nearest the queries (0 after them, BLOCK_N - 1 before): two integer distances of one
-        # sign, so that the terms never cancel (the score keeps the precision of slope · distance). After
-        # the query the term is -after · (distance - offset) = slope · distance + after · offset
-        if KEYS_AFTER:
-            slope = -after
-            ref: tl.constexpr = 0
-            query_term += after * offset
-        else:
-            slope = before
-            ref: tl.constexpr = BLOCK_N - 1
-        query_term += slope * (start_n - start_m + ref - tl.arange(0, BLOCK_M)).to(tl.float32)
-        key_term = slope * (tl.arange(0, BLOCK_N) - ref).to(tl.float32)
-        if TRANSPOSED:
-            qk = qk * qk_scale + key_term[:, None]
-        else:
-            qk = qk * qk_scale + key_term[None, :]
-    else:
-        qk = qk * qk_scale
-    return qk, query_term
-
-
-@triton.jit
-def _block_scores(qk, GROUPS, b, sgb, own_group, offs_m, offs_n, start_m, start_n, before, after, S, qk_scale,
-                  offset, half_window, KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(scores less a query term, the query term [BLOCK_M]) of a block pair from qk = q·kᵀ (its transpose
-    when TRANSPOSED): `_whole_block_scores` for whole blocks (KIND, `_stretches`), else `_scores` (term 0).
-    own_group: the groups of the program's block (queries, or keys when TRANSPOSED); the loop's block's are
-    loaded here."""
-    if KIND != MASKED:
-        qk, query_term = _whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset,
-                                             (KIND == LATER) != TRANSPOSED, HAS_ALIBI, TRANSPOSED, BLOCK_M,
-                                             BLOCK_N)
-    else:
-        if TRANSPOSED:
-            q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
-            k_group = own_group
-        else:
-            q_group = own_group
-            k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
-        qk = _scores(qk, offs_m, offs_n, before, after, q_group, k_group, S, qk_scale, offset, half_window,
-                     HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, TRANSPOSED)
-        query_term = tl.zeros([BLOCK_M], tl.float32)
-    return qk, query_term
-
-
-@triton.jit
-def _partition(SPANS, span_stride, b, sgb, offs, first, lo, S, half_window, BLOCK: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The loop's blocks (starts lo, lo + BLOCK, ... below `_span`'s hi; lo aligned) split for the program's
-    block at offs (starting at first): whole blocks — inside `_whole`'s range and, with ALiBi, off the
-    diagonal — in [a1, a2) and [b1, z); the rest (masked) in [lo, a1), [a2, b1) and [z, hi)."""
-    whole_lo, whole_hi = _whole(SPANS, span_stride, b, sgb, offs, first, S, half_window, HAS_GROUPS, HAS_WINDOW)
-    z = tl.maximum(lo, whole_hi // BLOCK * BLOCK)
-    a1 = tl.minimum(tl.maximum(tl.cdiv(whole_lo, BLOCK) * BLOCK, lo), z)
-    if HAS_ALIBI:  # the diagonal's blocks [d1, d2): some key before (or at) a query, another after one
-        if TRANSPOSED:  # a fixed block of keys, the loop over queries
-            d1 = tl.cdiv(tl.maximum(first + 1 - BLOCK, 0), BLOCK) * BLOCK
-            d2 = tl.cdiv(first + offs.shape[0] - 1, BLOCK) * BLOCK
-        else:
-            d1 = tl.cdiv(tl.maximum(first + 2 - BLOCK, 0), BLOCK) * BLOCK
-            d2 = tl.cdiv(first + offs.shape[0], BLOCK) * BLOCK
-        a2 = tl.maximum(a1, tl.minimum(d1, z))
-        b1 = tl.maximum(a2, tl.minimum(d2, z))
-    else:
-        a2 = z
-        b1 = z
-    return a1, a2, b1, z
-
-
-@triton.jit
-def _block_start(t, s0, e0, s1, e1, s2, BLOCK: tl.constexpr):
-    """The t-th block of the stretches [s0, e0), [s1, e1), [s2, ...) (`_stretches`)."""
-    n0 = (e0 - s0) // BLOCK
-    n1 = n0 + (e1 - s1) // BLOCK
-    return tl.where(t < n0, s0 + t * BLOCK, tl.where(t < n1, s1 + (t - n0) * BLOCK, s2 + (t - n1) * BLOCK))
-
-
-MASKED: tl.constexpr = tl.constexpr(0)
-EARLIER: tl.constexpr = tl.constexpr(1)
-LATER: tl.constexpr = tl.constexpr(2)
-"""The kinds of the loop's blocks (`_partition`), one loop each: masked; whole, before the program's block
-(below the diagonal); whole, after it (without ALiBi every whole block is EARLIER's)."""
-
-
-@triton.jit
-def _stretches(lo, hi, a1, a2, b1, z, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """(s0, e0, s1, e1, s2, count): the stretches of the blocks of one kind (`_partition`), and their
-    number of blocks."""
-    if KIND == EARLIER:
-        return a1, a2, a2, a2, a2, (a2 - a1) // BLOCK
-    if KIND == LATER:
-        return b1, z, z, z, z, (z - b1) // BLOCK
-    return lo, a1, a2, b1, z, (a1 - lo) // BLOCK + (b1 - a2) // BLOCK + tl.cdiv(tl.maximum(hi - z, 0), BLOCK)
 
 
 @triton.jit
@@ -242,50 +103,6 @@ def _store_rows(PTR, value, b, h, offs, sb, sh, ss, S, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _groups(GROUPS, b, sgb, offs, S, HAS_GROUPS: tl.constexpr, QUERIES: tl.constexpr):
-    """The group of each position (`attention_groups`; -1 past S); unused without HAS_GROUPS. QUERIES:
-    padding's -1 becomes -2, a group no key has, so that one comparison per score says what is visible."""
-    if HAS_GROUPS:
-        group = tl.load(GROUPS + b * sgb + offs, mask=offs < S, other=-1)
-        return tl.where(group < 0, -2, group) if QUERIES else group
-    return offs
-
-
-@triton.jit
-def _span(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK: tl.constexpr,
-          HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """[lo, hi): the positions on the other side (keys of a block of queries, or queries of a block of
-    keys) that may see the block at offs (starting at first): its groups' extent (`group_spans`)
-    narrowed by the window. lo is aligned down to BLOCK, the other side's block; the loop skips the rest."""
-    lo = S * 0  # an int32 zero, as S
-    hi = S
-    if HAS_GROUPS:
-        lo = tl.min(tl.load(SPANS + b * sgb + offs, mask=offs < S, other=S))
-        hi = tl.max(tl.load(SPANS + span_stride + b * sgb + offs, mask=offs < S, other=0))
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, first - half_window)
-        hi = tl.minimum(hi, first + offs.shape[0] + half_window)
-    return tl.maximum(lo, 0) // BLOCK * BLOCK, hi
-
-
-@triton.jit
-def _whole(SPANS, span_stride, b, sgb, offs, first, S, half_window, HAS_GROUPS: tl.constexpr,
-           HAS_WINDOW: tl.constexpr):
-    """[whole_lo, whole_hi): the positions on the other side that see every position of the block at offs
-    (starting at first) and that every one of them sees: the block's common run of equal groups
-    (`group_runs`; empty where the block holds two runs or padding), narrowed by the window."""
-    lo = S * 0
-    hi = S
-    if HAS_GROUPS:  # positions past S are never stored: they do not narrow the range
-        lo = tl.max(tl.load(SPANS + 2 * span_stride + b * sgb + offs, mask=offs < S, other=0))
-        hi = tl.min(tl.load(SPANS + 3 * span_stride + b * sgb + offs, mask=offs < S, other=S))
-    if HAS_WINDOW:  # every pair within the window: from the block's last position back, its first on
-        lo = tl.maximum(lo, first + offs.shape[0] - 1 - half_window)
-        hi = tl.minimum(hi, first + half_window + 1)
-    return lo, hi
-
-
-@triton.jit
 def _slopes(SLOPES, H, h, HAS_ALIBI: tl.constexpr):
     """Head h's ALiBi slopes for keys before (and at) the query and after it, in log2 units (SLOPES [2, H])."""
     if HAS_ALIBI:
@@ -311,25 +128,25 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
-    q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
+    q_group = groups_of(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
     query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    lo, hi = _span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
-                   HAS_GROUPS, HAS_WINDOW)
-    a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
-                               HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
-    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`_stretches`)
-        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_N)
+    lo, hi = span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
+                  HAS_GROUPS, HAS_WINDOW)
+    a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
+                              HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
+    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`stretches`)
+        s0, e0, s1, e1, s2, count = stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_N)
         for block in range(0, count):
-            start_n = _block_start(block, s0, e0, s1, e1, s2, BLOCK_N)
+            start_n = block_start(block, s0, e0, s1, e1, s2, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
             qk = tl.dot(q, tl.trans(k))  # [BM, hn] x [hn, BN] -> [BM, BN]
-            qk, query_term = _block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
-                                           before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
-                                           HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
+            qk, query_term = block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
+                                          before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
+                                          HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(qk, 1) + query_term)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: nothing to rescale
             p = tl.math.exp2(qk - (m_safe - query_term)[:, None])
@@ -363,26 +180,26 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
     k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
     v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
-    k_group = _groups(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
+    k_group = groups_of(GROUPS, b, sgb, offs_n, S, HAS_GROUPS, False)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     # the queries that see these keys, and those that see all of them (the relation is symmetric)
-    lo, hi = _span(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, S, half_window, BLOCK_M,
-                   HAS_GROUPS, HAS_WINDOW)
-    a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, lo, S, half_window, BLOCK_M,
-                               HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True)
-    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`_stretches`)
-        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_M)
+    lo, hi = span(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, S, half_window, BLOCK_M,
+                  HAS_GROUPS, HAS_WINDOW)
+    a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, lo, S, half_window, BLOCK_M,
+                              HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True)
+    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`stretches`)
+        s0, e0, s1, e1, s2, count = stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_M)
         for block in range(0, count):
-            start_m = _block_start(block, s0, e0, s1, e1, s2, BLOCK_M)
+            start_m = block_start(block, s0, e0, s1, e1, s2, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
             do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
             lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
             qk_t = tl.dot(k, tl.trans(q))  # [BN, hn] x [hn, BM] -> [BN, BM]: the scores transposed
-            qk_t, query_term = _block_scores(qk_t, GROUPS, b, sgb, k_group, offs_m, offs_n, start_m,
-                                             start_n * BLOCK_N, before, after, S, qk_scale, offset, half_window,
-                                             KIND, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True, BLOCK_M, BLOCK_N)
+            qk_t, query_term = block_scores(qk_t, GROUPS, b, sgb, k_group, offs_m, offs_n, start_m,
+                                            start_n * BLOCK_N, before, after, S, qk_scale, offset, half_window,
+                                            KIND, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True, BLOCK_M, BLOCK_N)
             p_t = tl.math.exp2(qk_t - (lse - query_term)[None, :])  # [BN, BM]: the probabilities transposed
             dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
             if DROPPED > 0:  # (dv's keep_scale once, at the end)
@@ -417,26 +234,26 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
     do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
     lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
-    q_group = _groups(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
+    q_group = groups_of(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
     query_bits = _saved_query_bits(QBITS, bh, offs_m, S)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     d_before = tl.zeros([BLOCK_M], tl.float32)
     d_after = tl.zeros([BLOCK_M], tl.float32)
-    lo, hi = _span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
-                   HAS_GROUPS, HAS_WINDOW)
-    a1, a2, b1, z = _partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
-                               HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
-    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`_stretches`)
-        s0, e0, s1, e1, s2, count = _stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_N)
+    lo, hi = span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
+                  HAS_GROUPS, HAS_WINDOW)
+    a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
+                              HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
+    for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`stretches`)
+        s0, e0, s1, e1, s2, count = stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_N)
         for block in range(0, count):
-            start_n = _block_start(block, s0, e0, s1, e1, s2, BLOCK_N)
+            start_n = block_start(block, s0, e0, s1, e1, s2, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = _load_rows(K, b, h, offs_n, skb, skh, sks, S, HEAD_DIM)
             v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
             qk = tl.dot(q, tl.trans(k))  # [BM, hn] x [hn, BN] -> [BM, BN]
-            qk, query_term = _block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
-                                           before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
-                                           HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
+            qk, query_term = block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
+                                          before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
+                                          HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
             p = tl.math.exp2(qk - (lse - query_term)[:, None])
             dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
             if DROPPED > 0:
