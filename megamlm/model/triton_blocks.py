@@ -183,7 +183,7 @@ def span(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK: tl.cons
 
 @triton.jit
 def whole_range(SPANS, span_stride, b, sgb, offs, first, S, half_window, HAS_GROUPS: tl.constexpr,
-           HAS_WINDOW: tl.constexpr):
+                HAS_WINDOW: tl.constexpr):
     """[whole_lo, whole_hi): the positions on the other side that see every position of the block at offs
     (starting at first) and that every one of them sees: the block's common run of equal groups
     (`group_runs`; empty where the block holds two runs or padding), narrowed by the window."""
