@@ -123,7 +123,7 @@ def backward_launches(do, q, k, v, out, lse, query_bits, slopes, groups, spans, 
     # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
     # (an fp32 copy of dO times O, promoted in the product: one fp32 copy where .float() twice made three)
     delta = do.to(torch.float32, copy=True).mul_(out).sum(-1)
-    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, query_bits if dropped else None, dropped, half_window)
+    *inputs, flags = _kernel_inputs(q, slopes, groups, spans, query_bits, dropped, half_window)
     launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset,
                                level_keep_scale(dropped), half_window, flags, slope_grad)
     return launches, (dq, dk, dv, shares)
@@ -134,9 +134,9 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
                   groups: torch.Tensor | None, spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float,
                   offset: float, dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units, query_bits). half_window -1: no window.
-    query_bits [b, np, s] int32: the dropout hash's first two links per query, for the backward (in the
-    dK/dV kernel every thread would compute them for each of its queries, each block: half again the hash's
-    work); without dropout a placeholder."""
+    query_bits [b, np, s] int32: the dropout hash per query (triton_kernels' `_query_bits`), for the
+    backward (in the dK/dV kernel every thread would compute them for each of its queries, each block:
+    half again the hash's work); without dropout a placeholder, never read."""
     launch, outputs = forward_launch(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
     launch()
     return outputs
@@ -204,7 +204,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: 
     spans = kernel_spans(groups) if groups is not None and spans is None else spans
     slopes = slopes if slopes is None or slopes.dim() == 2 else slopes.expand(2, -1)  # before, after
     out, _, _ = _attention_op(q, k, v, slopes, groups, spans, seed if dropped else None, scale, offset, dropped,
-                           -1 if window is None else window // 2)
+                              -1 if window is None else window // 2)
     return out
 
 

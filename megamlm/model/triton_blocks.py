@@ -105,11 +105,13 @@ def block_scores(qk, GROUPS, b, sgb, own_group, offs_m, offs_n, start_m, start_n
 
 
 @triton.jit
-def partition(SPANS, span_stride, b, sgb, offs, first, lo, S, half_window, BLOCK: tl.constexpr,
+def partition(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK: tl.constexpr,
               HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The loop's blocks (starts lo, lo + BLOCK, ... below `span`'s hi; lo aligned) split for the program's
-    block at offs (starting at first): whole blocks — inside `whole_range`'s range and, with ALiBi, off the
-    diagonal — in [a1, a2) and [b1, z); the rest (masked) in [lo, a1), [a2, b1) and [z, hi)."""
+    """(lo, hi, a1, a2, b1, z): the loop's blocks for the program's block at offs (starting at first) —
+    starts lo, lo + BLOCK, ... below hi (`span`) — split into whole blocks, inside `whole_range`'s range
+    and, with ALiBi, off the diagonal, in [a1, a2) and [b1, z); the rest (masked) in [lo, a1), [a2, b1)
+    and [z, hi)."""
+    lo, hi = span(SPANS, span_stride, b, sgb, offs, first, S, half_window, BLOCK, HAS_GROUPS, HAS_WINDOW)
     whole_lo, whole_hi = whole_range(SPANS, span_stride, b, sgb, offs, first, S, half_window, HAS_GROUPS, HAS_WINDOW)
     z = tl.maximum(lo, whole_hi // BLOCK * BLOCK)
     a1 = tl.minimum(tl.maximum(tl.cdiv(whole_lo, BLOCK) * BLOCK, lo), z)
@@ -125,7 +127,7 @@ def partition(SPANS, span_stride, b, sgb, offs, first, lo, S, half_window, BLOCK
     else:
         a2 = z
         b1 = z
-    return a1, a2, b1, z
+    return lo, hi, a1, a2, b1, z
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamlm.model.triton_blocks import block_scores, block_start, groups_of, partition, span, stretches
+from megamlm.model.triton_blocks import block_scores, block_start, groups_of, partition, stretches
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
@@ -133,10 +133,8 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    lo, hi = span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
-                  HAS_GROUPS, HAS_WINDOW)
-    a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
-                              HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
+    lo, hi, a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window,
+                                      BLOCK_N, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
     for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`stretches`)
         s0, e0, s1, e1, s2, count = stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_N)
         for block in range(0, count):
@@ -184,10 +182,8 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     # the queries that see these keys, and those that see all of them (the relation is symmetric)
-    lo, hi = span(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, S, half_window, BLOCK_M,
-                  HAS_GROUPS, HAS_WINDOW)
-    a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, lo, S, half_window, BLOCK_M,
-                              HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True)
+    lo, hi, a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, S, half_window,
+                                      BLOCK_M, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True)
     for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`stretches`)
         s0, e0, s1, e1, s2, count = stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_M)
         for block in range(0, count):
@@ -239,10 +235,8 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     d_before = tl.zeros([BLOCK_M], tl.float32)
     d_after = tl.zeros([BLOCK_M], tl.float32)
-    lo, hi = span(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window, BLOCK_N,
-                  HAS_GROUPS, HAS_WINDOW)
-    a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, lo, S, half_window, BLOCK_N,
-                              HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
+    lo, hi, a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_m, start_m * BLOCK_M, S, half_window,
+                                      BLOCK_N, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, False)
     for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`stretches`)
         s0, e0, s1, e1, s2, count = stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_N)
         for block in range(0, count):
