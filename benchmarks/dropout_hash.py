@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from megamlm.model.flex import dropped_levels, kept_at_level
+from megamlm.model.flex import dropped_levels, kept_at_level, key_level, key_pair
 from timing import timed, warm_clocks
 
 _LOW32 = 2**32 - 1
@@ -39,7 +39,8 @@ def kept_int64(seed: torch.Tensor, dropped: int, b, h, q_idx, kv_idx) -> torch.T
     both against Python's integers)."""
     x = _fmix32_int64(seed ^ ((b.to(torch.int64) << 16) | h.to(torch.int64)))
     x = _fmix32_int64(x ^ q_idx.to(torch.int64))
-    return _fmix32_int64(x ^ kv_idx.to(torch.int64)) >= dropped
+    kv_idx = kv_idx.to(torch.int64)
+    return key_level(_fmix32_int64(x ^ key_pair(kv_idx)), kv_idx) >= dropped
 
 
 def main() -> None:

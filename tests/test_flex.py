@@ -120,7 +120,7 @@ def test_flex_dropout_gradient_is_the_eager_dropout_gradient(p):
     mask = ATTENTION_BACKENDS["sdpa"](PositionEncoding()).prepare(padding, documents, None, torch.float32)  # -inf / 0
     params, term = position.score_params(), position.score_function()
     grids = _grids()
-    seed = torch.tensor(987654321)
+    seed = torch.tensor(987654364)  # at p = 0.5 three real queries lose every key they see (checked below)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + term(params, h, q_idx, kv_idx)
@@ -150,12 +150,17 @@ def test_hashed_mask_drops_p_of_the_entries_independently():
     # neighbours along the key and the query are independent: P(both kept) = (1 - p)^2
     for pair in (keep[..., 1:] & keep[..., :-1], keep[:, :, 1:] & keep[:, :, :-1]):
         assert abs(pair.float().mean().item() - (1 - p) ** 2) < 5e-3
+    # so are keys j and j ^ 8, which take the two halves of one hash (65,536 pairs: 3.4 standard deviations)
+    low = torch.tensor([j for j in range(s) if not j & 8])
+    for q in (p, 0.5):
+        halves = keep_mask(torch.tensor(5), q, *grids)
+        assert abs((halves[..., low] & halves[..., low ^ 8]).float().mean().item() - (1 - q) ** 2) < 5e-3, q
     # every row, head and seed has its own mask
     assert not torch.equal(keep[0], keep[1])
     assert not torch.equal(keep[:, 0], keep[:, 1])
     assert not torch.equal(keep, keep_mask(torch.tensor(6), p, *grids))
     assert abs(keep_mask(torch.tensor(5), 0.5, *grids).float().mean().item() - 0.5) < 5e-3
-    assert keep_scale(0.1) == pytest.approx(1 / 0.9, rel=1e-9)
+    assert keep_scale(0.1) == 65536 / (65536 - 6554)  # 16 bits per key: p = 6554 / 65536 = 0.100006
 
 
 def _murmur_bits(seed: int, b: int, h: int, q: int, k: int) -> int:
@@ -170,15 +175,22 @@ def _murmur_bits(seed: int, b: int, h: int, q: int, k: int) -> int:
     return fmix(fmix(fmix(seed ^ (b << 16 | h)) ^ q) ^ k)
 
 
+def _murmur_kept(seed: int, b: int, h: int, q: int, k: int, dropped: int) -> bool:
+    """Whether the mask keeps key k, in Python's integers: keys k and k ^ 8 share the hash of their pair,
+    k with bit 3 clear taking its low 16 bits, k with it set the high 16."""
+    bits = _murmur_bits(seed, b, h, q, (k >> 4) << 3 | (k & 7))
+    return (bits >> 16 if k & 8 else bits & 0xFFFF) >= dropped
+
+
 def test_hashed_mask_is_murmur3_on_int32_lanes_eager_and_compiled():
-    """The int32 lanes (wrapping products, logical shifts, the signed compare) keep exactly the
-    unsigned hash's entries: against Python integers, at seeds and indices that set the sign bit,
+    """The int32 lanes (wrapping products, logical shifts, each key's half of its pair's bits) keep exactly
+    the unsigned hash's entries: against Python integers, at seeds and indices that set the sign bit,
     and through Inductor (the kernel FlexAttention's score_mod becomes on a GPU)."""
     from megamlm.model.flex import dropped_levels, kept_at_level, random_bits
 
     rows, heads = torch.tensor([0, 1, 7, 32767]), torch.tensor([0, 3, 11, 65535])
     queries = torch.tensor([0, 1, 2047, 8191, 2**31 - 1])
-    keys = torch.tensor([0, 5, 4095, 2**30 + 3, 2**31 - 1])
+    keys = torch.tensor([0, 5, 8, 13, 4095, 2**30 + 3, 2**31 - 1])
     grids = (rows[:, None, None, None], heads[None, :, None, None], queries[None, None, :, None],
              keys[None, None, None, :])
     for seed in (0, 12345, 2**31 - 1):
@@ -188,8 +200,10 @@ def test_hashed_mask_is_murmur3_on_int32_lanes_eager_and_compiled():
                               for h in heads.tolist()] for b in rows.tolist()])
         assert torch.equal(bits.to(torch.int64) % 2**32, want)
         for p in (1e-9, 0.1, 0.5, 0.999):
-            assert torch.equal(kept_at_level(torch.tensor(seed), dropped_levels(p), *grids),
-                               want >= dropped_levels(p)), (seed, p)
+            dropped = dropped_levels(p)
+            kept = torch.tensor([[[[_murmur_kept(seed, b, h, q, k, dropped) for k in keys.tolist()]
+                                   for q in queries.tolist()] for h in heads.tolist()] for b in rows.tolist()])
+            assert torch.equal(kept_at_level(torch.tensor(seed), dropped, *grids), kept), (seed, p)
     # what Inductor generates from the same expression (C++ here; Triton on a GPU) keeps the same entries
     dropped, seed, grid = dropped_levels(0.1), torch.tensor(2**31 - 7), _grids(2, 3, 64)
     compiled = torch.compile(lambda s, *g: kept_at_level(s, dropped, *g), dynamic=False)

@@ -14,7 +14,19 @@ import torch
 import torch.nn.functional as F
 
 _LANES = 4  # int16 lanes per int64 draw
-_LEVELS = 2**16
+LEVELS = 2**16
+"""The masks' resolution (this module's and attention dropout's, flex.py): 16 random bits per element,
+dropped below round(p · LEVELS)."""
+
+
+def dropped_levels(p: float) -> int:
+    """Elements whose 16 random bits are below this are dropped: round(p · 2^16)."""
+    return round(p * LEVELS)
+
+
+def level_keep_scale(dropped: int) -> float:
+    """1 / the keep probability of the threshold `dropped` (= dropped_levels(p)): the expectation stays."""
+    return LEVELS / (LEVELS - dropped)
 
 
 class _KeepAndScale(torch.autograd.Function):
@@ -43,11 +55,11 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p, training=True)
-    dropped_levels = round(p * _LEVELS)
-    if dropped_levels >= _LEVELS:
+    dropped = dropped_levels(p)
+    if dropped >= LEVELS:
         return x * 0.0  # stays in the graph (zero gradient), as F.dropout with p=1
     words = torch.empty(-(-x.numel() // _LANES), dtype=torch.int64)
     # from=int64 min with no upper bound: every draw is 64 uniform bits
     lanes = words.random_(-(2**63), None).view(torch.int16)[: x.numel()].view(x.shape)
-    keep = lanes >= dropped_levels - _LEVELS // 2  # int16 lanes are uniform over [-2^15, 2^15)
-    return _KeepAndScale.apply(x, keep, _LEVELS / (_LEVELS - dropped_levels))
+    keep = lanes >= dropped - LEVELS // 2  # int16 lanes are uniform over [-2^15, 2^15)
+    return _KeepAndScale.apply(x, keep, level_keep_scale(dropped))

@@ -14,9 +14,13 @@ the pass that computes out') and lse the one over every key (a second pass with 
 it computes only the scores and their logsumexp, no probability-value product of head width).
 FlexAttention differentiates through the logsumexp it returns, so the backward is exact too.
 
-The mask is a hash of (seed, row, head, query, key): murmur3's 32-bit finalizer chained over them, key j
-kept when the hash is at or above round(p · 2^32). It runs on int32 lanes (wrapping products, masked
-logical shifts): the same bits as on int64, at half the work on a CPU's vector lanes and without a GPU's
+The mask is a hash of (seed, row, head, query, key pair): murmur3's 32-bit finalizer chained over them
+gives 32 bits per query and pair of keys j and j ^ 8, 16 bits per key (`key_pair`, `key_level`); key j is
+kept when its 16 bits are at or above round(p · 2^16) (dropout.py's resolution: 0.1 -> 0.100006; FlashAttention's
+dropout has 8 bits). Why pairs, and why j with j ^ 8: in the Triton kernels' tiles (Hopper's MMA
+accumulator layout, keys along either dimension) one thread holds both keys of such a pair, so one hash
+serves two scores (triton_kernels.py). It runs on int32 lanes (wrapping products, masked logical
+shifts): the same bits as on int64, at half the work on a CPU's vector lanes and without a GPU's
 emulated 64-bit products, in the innermost loop of both passes and their backward. Nothing [s, s] is
 stored; the backward pass recomputes the mask from the indices. The seed is drawn per call from the
 tensor-parallel stream (`tensor_parallel_rng`, as SDPA's dropout), so each TP rank's heads get their own
@@ -36,10 +40,10 @@ import torch
 from torch.nn.attention.flex_attention import FlexKernelOptions, flex_attention
 
 from megamlm.config import ConfigError
+from megamlm.model.dropout import dropped_levels, level_keep_scale
 from megamlm.parallel import tensor_parallel_rng
 
-_LEVELS = 2**32  # the hash's range; the drop probability is round(p · 2^32) / 2^32
-_SIGN = -(2**31)  # int32's sign bit: x ^ _SIGN orders 32 unsigned bits as signed int32 compares them
+_HASH_RANGE = 2**32
 _LSE_WIDTH = 16  # the zero value's head width in the logsumexp pass: the kernels' smallest tile
 
 ScoreMod = Callable[..., torch.Tensor]
@@ -51,7 +55,7 @@ the layer's BlockMask and scale."""
 
 def _int32(constant: int) -> int:
     """A 32-bit constant as the int32 with its bits (int32 tensors refuse larger Python ints)."""
-    return constant - _LEVELS if constant >= 2**31 else constant
+    return constant - _HASH_RANGE if constant >= 2**31 else constant
 
 
 def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -77,9 +81,16 @@ def random_bits(seed: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:
     return _fmix32(x ^ kv_idx.to(torch.int32))
 
 
-def dropped_levels(p: float) -> int:
-    """Hash values below this are dropped: round(p · 2^32)."""
-    return round(p * _LEVELS)
+def key_pair(kv_idx: torch.Tensor) -> torch.Tensor:
+    """The index of key kv_idx's pair in the hash chain: keys j and j ^ 8 share one 32-bit hash
+    ((j >> 4) << 3 | (j & 7): consecutive pairs for consecutive 16-key groups)."""
+    return ((kv_idx >> 4) << 3) | (kv_idx & 7)
+
+
+def key_level(bits: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """Key kv_idx's 16 bits of its pair's hash `bits` (int32 or int64 lanes holding 32 bits): the low half
+    where bit 3 of kv_idx is clear, the high half where it is set; in [0, 2^16)."""
+    return (bits >> ((kv_idx & 8) << 1)) & 0xFFFF
 
 
 def keep_mask(seed: torch.Tensor, p: float, b, h, q_idx, kv_idx) -> torch.Tensor:
@@ -91,18 +102,13 @@ def kept_at_level(seed: torch.Tensor, dropped: int, b, h, q_idx, kv_idx) -> torc
     """keep_mask with the threshold `dropped_levels(p)` given as a Python int, as a score_mod captures
     it: a captured float reaches FlexAttention as a graph input that torch 2.11 refuses ("all unwrapped
     values must be FakeTensor, int, or SymInt", the attention benchmark on an H200)."""
-    # the bits as unsigned >= dropped, in int32's signed order
-    return (random_bits(seed, b, h, q_idx, kv_idx) ^ _SIGN) >= dropped + _SIGN
+    kv_idx = kv_idx.to(torch.int32)
+    return key_level(random_bits(seed, b, h, q_idx, key_pair(kv_idx)), kv_idx) >= dropped
 
 
 def keep_scale(p: float) -> float:
-    """1 / the keep probability (exact for the 2^32-level threshold)."""
+    """1 / the keep probability (exact for the 2^16-level threshold)."""
     return level_keep_scale(dropped_levels(p))
-
-
-def level_keep_scale(dropped: int) -> float:
-    """1 / the keep probability of the threshold `dropped` (= dropped_levels(p))."""
-    return _LEVELS / (_LEVELS - dropped)
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:

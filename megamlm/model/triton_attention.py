@@ -21,7 +21,8 @@ import torch
 
 from megamlm.config import GLOBAL_ATTENTION, LayerAttention, ModelConfig
 from megamlm.model.attention import AttentionBackend
-from megamlm.model.flex import draw_seed, dropped_levels, keep_mask, keep_scale, level_keep_scale
+from megamlm.model.dropout import dropped_levels, level_keep_scale
+from megamlm.model.flex import draw_seed, keep_mask, keep_scale
 from megamlm.model.patterns import group_sees, pattern_sees
 from megamlm.model.positions import alibi_bias
 from megamlm.model.sequences import LayoutReads, attention_groups

@@ -4,11 +4,14 @@ query, and their gradient where they are learned), key padding, documents, packe
 windows and attention dropout, forward and backward, FlashAttention's way (online softmax; the backward
 recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ).
 
-The dropout mask is flex.py's: key j of query i (row b, head h) is kept when murmur3's finalizer chained
-over (seed ^ (b << 16 | h), i, j) is at or above round(p · 2^32); kept probabilities are scaled by
-2^32 / (2^32 - round(p · 2^32)). The first two links of the chain (and the last one's first step) are
-computed once per query, in the forward, which saves them for the backward; only the rest per score.
-Nothing [s, s] is stored; the backward recomputes the mask.
+The dropout mask is flex.py's: murmur3's finalizer chained over (seed ^ (b << 16 | h), i, pair) gives 32
+bits per query i (row b, head h) and pair of keys j, j ^ 8, 16 per key; key j is kept when its 16 are at
+or above round(p · 2^16); kept probabilities are scaled by 2^16 / (2^16 - round(p · 2^16)). The first two
+links of the chain (and the last one's first step) are computed once per query, in the forward, which
+saves them for the backward; the rest once per pair: in a Hopper MMA accumulator tile a thread holds
+columns c and c + 8 (rows r and r + 8), so both keys of a pair are in one thread in either orientation
+and the two halves need no data moved (`_key_levels`). Nothing [s, s] is stored; the backward recomputes
+the mask.
 
 Which block pairs a program visits, in which of its loops (the masked one, or the two over whole blocks,
 before and after the diagonal), and their scores with visibility and ALiBi: triton_blocks.py.
@@ -35,6 +38,7 @@ from megamlm.model.triton_blocks import block_scores, block_start, groups_of, pa
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
+_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)  # the kernels' copy
 
 LOG2E = 1.4426950408889634
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy
@@ -43,27 +47,57 @@ _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy
 @triton.jit
 def _fmix32(x):
     """murmur3's finalizer on uint32 (flex.py's `_fmix32` on int32 bits: the same bits)."""
-    return _fmix32_tail(x ^ (x >> 16))
+    x = _fmix32_middle(x ^ (x >> 16))
+    return x ^ (x >> 16)
 
 
 @triton.jit
-def _fmix32_tail(x):
-    """`_fmix32` after its first step (x ^= x >> 16)."""
+def _fmix32_middle(x):
+    """`_fmix32` without its first step (x ^= x >> 16) and its last (the same): the two products."""
     x *= 0x85EBCA6B
     x ^= x >> 13
     x *= 0xC2B2AE35
-    x ^= x >> 16
     return x
 
 
 @triton.jit
-def _kept(query_bits, offs_n, DROPPED: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Where dropout keeps a score: the rest of the hash chain's last link, per (query, key)."""
+def _key_levels(query_bits, start_n, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Each score's 16 dropout bits (flex.py `key_level`) in the high half of a uint32, [BM, BN] ([BN, BM]
+    transposed) for keys start_n + [0, BN): one hash per pair of keys j, j ^ 8, without the finalizer's last
+    step x ^= x >> 16, which leaves the high half as it is (key j ^ 8's 16 bits) and makes the low half
+    (key j's) the xor of both, moved up here. Pairs 8g + l of the [BN/2] hashes cover keys 16g + l and
+    16g + 8 + l, so the reshapes below keep each value in the thread that computed it."""
+    pairs = (start_n // 2 + tl.arange(0, BLOCK_N // 2)).to(tl.uint32)
     if TRANSPOSED:
-        bits = _fmix32_tail(query_bits[None, :] ^ offs_n[:, None].to(tl.uint32))
+        x = _fmix32_middle(query_bits[None, :] ^ pairs[:, None])  # [BN/2, BM]
+        x = x.reshape(BLOCK_N // 16, 8, x.shape[1])
+        # [BN/16, 8, BM, 2] -> [BN/16, 2, 8, BM] -> [BN, BM]
+        levels = tl.join((x << 16) ^ (x & 0xFFFF0000), x).permute(0, 3, 1, 2).reshape(BLOCK_N, x.shape[2])
     else:
-        bits = _fmix32_tail(query_bits[:, None] ^ offs_n[None, :].to(tl.uint32))
-    return bits >= DROPPED
+        x = _fmix32_middle(query_bits[:, None] ^ pairs[None, :])  # [BM, BN/2]
+        x = x.reshape(x.shape[0], BLOCK_N // 16, 8)
+        # [BM, BN/16, 8, 2] -> [BM, BN/16, 2, 8] -> [BM, BN]
+        levels = tl.join((x << 16) ^ (x & 0xFFFF0000), x).permute(0, 1, 3, 2).reshape(x.shape[0], BLOCK_N)
+    return levels
+
+
+@triton.jit
+def _kept(levels, DROPPED: tl.constexpr):
+    """Where dropout keeps a score: its `_key_levels` at or above DROPPED (= round(p · 2^16)) in the high half."""
+    return levels >= DROPPED << 16
+
+
+@triton.jit
+def _drop(x, levels, DROPPED: tl.constexpr):
+    """tl.where(_kept(levels, DROPPED), x, 0.0) as one compare and one fp32 select per score on a GPU.
+    Written as tl.where, LLVM moves the select past a bf16 conversion that follows (the forward's P, dK/dV's
+    Pᵀ) and selects 16-bit halves: two more instructions per score (benchmarks/triton_static.py); in the
+    transposed dK/dV tile tl.where costs more still. dQ's select stays fp32 and uses tl.where."""
+    if _INTERPRET:
+        return tl.where(_kept(levels, DROPPED), x, 0.0)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred kept; setp.hs.u32 kept, $2, $3; selp.f32 $0, $1, 0f00000000, kept; }", "=r,r,r,r",
+        [x, levels, tl.full(levels.shape, DROPPED << 16, tl.uint32)], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -151,7 +185,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator counts every key, dropped or not
             if DROPPED > 0:
-                p = tl.where(_kept(query_bits, offs_n, DROPPED, False), p, 0.0)
+                p = _drop(p, _key_levels(query_bits, start_n, BLOCK_N, False), DROPPED)
             v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -199,9 +233,9 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
             p_t = tl.math.exp2(qk_t - (lse - query_term)[None, :])  # [BN, BM]: the probabilities transposed
             dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
             if DROPPED > 0:  # (dv's keep_scale once, at the end)
-                kept = _kept(_saved_query_bits(QBITS, bh, offs_m, S), offs_n, DROPPED, True)
-                dv += tl.dot(tl.where(kept, p_t, 0.0).to(do.dtype), do)
-                dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
+                levels = _key_levels(_saved_query_bits(QBITS, bh, offs_m, S), start_n * BLOCK_N, BLOCK_N, True)
+                dv += tl.dot(_drop(p_t, levels, DROPPED).to(do.dtype), do)
+                dp_t = _drop(dp_t * keep_scale, levels, DROPPED)
             else:
                 dv += tl.dot(p_t.to(do.dtype), do)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -251,7 +285,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
             p = tl.math.exp2(qk - (lse - query_term)[:, None])
             dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
             if DROPPED > 0:
-                dp = tl.where(_kept(query_bits, offs_n, DROPPED, False), dp * keep_scale, 0.0)
+                dp = tl.where(_kept(_key_levels(query_bits, start_n, BLOCK_N, False), DROPPED), dp * keep_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
             if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
