@@ -122,11 +122,15 @@ def backward_launches(do, q, k, v, out, lse, query_bits, slopes, groups, spans, 
     # slope_grad a placeholder, never written (as _kernel_inputs': no null pointer for the launcher)
     shares = q.new_empty((b, np_local, s, 2) if slope_grad else (1,), dtype=torch.float32)
     # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
-    # (an fp32 copy of dO times O, promoted in the product: one fp32 copy where .float() twice made three)
+    # (an fp32 copy of dO times O, promoted in the product: one fp32 copy where .float() twice made three),
+    # divided by the keep scale, which the kernels apply once per program (`kernel_backward`)
+    keep_scale = level_keep_scale(dropped)
     delta = do.to(torch.float32, copy=True).mul_(out).sum(-1)
+    if dropped:
+        delta /= keep_scale
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, query_bits, dropped, half_window)
-    launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset,
-                               level_keep_scale(dropped), half_window, flags, slope_grad)
+    launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset, keep_scale,
+                               half_window, flags, slope_grad)
     return launches, (dq, dk, dv, shares)
 
 

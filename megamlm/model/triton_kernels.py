@@ -232,15 +232,15 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
                                             KIND, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True, BLOCK_M, BLOCK_N)
             p_t = tl.math.exp2(qk_t - (lse - query_term)[None, :])  # [BN, BM]: the probabilities transposed
             dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
-            if DROPPED > 0:  # (dv's keep_scale once, at the end)
+            if DROPPED > 0:  # (the keep scale once, at the end: `backward_launches`)
                 levels = _key_levels(_saved_query_bits(QBITS, bh, offs_m, S), start_n * BLOCK_N, BLOCK_N, True)
                 dv += tl.dot(_drop(p_t, levels, DROPPED).to(do.dtype), do)
-                dp_t = _drop(dp_t * keep_scale, levels, DROPPED)
+                dp_t = _drop(dp_t, levels, DROPPED)
             else:
                 dv += tl.dot(p_t.to(do.dtype), do)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q)
-    dk *= sm_scale
+    dk *= sm_scale * keep_scale
     if DROPPED > 0:
         dv *= keep_scale
     _store_rows(DK, dk, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
@@ -285,18 +285,18 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
             p = tl.math.exp2(qk - (lse - query_term)[:, None])
             dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
             if DROPPED > 0:
-                dp = tl.where(_kept(_key_levels(query_bits, start_n, BLOCK_N, False), DROPPED), dp * keep_scale, 0.0)
+                dp = tl.where(_kept(_key_levels(query_bits, start_n, BLOCK_N, False), DROPPED), dp, 0.0)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
             if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
                 distance = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
                 d_before += tl.sum(tl.where(distance > 0, 0.0, ds * distance), 1)
                 d_after += tl.sum(tl.where(distance > 0, ds * (offset - distance), 0.0), 1)
-    dq *= sm_scale
+    dq *= sm_scale * keep_scale
     _store_rows(DQ, dq, b, h, offs_m, sxb, sxh, sxs, S, HEAD_DIM)
     if SLOPE_GRAD:
-        tl.store(DSLOPES + (bh * S + offs_m) * 2, d_before, mask=offs_m < S)
-        tl.store(DSLOPES + (bh * S + offs_m) * 2 + 1, d_after, mask=offs_m < S)
+        tl.store(DSLOPES + (bh * S + offs_m) * 2, d_before * keep_scale, mask=offs_m < S)
+        tl.store(DSLOPES + (bh * S + offs_m) * 2 + 1, d_after * keep_scale, mask=offs_m < S)
 
 
 def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -356,7 +356,9 @@ def backward_launches(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, grou
                       offset: float, keep_scale: float, half_window: int, flags: dict,
                       slope_grad: bool) -> tuple[Launch, Launch]:
     """Filling dk, dv, then dq (one layout: the strides of dq) from dO, the forward's lse and query bits, and
-    delta = Σ dO·O; with slope_grad also dslopes [b, np, s, 2], each query's share of the slopes' gradient."""
+    delta = Σ dO·O / keep_scale; with slope_grad also dslopes [b, np, s, 2], each query's share of the slopes'
+    gradient. With dropout dS = P ∘ (keep_scale · kept(dP) - Σ dO·O) = keep_scale · P ∘ (kept(dP) - delta): the
+    kernels apply keep_scale once per program (to dK, dV, dQ and the shares), not once per score."""
     b, np_local, s, hn = q.shape
     common = (slopes, groups, spans, query_bits, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
               groups.stride(0), b * s, *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale,
