@@ -17,9 +17,9 @@ FlexAttention differentiates through the logsumexp it returns, so the backward i
 The mask is a hash of (seed, row, head, query, key pair): murmur3's 32-bit finalizer chained over them
 gives 32 bits per query and pair of keys j and j ^ 8, 16 bits per key (`key_pair`, `key_level`); key j is
 kept when its 16 bits are at or above round(p · 2^16) (dropout.py's resolution: 0.1 -> 0.100006; FlashAttention's
-dropout has 8 bits). Why pairs, and why j with j ^ 8: in the Triton kernels' tiles (Hopper's MMA
-accumulator layout, keys along either dimension) one thread holds both keys of such a pair, so one hash
-serves two scores (triton_kernels.py). It runs on int32 lanes (wrapping products, masked logical
+dropout has 8 bits). Why pairs, and why j with j ^ 8: in the Triton kernels' tiles (the MMA accumulator
+layout of Hopper and Ampere, keys along either dimension) one thread holds both keys of such a pair, so one
+hash serves two scores (triton_kernels.py). It runs on int32 lanes (wrapping products, masked logical
 shifts): the same bits as on int64, at half the work on a CPU's vector lanes and without a GPU's
 emulated 64-bit products, in the innermost loop of both passes and their backward. Nothing [s, s] is
 stored; the backward pass recomputes the mask from the indices. The seed is drawn per call from the

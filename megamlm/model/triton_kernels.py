@@ -8,10 +8,10 @@ The dropout mask is flex.py's: murmur3's finalizer chained over (seed ^ (b << 16
 bits per query i (row b, head h) and pair of keys j, j ^ 8, 16 per key; key j is kept when its 16 are at
 or above round(p · 2^16); kept probabilities are scaled by 2^16 / (2^16 - round(p · 2^16)). The first two
 links of the chain (and the last one's first step) are computed once per query, in the forward, which
-saves them for the backward; the rest once per pair: in a Hopper MMA accumulator tile a thread holds
-columns c and c + 8 (rows r and r + 8), so both keys of a pair are in one thread in either orientation
-and the two halves need no data moved (`_key_levels`). Nothing [s, s] is stored; the backward recomputes
-the mask.
+saves them for the backward; the rest once per pair: in an MMA accumulator tile (Hopper's wgmma, as
+Ampere's mma.sync) a thread holds columns c and c + 8 and rows r and r + 8, so both keys of a pair are in
+one thread in either orientation and the two halves need no data moved (`_key_levels`). Nothing [s, s]
+is stored; the backward recomputes the mask.
 
 Which block pairs a program visits, in which of its loops (the masked one, or the two over whole blocks,
 before and after the diagonal), and their scores with visibility and ALiBi: triton_blocks.py.
