@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,7 @@ def main() -> None:
           f"{args.head_dim}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}")
     print(f"{'length':>7}  {'case':<30}{'kernel':<8}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}")
     failed = []
+    started = time.time()
     for length in (int(n) for n in args.lengths.split(",")):
         g = torch.Generator(device=device).manual_seed(0)
         shape = (args.batch, args.heads, length, args.head_dim)
@@ -100,7 +102,8 @@ def main() -> None:
                                    grad, reference)
                     print(f"{length:>7}  {case:<30}{'sdpa':<8}" + "".join(f"{e:>10.2e}" for e in sdpa))
                 label = case + (", dropout" if p else "")
-                print(f"{length:>7}  {label:<30}{'triton':<8}" + "".join(f"{e:>10.2e}" for e in ours))
+                print(f"{length:>7}  {label:<30}{'triton':<8}" + "".join(f"{e:>10.2e}" for e in ours)
+                      + f"  ({time.time() - started:.0f} s, autotuning included)", flush=True)
                 if any(ours_e > 4 * sdpa_e + 1e-3 for ours_e, sdpa_e in zip(ours, sdpa)):
                     failed.append(f"{length} {label}")
     if failed:

@@ -27,7 +27,9 @@ features); under TRITON_INTERPRET=1 (the tests, on CPU tensors) one small config
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -306,19 +308,48 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in candidates]
 
 
+def _compile_at_once(kernel: triton.JITFunction) -> Callable[..., list[triton.Config]]:
+    """The autotuner's `early_config_prune` hook for `kernel`, which it calls once per new tuning key before
+    it compiles and times the candidates one after another: compile them all first, at once (Triton's
+    AsyncCompileMode on a thread pool: LLVM's passes and ptxas run outside the GIL), so that the timing finds
+    them compiled. 15 candidates per training step's kernels, 180 in benchmarks/triton_check.py, at ~1.5 s
+    each. Prunes nothing; on any failure the candidates compile one by one, as without the hook."""
+
+    def compile_all(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        threads = min(len(configs), os.cpu_count() or 1, 16)
+        if threads < 2 or not hasattr(triton, "AsyncCompileMode"):
+            return configs
+        constants = {name: value for name, value in kwargs.items() if name not in ("grid", "warmup")}
+        try:
+            with ThreadPoolExecutor(threads) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+                for config in configs:
+                    kernel.warmup(*named_args.values(), grid=kwargs.get("grid"), **constants, **config.all_kwargs())
+        except Exception as error:  # noqa: BLE001 - an optimization: the autotuner compiles them itself
+            warnings.warn(f"triton attention: compiling the autotuner's candidates at once failed ({error!r}); "
+                          "they compile one by one", stacklevel=2)
+        return configs
+
+    return compile_all
+
+
+def _autotuned(kernel: triton.JITFunction, candidates: list[tuple[int, int, int, int]],
+               key: list[str]) -> triton.runtime.Autotuner:
+    return triton.autotune(_configs(candidates), key=key,
+                           prune_configs_by={"early_config_prune": _compile_at_once(kernel)})(kernel)
+
+
 _TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "HAS_WINDOW", "DROPPED"]
 # (BLOCK_M, BLOCK_N, warps, stages) for head dim 64 on Hopper (FlashAttention-2's and Triton's tutorial's
 # shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse). Left out: those
 # that spill registers with dropout on sm_90a (benchmarks/triton_static.py), e.g. the forward's 128 x 64
 # and dK/dV's 64 x 64 at 4 warps, and dK/dV's 64 x 64 at 8 warps, whose two warpgroups each computed the
 # whole tile (twice the matmuls and exp2 per score)
-_forward = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-                                     (64, 32, 4, 3)]), key=_TUNING_KEY)(_forward_kernel)
-_backward_keys = triton.autotune(_configs([(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (16, 128, 8, 3),
-                                           (32, 64, 4, 4)]), key=_TUNING_KEY)(_backward_keys_kernel)
-_backward_queries = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
-                                              (64, 32, 4, 4)]),
-                                    key=[*_TUNING_KEY, "SLOPE_GRAD"])(_backward_queries_kernel)
+_forward = _autotuned(_forward_kernel, [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                                         (64, 32, 4, 3)], _TUNING_KEY)
+_backward_keys = _autotuned(_backward_keys_kernel, [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+                                                    (16, 128, 8, 3), (32, 64, 4, 4)], _TUNING_KEY)
+_backward_queries = _autotuned(_backward_queries_kernel, [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
+                                                          (64, 64, 4, 3), (64, 32, 4, 4)], [*_TUNING_KEY, "SLOPE_GRAD"])
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
