@@ -31,6 +31,20 @@ def test_drop_rate_and_scale_in_every_lane(p):
     assert abs(y.mean().item() - 1.0) < 4 * (p / (1 - p) / n) ** 0.5  # expectation preserved
 
 
+def test_a_drop_probability_that_rounds_to_one_is_zero_on_cpu_and_refused_where_kept_values_are_scaled():
+    """Within 2^-17 of 1 the 16-bit threshold drops every element: the CPU dropout returns zeros (as
+    F.dropout with p = 1); the attention masks (flex.py, the Triton kernels), which scale the kept
+    probabilities, refuse it with the threshold in the message instead of dividing by zero."""
+    from megamlm.model.dropout import level_keep_scale
+    from megamlm.model.flex import keep_scale
+
+    p = 1 - 2**-18
+    assert torch.equal(dropout(torch.ones(8), p, training=True), torch.zeros(8))
+    with pytest.raises(ValueError, match="round"):
+        keep_scale(p)
+    assert level_keep_scale(65535) == 65536.0  # the largest threshold that keeps something
+
+
 def test_backward_uses_the_forward_mask():
     torch.manual_seed(0)
     x = torch.randn(3, 1000, requires_grad=True)

@@ -26,6 +26,9 @@ def dropped_levels(p: float) -> int:
 
 def level_keep_scale(dropped: int) -> float:
     """1 / the keep probability of the threshold `dropped` (= dropped_levels(p)): the expectation stays."""
+    if dropped >= LEVELS:  # p within 2^-17 of 1 (the config allows p < 1): nothing is kept, nothing to scale
+        raise ValueError(f"a drop probability of {dropped / LEVELS} at 16-bit resolution (round(p · 2^16) = "
+                         f"{dropped}) keeps nothing; use p <= {(LEVELS - 1) / LEVELS}")
     return LEVELS / (LEVELS - dropped)
 
 
