@@ -35,7 +35,7 @@ except ImportError:
     INTERPRET, Launch, kernel_forward, kernel_backward = False, None, None, None
 
 
-_DROPOUT_POSITIONS = 2**16  # triton_kernels' _query_bits: key indices below 2^16
+_DROPOUT_POSITIONS = 2**16  # triton_dropout's query_bits_of: key indices below 2^16
 
 
 def _like_sbh(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +139,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
                   groups: torch.Tensor | None, spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float,
                   offset: float, dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units, query_bits). half_window -1: no window.
-    query_bits [b, np, s] int32: the dropout hash per query (triton_kernels' `_query_bits`), for the
+    query_bits [b, np, s] int32: the dropout hash per query (triton_dropout's `query_bits_of`), for the
     backward (in the dK/dV kernel every thread would compute them for each of its queries, each block:
     half again the hash's work); without dropout a placeholder, never read."""
     launch, outputs = forward_launch(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)

@@ -4,14 +4,7 @@ query, and their gradient where they are learned), key padding, documents, packe
 windows and attention dropout, forward and backward, FlashAttention's way (online softmax; the backward
 recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ).
 
-The dropout mask is flex.py's: murmur3's finalizer chained over (seed ^ (b << 16 | h), i, pair) gives 32
-bits per query i (row b, head h) and pair of keys j, j ^ 8, 16 per key; key j is kept when its 16 are at
-or above round(p · 2^16); kept probabilities are scaled by 2^16 / (2^16 - round(p · 2^16)). The first two
-links of the chain (and the last one's first step) are computed once per query, in the forward, which
-saves them for the backward; the rest once per pair: in an MMA accumulator tile (Hopper's wgmma, as
-Ampere's mma.sync) a thread holds columns c and c + 8 and rows r and r + 8, so both keys of a pair are in
-one thread in either orientation and the two halves need no data moved (`_key_levels`). Nothing [s, s]
-is stored; the backward recomputes the mask.
+The dropout mask (flex.py's), hashed per query and pair of keys: triton_dropout.py.
 
 Which block pairs a program visits, in which of its loops (the masked one, or the two over whole blocks,
 before and after the diagonal), and their scores with visibility and ALiBi: triton_blocks.py.
@@ -37,88 +30,10 @@ import triton
 import triton.language as tl
 
 from megamlm.model.triton_blocks import block_scores, block_start, groups_of, partition, stretches
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
-_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)  # the kernels' copy
+from megamlm.model.triton_dropout import INTERPRET, drop, kept, key_levels, query_bits_of, saved_query_bits
 
 LOG2E = 1.4426950408889634
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy
-
-
-@triton.jit
-def _fmix32(x):
-    """murmur3's finalizer on uint32 (flex.py's `_fmix32` on int32 bits: the same bits)."""
-    x = _fmix32_middle(x ^ (x >> 16))
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _fmix32_middle(x):
-    """`_fmix32` without its first step (x ^= x >> 16) and its last (the same): the two products."""
-    x *= 0x85EBCA6B
-    x ^= x >> 13
-    x *= 0xC2B2AE35
-    return x
-
-
-@triton.jit
-def _key_levels(query_bits, start_n, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Each score's 16 dropout bits (flex.py `key_level`) in the high half of a uint32, [BM, BN] ([BN, BM]
-    transposed) for keys start_n + [0, BN): one hash per pair of keys j, j ^ 8, without the finalizer's last
-    step x ^= x >> 16, which leaves the high half as it is (key j ^ 8's 16 bits) and makes the low half
-    (key j's) the xor of both, moved up here. Pairs 8g + l of the [BN/2] hashes cover keys 16g + l and
-    16g + 8 + l, so the reshapes below keep each value in the thread that computed it."""
-    pairs = (start_n // 2 + tl.arange(0, BLOCK_N // 2)).to(tl.uint32)
-    if TRANSPOSED:
-        x = _fmix32_middle(query_bits[None, :] ^ pairs[:, None])  # [BN/2, BM]
-        x = x.reshape(BLOCK_N // 16, 8, x.shape[1])
-        # [BN/16, 8, BM, 2] -> [BN/16, 2, 8, BM] -> [BN, BM]
-        levels = tl.join((x << 16) ^ (x & 0xFFFF0000), x).permute(0, 3, 1, 2).reshape(BLOCK_N, x.shape[2])
-    else:
-        x = _fmix32_middle(query_bits[:, None] ^ pairs[None, :])  # [BM, BN/2]
-        x = x.reshape(x.shape[0], BLOCK_N // 16, 8)
-        # [BM, BN/16, 8, 2] -> [BM, BN/16, 2, 8] -> [BM, BN]
-        levels = tl.join((x << 16) ^ (x & 0xFFFF0000), x).permute(0, 1, 3, 2).reshape(x.shape[0], BLOCK_N)
-    return levels
-
-
-@triton.jit
-def _kept(levels, DROPPED: tl.constexpr):
-    """Where dropout keeps a score: its `_key_levels` at or above DROPPED (= round(p · 2^16)) in the high half."""
-    return levels >= DROPPED << 16
-
-
-@triton.jit
-def _drop(x, levels, DROPPED: tl.constexpr):
-    """tl.where(_kept(levels, DROPPED), x, 0.0) as one compare and one fp32 select per score on a GPU.
-    Written as tl.where, LLVM moves the select past a bf16 conversion that follows (the forward's P, dK/dV's
-    Pᵀ) and selects 16-bit halves: two more instructions per score (benchmarks/triton_static.py); in the
-    transposed dK/dV tile tl.where costs more still. dQ's select stays fp32 and uses tl.where."""
-    if _INTERPRET:
-        return tl.where(_kept(levels, DROPPED), x, 0.0)
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred kept; setp.hs.u32 kept, $2, $3; selp.f32 $0, $1, 0f00000000, kept; }", "=r,r,r,r",
-        [x, levels, tl.full(levels.shape, DROPPED << 16, tl.uint32)], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _query_bits(SEED, b, h, offs_m, DROPPED: tl.constexpr):
-    """The dropout hash per query: the chain's first two links (per (seed, row, head), then per query) x,
-    and the last link's first step, x ^ (x >> 16): for keys j below 2^16 (the launcher's limit) x ^ j
-    shifted right by 16 is x >> 16, so that step is one per query, not one per score."""
-    if DROPPED > 0:
-        seed = tl.load(SEED).to(tl.uint32)
-        head_bits = _fmix32(seed ^ ((b.to(tl.uint32) << 16) | h.to(tl.uint32)))
-        x = _fmix32(head_bits ^ offs_m.to(tl.uint32))
-        return x ^ (x >> 16)
-    return offs_m.to(tl.uint32)
-
-
-@triton.jit
-def _saved_query_bits(QBITS, bh, offs, S):
-    """`_query_bits` of queries offs as the forward saved them ([b, H, S] int32 bits)."""
-    return tl.load(QBITS + bh * S + offs, mask=offs < S, other=0).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -165,7 +80,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
     q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
     q_group = groups_of(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
-    query_bits = _query_bits(SEED, b, h, offs_m, DROPPED)
+    query_bits = query_bits_of(SEED, b, h, offs_m, DROPPED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -187,7 +102,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator counts every key, dropped or not
             if DROPPED > 0:
-                p = _drop(p, _key_levels(query_bits, start_n, BLOCK_N, False), DROPPED)
+                p = drop(p, key_levels(query_bits, start_n, BLOCK_N, False), DROPPED)
             v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -196,7 +111,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
     _store_rows(OUT, out, b, h, offs_m, sob, soh, sos, S, HEAD_DIM)
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
-    if DROPPED > 0:  # for the backward (`_saved_query_bits`)
+    if DROPPED > 0:  # for the backward (`saved_query_bits`)
         tl.store(QBITS + bh * S + offs_m, query_bits.to(tl.int32, bitcast=True), mask=offs_m < S)
 
 
@@ -235,16 +150,15 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
             p_t = tl.math.exp2(qk_t - (lse - query_term)[None, :])  # [BN, BM]: the probabilities transposed
             dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
             if DROPPED > 0:  # (the keep scale once, at the end: `backward_launches`)
-                levels = _key_levels(_saved_query_bits(QBITS, bh, offs_m, S), start_n * BLOCK_N, BLOCK_N, True)
-                dv += tl.dot(_drop(p_t, levels, DROPPED).to(do.dtype), do)
-                dp_t = _drop(dp_t, levels, DROPPED)
+                levels = key_levels(saved_query_bits(QBITS, bh, offs_m, S), start_n * BLOCK_N, BLOCK_N, True)
+                dv += tl.dot(drop(p_t, levels, DROPPED).to(do.dtype), do)
+                dp_t = drop(dp_t, levels, DROPPED)
             else:
                 dv += tl.dot(p_t.to(do.dtype), do)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q)
     dk *= sm_scale * keep_scale
-    if DROPPED > 0:
-        dv *= keep_scale
+    dv *= keep_scale
     _store_rows(DK, dk, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
     _store_rows(DV, dv, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
 
@@ -267,7 +181,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
     lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
     before, after = _slopes(SLOPES, H, h, HAS_ALIBI)
     q_group = groups_of(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
-    query_bits = _saved_query_bits(QBITS, bh, offs_m, S)
+    query_bits = saved_query_bits(QBITS, bh, offs_m, S)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     d_before = tl.zeros([BLOCK_M], tl.float32)
     d_after = tl.zeros([BLOCK_M], tl.float32)
@@ -287,7 +201,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
             p = tl.math.exp2(qk - (lse - query_term)[:, None])
             dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
             if DROPPED > 0:
-                dp = tl.where(_kept(_key_levels(query_bits, start_n, BLOCK_N, False), DROPPED), dp, 0.0)
+                dp = tl.where(kept(key_levels(query_bits, start_n, BLOCK_N, False), DROPPED), dp, 0.0)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
             if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
@@ -374,8 +288,8 @@ class Launch(NamedTuple):
 def forward_launch(q, k, v, out, lse, query_bits, slopes, groups, spans, seed, scale: float, offset: float,
                    keep_scale: float, half_window: int, flags: dict) -> Launch:
     """Filling out [b, np, s, hn], lse [b, np, s] (log2 units) and, with dropout, query_bits [b, np, s]
-    (`_query_bits`); flags: HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, DROPPED; spans [4, b, s] (`kernel_spans`)
-    with groups."""
+    (triton_dropout `query_bits_of`); flags: HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, DROPPED; spans [4, b, s]
+    (`kernel_spans`) with groups."""
     b, np_local, s, hn = q.shape
     return Launch(_forward, lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local),
                   (q, k, v, out, lse, query_bits, slopes, groups, spans, seed, *_strides(q), *_strides(k), *_strides(v),
