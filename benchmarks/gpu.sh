@@ -17,7 +17,8 @@
 # (modernbert-base at 8192, 14 of 22 layers through a 128-token window, vs transformers'
 # ModernBertForMaskedLM: SDPA with the window in the bias, Flex whose BlockMask skips the blocks outside
 # it, varlen with the kernel's window), triton (model.attention_backend=triton, our Triton kernels: compiled on
-# the GPU against the fp64 reference, timed beside cuDNN and Flex at the loop's batch, and the loop on them).
+# the GPU against the fp64 reference, timed beside cuDNN and Flex at the loop's batch, and the loop on them;
+# model.bias_activation=triton's FFN kernels beside eager and Inductor, and the loop with them too).
 # Each step has its own time limit and log file; a failed step is
 # reported and the next one runs.
 #   GPU_SH_SMOKE=1 bash benchmarks/gpu.sh LOG_DIR [STEP ...]
@@ -41,12 +42,14 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_ROWS="--device cpu --rows 1000 --rounds 1"
     SMOKE_HASH="--device cpu --shape 1,2,64,64 --rounds 1"
     SMOKE_TRITON="--device cpu --lengths 40 --batch 2 --heads 2 --head-dim 16 --dtype fp32"
+    SMOKE_BIAS="--device cpu --rows 300 --ffn 40 --dtype fp32 --rounds 1 --no-compile"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_HEAD="" SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_BIAS="" SMOKE_HEAD=""
+    SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
@@ -107,11 +110,17 @@ for s in $STEPS; do
         # beside cuDNN (bias, with and without dropout) and Flex at the loop's micro-batch of 8
         step triton-attention 240 $PY benchmarks/attention.py --lengths 2048 --dtype bf16 --heads 12 --batch 8 \
             --kernels "sdpa,flex score_mod,triton" $SMOKE_ATTENTION
+        # model.bias_activation=triton: the FFN's bias + GELU beside eager and Inductor at micro-batch 16's
+        # [32,768, 3,072] (exits 1 where the kernels' error exceeds twice eager's)
+        step bias-activation 150 $PY benchmarks/bias_activation.py --device cuda --rows 32768 $SMOKE_BIAS
         # the best measured loop (flat, compiled, zero-clap with the recipe's attention dropout 0.1) on the kernels
         train_run loop-2048-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
             $PROFILE" 60
         train_run loop-2048-triton-flat-micro16 2048 16 "train.engine=flat train.compile=true \
             model.attention_backend=triton $PROFILE" 30
+        # the same with the FFN's bias + GELU in our kernels (Inductor's backward: two passes, libdevice's erf)
+        train_run loop-2048-triton-flat-micro16-ffn 2048 16 "train.engine=flat train.compile=true \
+            model.attention_backend=triton model.bias_activation=triton $PROFILE" 30
         train_run loop-2048-large-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
             $PROFILE" 40 configs/pile/large-zero-clap.yaml
         train_run packed-2048-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \

@@ -39,8 +39,9 @@ cat "$LOGS/device.txt"
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-4096,8192} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "triton triton-check triton-attention loop-2048-triton-flat packed-2048-triton-flat"
-    "triton loop-2048-triton-flat-micro16 packed-2048-triton-flat-nodropout loop-2048-large-triton-flat"
+    "triton triton-check triton-attention bias-activation loop-2048-triton-flat packed-2048-triton-flat"
+    "triton loop-2048-triton-flat-micro16 loop-2048-triton-flat-micro16-ffn packed-2048-triton-flat-nodropout"
+    "triton loop-2048-large-triton-flat"
     "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16"
     "loop loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-micro16-head loop-2048-large-flex-flat-nodropout"
     "packed packed-2048-flex-flat packed-2048-flex-flat-dropout"
@@ -75,6 +76,6 @@ compgen -G "$LOGS/*.profile.txt" >/dev/null &&
 echo "=== summary (full logs in gpu-logs.tar.gz)"
 for log in "$LOGS"/*.log; do
     echo "--- $(basename "$log" .log)"
-    grep -E "^(megamlm|hf|flex|sdpa|eager|bf16|fp16)[ ,]|^ *[0-9]+ +[0-9.]|per round|^update [0-9]+/|^profile:|^done|Error" "$log" |
+    grep -E "^(megamlm|hf|flex|sdpa|eager|torch|Inductor|bf16|fp16)[ ,]|^ *[0-9]+ +[0-9.]|per round|^update [0-9]+/|^profile:|^done|Error" "$log" |
         tail -n 8 | cut -c1-230
 done

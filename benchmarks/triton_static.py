@@ -43,11 +43,12 @@ try:  # the C++ routine that Triton's launcher specializes arguments with
 except ImportError:  # pragma: no cover - older Triton
     native_specialize_impl = None
 
-from megamlm.model import triton_kernels
+from megamlm.model import triton_bias_activation, triton_kernels
 from megamlm.model.flex import dropped_levels
 from megamlm.model.triton_attention import backward_launches, forward_launch
 
 ISSUE_PER_CYCLE = 4  # warp-instructions per SM per cycle (4 schedulers)
+MEMORY_BYTES_PER_CYCLE = 4.8e12 / (132 * 1.98e9)  # the H200's HBM per SM-cycle (18.4 B)
 TENSOR_FLOPS_PER_CYCLE = 4096  # dense bf16 per SM per cycle, H100 SXM
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
@@ -157,6 +158,49 @@ def launches(batch: int, length: int, heads: int, head_dim: int, dtype: torch.dt
     return {"forward": forward, "dK/dV": keys, "dQ": queries}
 
 
+def bias_activation_launches(rows: int, ffn: int, dtype: torch.dtype, activation: str,
+                             half: bool) -> dict[str, triton_kernels.Launch]:
+    """{"forward" | "backward": its launch} of model.bias_activation=triton over [rows, ffn], on meta tensors;
+    half=False compiles the fp32 results' GELU (libdevice's erf, as Inductor's GELU kernels call it)."""
+    meta = {"device": "meta", "dtype": dtype}
+    y, out, grad, dy = (torch.empty(rows, ffn, **meta) for _ in range(4))
+    bias = torch.empty(ffn, **meta)
+    partial = torch.empty(rows // triton_bias_activation.ROWS_PER_PROGRAM, ffn, device="meta")
+    constants = {"ROWS": triton_bias_activation.ROWS_PER_PROGRAM,
+                 "ACTIVATION": triton_bias_activation.ACTIVATION_CODES[activation], "HALF": half}
+    launch = triton_kernels.Launch
+    return {"forward": launch(triton_bias_activation._forward, None, (y, bias, out, rows, ffn), constants),
+            "backward": launch(triton_bias_activation._backward, None, (grad, y, bias, dy, partial, rows, ffn),
+                               constants)}
+
+
+def print_bias_activation(rows: int, ffn: int, dtype_name: str, arch: int, first_only: bool) -> None:
+    """The bias-activation kernels' loop: thread-instructions per element, and its issue cycles over the
+    cycles the H200's memory takes for the element's bytes (forward: y in, out; backward: g, y in, dy out)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    print(f"\nmodel.bias_activation=triton's kernels on sm_{arch}: [{rows}, {ffn}], {dtype_name}; issue ÷ memory: the "
+          f"loop's issue cycles over the H200's memory cycles ({MEMORY_BYTES_PER_CYCLE:.1f} B per SM-cycle)")
+    print("| kernel | BLOCK_N × BLOCK_F, warps | activation | registers, stack | per element (" +
+          " · ".join(CLASSES) + ") | issue ÷ memory |")
+    print("|---|---|---|---:|---|---:|")
+    size = torch.empty((), dtype=dtype).element_size()
+    for kernel, streams in (("forward", 2), ("backward", 3)):
+        for activation, half in (("gelu", True), ("gelu", False), ("gelu_tanh", True), ("silu", True)):
+            launch = bias_activation_launches(rows, ffn, dtype, activation, half)[kernel]
+            for config in launch.kernel.configs[:1] if first_only else launch.kernel.configs:
+                registers, stack, sass = compile_sass(launch, config, arch)
+                body = max(loops(sass), key=len)
+                elements = config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_F"]
+                counts = Counter(instruction_class(op) for op in body)
+                per_element = {c: counts[c] * config.num_warps * 32 / elements for c in CLASSES}
+                total = sum(per_element.values())
+                ratio = (total / 32 / ISSUE_PER_CYCLE) / (streams * size / MEMORY_BYTES_PER_CYCLE)
+                name = activation + ("" if activation != "gelu" else ", A&S Φ" if half else ", libdevice erf")
+                mix = " · ".join(f"{per_element[c]:.1f}" for c in CLASSES)
+                print(f"| {kernel} | {config.kwargs['BLOCK_N']} × {config.kwargs['BLOCK_F']}, {config.num_warps} | "
+                      f"{name} | {registers}, {stack} B | {total:.1f} ({mix}) | **{ratio:.2f}** |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: Hopper)")
@@ -166,7 +210,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--first-only", action="store_true", help="only each kernel's first candidate")
-    parser.add_argument("--kernels", nargs="+", default=["forward", "dK/dV", "dQ"], choices=["forward", "dK/dV", "dQ"])
+    parser.add_argument("--kernels", nargs="+", default=["forward", "dK/dV", "dQ", "bias-activation"],
+                        choices=["forward", "dK/dV", "dQ", "bias-activation"],
+                        help="attention's three; bias-activation: model.bias_activation=triton's two")
+    parser.add_argument("--ffn", type=int, default=3072, help="the FFN's width (bias-activation's columns)")
     args = parser.parse_args()
     if triton_kernels.INTERPRET:
         parser.error("unset TRITON_INTERPRET: the interpreter's kernels have one configuration and no compiler")
@@ -176,12 +223,17 @@ def main() -> None:
     variants = {"ALiBi": (0.0, False), "+ dropout 0.1": (0.1, False), "+ groups (padding, packing)": (0.1, True)}
     steps = {name: launches(args.batch, args.length, args.heads, args.head_dim, dtype, *variant)
              for name, variant in variants.items()}
-    print(f"model.attention_backend=triton's kernels on sm_{args.arch}: batch {args.batch}, length {args.length}, "
+    attention = [kernel for kernel in args.kernels if kernel != "bias-activation"]
+    if "bias-activation" in args.kernels:
+        print_bias_activation(args.batch * args.length, args.ffn, args.dtype, args.arch, args.first_only)
+    if not attention:
+        return
+    print(f"\nmodel.attention_backend=triton's kernels on sm_{args.arch}: batch {args.batch}, length {args.length}, "
           f"{args.heads} heads of {args.head_dim}, {args.dtype}; triton {triton.__version__}")
     print("| kernel | BLOCK_M × BLOCK_N, warps, stages | variant | registers, stack | whole blocks' loop | masked "
           "blocks' loop |")
     print("|---|---|---|---:|---|---|")
-    for kernel in args.kernels:
+    for kernel in attention:
         configs = steps["ALiBi"][kernel].kernel.configs
         for config in configs[:1] if args.first_only else configs:
             shape = f"{config.kwargs['BLOCK_M']} × {config.kwargs['BLOCK_N']}, {config.num_warps}, {config.num_stages}"

@@ -223,8 +223,8 @@ print("ok")
 
 
 def test_compiling_the_candidates_at_once_prunes_none_and_falls_back_to_one_by_one():
-    """The autotuner's hook (`_compile_at_once`) returns every candidate; where it cannot compile them (here:
-    no GPU driver) it warns and leaves the compiling to the autotuner."""
+    """The autotuner's hook (`triton_autotune.compile_at_once`) returns every candidate; where it cannot
+    compile them (here: no GPU driver) it warns and leaves the compiling to the autotuner."""
     import os
     import subprocess
     import sys

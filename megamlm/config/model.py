@@ -177,6 +177,12 @@ class ModelConfig:
     """Logit elements per chunk of the fused head loss (8 MiB in fp32: 41 positions at V_local =
     50,304). Smaller chunks hold less, larger ones run larger matmuls (GPU: measure with
     benchmarks/head_memory.py --set model.head_loss_chunk=...)."""
+    bias_activation: Literal["torch", "triton"] = "torch"
+    """How the FFN applies its first linear's bias and the activation (model/bias_activation.py). torch:
+    megatron-core's MLP, the add then the activation, autograd's backward (in a compiled layer Inductor's:
+    on the H200 two passes over [n, f] that each recompute the activation's derivative); triton: the same
+    forward, the backward (the activation's input gradient and the bias's) in one pass of a Triton kernel
+    (CUDA; needs model.bias=true and model.gated_ffn=false)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization (BERT's init; `init` may scale it per weight)."""
     init: Literal["bert", "modernbert"] = "bert"
@@ -246,6 +252,11 @@ class ModelConfig:
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+        if self.bias_activation == "triton" and (self.gated_ffn or not self.bias):
+            raise ConfigError(f"model.bias_activation=triton fuses the FFN's first bias into its activation's "
+                              f"backward: it needs model.bias=true and model.gated_ffn=false, got bias={self.bias}, "
+                              f"gated_ffn={self.gated_ffn} (without that bias the backward is one pass anyway); "
+                              "use model.bias_activation=torch")
         self._check_rope_and_window()
 
     def _check_rope_and_window(self) -> None:

@@ -8,8 +8,11 @@ import torch.nn.functional as F
 
 from megamlm.config import ModelConfig
 
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu}
+"""model.activation -> the function: exact erf GELU (fairseq, BERT, ModernBERT), its tanh approximation
+(ALBERT's gelu_new) or SiLU."""
+
 
 def activation_function(model: ModelConfig):
-    """Exact erf GELU (fairseq, BERT, ModernBERT), its tanh approximation (ALBERT's gelu_new) or SiLU."""
-    functions = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu}
-    return functions[model.activation]
+    """model.activation's function (ACTIVATIONS)."""
+    return ACTIVATIONS[model.activation]

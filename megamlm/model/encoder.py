@@ -30,6 +30,7 @@ from torch import nn
 
 from megamlm.config import ConfigError, ModelConfig
 from megamlm.model.activation import activation_function
+from megamlm.model import bias_activation
 from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.embedding import TokenEmbedding
 from megamlm.model.heads import mark_vocab_parallel
@@ -56,7 +57,9 @@ def transformer_config(model: ModelConfig, tp_size: int,
         layernorm_epsilon=model.layernorm_epsilon,
         add_bias_linear=model.bias,
         gated_linear_unit=model.gated_ffn,
-        activation_func=activation_function(model),
+        # with model.bias_activation=triton the FFN's first linear applies it (layer.py BiasActivationLinear)
+        activation_func=(activation_function(model) if model.bias_activation == "torch"
+                         else bias_activation.applied_by_the_linear),
         normalization="LayerNorm",
         tensor_model_parallel_size=tp_size,
         params_dtype=params_dtype,
@@ -132,7 +135,8 @@ class Encoder(nn.Module):
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
         """Why this machine cannot run `model` (checked by training before any long work), or None."""
-        return ATTENTION_BACKENDS[model.attention_backend].unsupported_here(model)
+        return (ATTENTION_BACKENDS[model.attention_backend].unsupported_here(model)
+                or bias_activation.unsupported_here(model))
 
     def __init__(self, model: ModelConfig, ctx: ParallelContext, seed: int = 1,
                  params_dtype: torch.dtype = torch.float32, *, initialize: bool = True,

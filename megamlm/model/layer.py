@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megamlm.config import GLOBAL_ATTENTION, LayerAttention, ModelConfig
 from megamlm.model.attention import AttentionBackend, BidirectionalAttention
+from megamlm.model.bias_activation import bias_activation
 from megamlm.model.dropout import dropout
 from megamlm.model.norm import norm_spec
 
@@ -108,6 +109,21 @@ class ColumnLinear(TensorParallelLinear, ColumnParallelLinear):
         return super().forward(input_, weight, runtime_gather_output)
 
 
+class BiasActivationLinear(ColumnLinear):
+    """The FFN's first linear under model.bias_activation=triton: its output is activation(x · wᵀ + b), the
+    bias and the activation in one op (model/bias_activation.py), and megatron's MLP applies the identity
+    (transformer_config's activation_func). Not for gated FFNs (the config refuses them)."""
+
+    def __init__(self, *args, activation: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation = activation
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        # [s, b, h] -> [s, b, ffn / tp], the bias apart (megatron's MLP builds linear_fc1 with skip_bias_add)
+        output, bias = super().forward(input_, weight, runtime_gather_output)
+        return bias_activation(output, bias, self.activation), None
+
+
 class RowLinear(TensorParallelLinear, RowParallelLinear):
     """megatron-core's RowParallelLinear, plain at one rank (`TensorParallelLinear`)."""
 
@@ -155,7 +171,9 @@ def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend, pattern: L
             k_layernorm=IdentityOp,
         ),
     )
-    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnLinear, linear_fc2=RowLinear))
+    fc1 = (ColumnLinear if model.bias_activation == "torch" else
+           ModuleSpec(module=BiasActivationLinear, params={"activation": model.activation}))
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=RowLinear))
     if model.layernorm == "post":
         return ModuleSpec(
             module=PostLNTransformerLayer,

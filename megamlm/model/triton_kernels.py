@@ -19,16 +19,14 @@ features); under TRITON_INTERPRET=1 (the tests, on CPU tensors) one small config
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from megamlm.model.triton_autotune import autotuned
 from megamlm.model.triton_blocks import block_scores, block_start, groups_of, partition, stretches
 from megamlm.model.triton_dropout import INTERPRET, drop, kept, key_levels, query_bits_of, saved_query_bits
 
@@ -222,34 +220,9 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in candidates]
 
 
-def _compile_at_once(kernel: triton.JITFunction) -> Callable[..., list[triton.Config]]:
-    """The autotuner's `early_config_prune` hook for `kernel`, which it calls once per new tuning key before
-    it compiles and times the candidates one after another: compile them all first, at once (Triton's
-    AsyncCompileMode on a thread pool: LLVM's passes and ptxas run outside the GIL), so that the timing finds
-    them compiled. 15 candidates per training step's kernels, 180 in benchmarks/triton_check.py, at ~1.5 s
-    each. Prunes nothing; on any failure the candidates compile one by one, as without the hook."""
-
-    def compile_all(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        threads = min(len(configs), os.cpu_count() or 1, 16)
-        if threads < 2 or not hasattr(triton, "AsyncCompileMode"):
-            return configs
-        constants = {name: value for name, value in kwargs.items() if name not in ("grid", "warmup")}
-        try:
-            with ThreadPoolExecutor(threads) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
-                for config in configs:
-                    kernel.warmup(*named_args.values(), grid=kwargs.get("grid"), **constants, **config.all_kwargs())
-        except Exception as error:  # noqa: BLE001 - an optimization: the autotuner compiles them itself
-            warnings.warn(f"triton attention: compiling the autotuner's candidates at once failed ({error!r}); "
-                          "they compile one by one", stacklevel=2)
-        return configs
-
-    return compile_all
-
-
 def _autotuned(kernel: triton.JITFunction, candidates: list[tuple[int, int, int, int]],
                key: list[str]) -> triton.runtime.Autotuner:
-    return triton.autotune(_configs(candidates), key=key,
-                           prune_configs_by={"early_config_prune": _compile_at_once(kernel)})(kernel)
+    return autotuned(kernel, _configs(candidates), key)
 
 
 _TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "HAS_WINDOW", "DROPPED"]
