@@ -17,7 +17,6 @@ from tests.backend_parity import (assert_loop_trains_the_references_losses,
 from tests.test_train import tiny_shards
 from tests.variants import variant_config
 
-_BF16_ULP = 2.0 ** -7
 
 
 def _gradients(fn, pre, bias, grad):
@@ -29,7 +28,8 @@ def _gradients(fn, pre, bias, grad):
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # tanh, sigmoid saturating
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                    (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-fp32-bias"])
+                                    (torch.float16, torch.float16), (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "fp16", "bf16-fp32-bias"])
 def test_the_kernel_gives_autograds_gradients(activation, dtypes):
     """[s, b, f] with f not a multiple of the column strip and s · b rows over two programs' partial sums,
     values out to the activations' saturated tails; the bias in y's dtype, or fp32 under autocast."""
@@ -50,7 +50,8 @@ def test_the_kernel_gives_autograds_gradients(activation, dtypes):
             assert ours_error <= 4 * theirs_error + 1e-6, (name, ours_error.item(), theirs_error.item())
         else:  # rounded alike: one unit in the last place where fp32's formulas differ near a rounding point,
             # 1e-5 where they cancel (tanh near ±1); the bias's gradient: a sum of 1,593 such terms
-            tolerance = dict(rtol=4 * _BF16_ULP, atol=1e-2) if name == "d bias" else dict(rtol=_BF16_ULP, atol=1e-5)
+            ulp = torch.finfo(ours.dtype).eps
+            tolerance = dict(rtol=4 * ulp, atol=1e-2) if name == "d bias" else dict(rtol=ulp, atol=1e-5)
             torch.testing.assert_close(ours.float(), theirs.float(), **tolerance, msg=lambda m, n=name: f"{n}: {m}")
 
 
