@@ -74,6 +74,8 @@ def _tanh(u):
     return 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
 
 
+# Products below put the tensor first (x * C, not C * x): in Triton's interpreter a module constexpr times a
+# tensor, passed on to another jit function, is not a tensor there.
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr, HALF: tl.constexpr):
     """activation(x), fp32: 0 erf GELU x Φ(x), 1 its tanh approximation, 2 SiLU x σ(x). HALF: the result is
