@@ -1,8 +1,12 @@
 """Per-rank streaming: DP x worker partition, identical TP peers, exact resume in a new process,
 masking statistics, corrupt shards and foreign dictionaries."""
 
+import contextlib
+import io
 import json
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +123,33 @@ def test_resume_continues_with_the_next_batch_across_epochs(tmp_path):
     # a new epoch is reshuffled and remasked
     epoch1 = [b for b in straight if b.epoch == 1][0]
     assert not torch.equal(epoch1.sample_ids, straight[0].sample_ids)
+
+
+class _WorkerProbe(torch.utils.data.IterableDataset):
+    """In a loader worker: what sys.excepthook prints for a peer that hung up and for any other error,
+    and whether the caller's worker_init_fn ran (ignore_stop_signals: SIGTERM ignored)."""
+
+    def __iter__(self):
+        printed = io.StringIO()
+        with contextlib.redirect_stderr(printed):
+            for err in (ConnectionResetError(104, "Connection reset by peer"), BrokenPipeError(32, "Broken pipe"),
+                        ValueError("a worker's own error")):
+                sys.excepthook(type(err), err, None)
+        yield printed.getvalue(), signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+
+
+def test_a_loader_worker_says_nothing_when_the_trainer_hangs_up_on_it():
+    """A sibling worker killed (tests/test_train.py's OOM-killer test): torch raises in the trainer in the middle
+    of taking a batch's file descriptors from this worker, whose resource-sharer thread then printed a
+    ConnectionResetError traceback, at times after the trainer's one-line explanation (1 run in ~3 of a
+    200-tensor batch loop). Other errors still print, and the caller's worker_init_fn still runs."""
+    from megamlm.train.signals import ignore_stop_signals
+
+    printed, stop_signals_ignored = next(iter(make_loader(_WorkerProbe(), workers=1,
+                                                          worker_init_fn=ignore_stop_signals)))
+    assert "ValueError: a worker's own error" in printed
+    assert "ConnectionResetError" not in printed and "BrokenPipeError" not in printed, printed
+    assert stop_signals_ignored
 
 
 def test_batches_are_padded_to_a_multiple_of_8_and_start_with_bos(shard_dir):

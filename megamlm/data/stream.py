@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import math
+import sys
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -339,7 +340,23 @@ def make_loader(stream: MaskedBatches, workers: int = 0, worker_init_fn=None) ->
     # its own generator: creating an iterator must not advance the default RNG (dropout, resume)
     return DataLoader(stream, batch_size=None, num_workers=workers, generator=torch.Generator(),
                       persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
-                      worker_init_fn=worker_init_fn)
+                      worker_init_fn=functools.partial(_start_worker, worker_init_fn))
+
+
+def _start_worker(worker_init_fn, worker_id: int) -> None:
+    sys.excepthook = _quiet_when_the_trainer_hangs_up
+    if worker_init_fn is not None:
+        worker_init_fn(worker_id)
+
+
+def _quiet_when_the_trainer_hangs_up(kind, value, tb) -> None:
+    """A worker's sys.excepthook. A worker hands each batch's tensors over as file descriptors from a
+    background thread (multiprocessing's resource sharer), which prints its errors through sys.excepthook.
+    When the trainer stops in the middle of such a handover (a sibling worker died: torch raises from its
+    SIGCHLD handler wherever the trainer is), that thread's ConnectionResetError / BrokenPipeError traceback
+    came after the trainer's one-line explanation (loader_deaths_explained); the trainer's line says why."""
+    if not issubclass(kind, ConnectionError):
+        sys.__excepthook__(kind, value, tb)
 
 
 class LoaderWorkerError(MegamlmError):
