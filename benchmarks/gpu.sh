@@ -22,7 +22,8 @@
 # Each step has its own time limit and log file; a failed step is
 # reported and the next one runs.
 #   GPU_SH_SMOKE=1 bash benchmarks/gpu.sh LOG_DIR [STEP ...]
-# runs every command at toy size (tiny model, 16-token benchmarks, 128-token training runs, a few updates) on whatever device there is:
+# runs every command at toy size (tiny model, 16-token benchmarks, 128-token training runs, a few updates; a command
+# that is another row's at toy size runs once) on whatever device there is:
 # the check, on a CPU, that a lease will not be spent on a broken command (tests/test_gpu_script.py).
 #   GPU_SH_ONLY="loop-2048 base-baseline" bash benchmarks/gpu.sh LOG_DIR loop throughput
 # runs only the named rows of those steps; GPU_SH_DEADLINE=EPOCH_SECONDS cuts each command's limit to
@@ -44,7 +45,8 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_TRITON="--device cpu --lengths 40 --batch 2 --heads 2 --head-dim 16 --dtype fp32"
     SMOKE_BIAS="--device cpu --rows 300 --ffn 40 --dtype fp32 --rounds 1 --no-compile"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
-    SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256"
+    SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256 \
+        train.eval_batches=1"
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
@@ -55,10 +57,16 @@ FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
 
 FAILED="" SKIPPED=""
+declare -A TOY_COMMANDS  # at toy size, command (less its run dir) -> the row that ran it
 step() {  # step NAME LIMIT_SECONDS COMMAND...
     local name=$1 limit=${SMOKE_LIMIT:-$2}
     shift 2
     if [ -n "${GPU_SH_ONLY:-}" ] && [[ " $GPU_SH_ONLY " != *" $name "* ]]; then return; fi
+    if [ -n "$SMOKE_LENGTH" ]; then  # rows that differ only in micro-batch and updates are one toy command
+        local toy="${*//"$RUNS/$name"/}"
+        if [ -n "${TOY_COMMANDS[$toy]:-}" ]; then echo "=== $name: same toy command as ${TOY_COMMANDS[$toy]}"; return; fi
+        TOY_COMMANDS[$toy]=$name
+    fi
     if [ -n "${GPU_SH_DEADLINE:-}" ]; then  # a lease's end: the command gets what is left of it, or is skipped
         local left=$((GPU_SH_DEADLINE - $(date +%s)))
         if [ "$left" -lt 45 ]; then echo "=== $name: skipped, ${left} s left before GPU_SH_DEADLINE"; SKIPPED="$SKIPPED $name"; return; fi

@@ -4,8 +4,10 @@
 A lease is 30 minutes of device time; a step that dies on a stale flag, a config that does not merge or
 a run directory left by an earlier try costs its share of it (the smoke run found all three)."""
 
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -28,22 +30,53 @@ def _run(log_dir: Path, step: str, **env) -> subprocess.CompletedProcess:
                           timeout=1200, env={**os.environ, "PYTHON": sys.executable, **env})
 
 
+def _assert_each_ran_or_needs_a_gpu(codes: dict[str, int], logs: Path, commands: dict[str, str]) -> None:
+    for name, code in codes.items():
+        log = (logs / f"{name}.log").read_text()
+        # FlexAttention and varlen refuse a CPU in one line, after the config was read and checked
+        assert code == 0 or "needs a CUDA GPU" in log, f"{name}: exit {code}\n{log[-3000:]}"
+        if code == 0:
+            done = next(text for kind, text in DONE.items() if kind in commands[name])
+            assert done in log, log[-3000:]
+    assert 0 in codes.values(), "no command of the step ran on the CPU"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
 def test_every_command_of_the_step_runs_at_toy_size(step, tmp_path):
-    result = _run(tmp_path, step, GPU_SH_SMOKE="1")
-    ends = re.findall(r"^=== (\S+): (exit \d+|needs a GPU)", result.stdout, re.M)
-    assert ends, result.stdout + result.stderr
-    assert result.returncode == 0, result.stdout
-    for name, end in ends:
-        log = (tmp_path / f"{name}.log").read_text()
-        # FlexAttention and varlen refuse a CPU in one line, after the config was read and checked
-        assert end == "exit 0" or "needs a CUDA GPU" in log, log[-3000:]
-        if end == "exit 0":
-            command = re.search(rf"^=== {name}: (.*)$", result.stdout, re.M).group(1)
-            done = next(text for kind, text in DONE.items() if kind in command)
-            assert done in log, log[-3000:]
-    assert any(end == "exit 0" for _, end in ends), "no command of the step ran on the CPU"
+    """gpu.sh's toy commands (GPU_SH_SMOKE=1) as it lists them, run two at a time by tests/forked_commands.py
+    (children of one process that imported torch, megatron and megamlm once: the imports were most of a toy
+    row's time; the ~60 rows took 14 minutes of the suite one interpreter each)."""
+    argv_printer = f"{sys.executable} {ROOT / 'tests/forked_commands.py'} --print-argv"
+    listed = _run(tmp_path, step, GPU_SH_SMOKE="1", PYTHON=argv_printer)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    commands = dict(re.findall(r"^=== (\S+): \S+ \S+ --print-argv (.*)$", listed.stdout, re.M))
+    same = re.findall(r"^=== (\S+): same toy command as (\S+)$", listed.stdout, re.M)
+    assert commands and all(first in commands for _, first in same), listed.stdout
+    toy = tmp_path / "toy"
+    toy.mkdir()
+    listing = [(name, json.loads((tmp_path / f"{name}.log").read_text()), str(toy / f"{name}.log"), 900)
+               for name in commands]
+    (tmp_path / "commands.json").write_text(json.dumps(listing))
+    forked = subprocess.run([sys.executable, str(ROOT / "tests/forked_commands.py"), str(tmp_path / "commands.json"),
+                             "2"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    codes = json.loads(forked.stdout.splitlines()[-1])
+    assert sorted(codes) == sorted(commands)
+    _assert_each_ran_or_needs_a_gpu(codes, toy, commands)
+
+
+@pytest.mark.slow
+def test_the_script_itself_runs_a_steps_toy_commands_and_reports_each(tmp_path):
+    """gpu.sh's own runner (`timeout`, a log per row, a GPU-only row's refusal counted as checked, the exit
+    code) on one step that has both kinds of row."""
+    result = _run(tmp_path, "large", GPU_SH_SMOKE="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    codes = {name: 0 if end == "exit 0" else 1
+             for name, end in re.findall(r"^=== (\S+): (exit \d+|needs a GPU)", result.stdout, re.M)}
+    commands = dict(re.findall(rf"^=== (\S+): ({re.escape(sys.executable)} .*)$", result.stdout, re.M))
+    assert sorted(codes.values()) == [0, 1], result.stdout
+    _assert_each_ran_or_needs_a_gpu(codes, tmp_path, commands)
 
 
 def test_without_the_smoke_switch_the_commands_are_full_size(tmp_path):
@@ -62,6 +95,26 @@ def test_without_the_smoke_switch_the_commands_are_full_size(tmp_path):
     triton = commands["loop-2048-triton-flat"]  # the recipe's attention dropout kept: what the kernels are for
     assert "model.attention_backend=triton" in triton and "data.seq_length=2048" in triton
     assert "model.attention_dropout" not in triton and "--lengths 2048" in commands["triton-attention"]
+
+
+def test_every_training_row_parses_and_its_config_loads_at_full_size(tmp_path):
+    """The toy run's size overrides come last and win, so a config that fails only at full size (a key, a value
+    out of range) passed it; here each row's command as the lease runs it (PYTHON=echo) goes through the CLI's
+    parser and the config loader."""
+    from megamlm.cli import build_parser
+    from megamlm.config import load_config
+
+    env = {**{k: v for k, v in os.environ.items() if k != "GPU_SH_SMOKE"}, "PYTHON": "echo"}
+    run = subprocess.run(["bash", str(SCRIPT), str(tmp_path), *STEPS], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [(name, shlex.split(command)) for name, command in re.findall(r"^=== (\S+): echo (.*)$", run.stdout, re.M)]
+    training = [(name, argv[2:]) for name, argv in rows if argv[:3] == ["-m", "megamlm", "train"]]
+    assert len(training) > 40, rows
+    for name, argv in training:
+        args = build_parser().parse_args(argv)
+        cfg = load_config(args.config, args.overrides)
+        assert cfg.data.seq_length in (2048, 8192) and cfg.train.run_dir == f"runs/{name}", name
 
 
 def test_a_lease_runs_only_the_named_rows_and_skips_what_its_deadline_leaves_no_time_for(tmp_path):
