@@ -1,4 +1,5 @@
-"""Run a function on N real processes joined by a gloo group, from inside one pytest test.
+"""Run a function on N real processes joined by a gloo group, from inside one pytest test; run Python
+command lines (`python -m megamlm train ...`) as such processes too (`run_commands`).
 
 Each rank is a new process (torch and gloo state start clean), forked from a server process that
 imported torch, megatron-core, DeepSpeed and megamlm once for the whole session: a spawned rank
@@ -10,9 +11,14 @@ through a file. A failure on any rank re-raises in the test with that rank's tra
 from __future__ import annotations
 
 import os
+import runpy
+import signal
 import socket
+import sys
 import tempfile
+import time
 import traceback
+from multiprocessing.connection import wait
 
 import torch
 import torch.multiprocessing as mp
@@ -76,3 +82,46 @@ def run_on_ranks(fn, world_size: int = 2, *args, timeout: float = 600):
                 raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
             results.append(record["result"])
         return results
+
+
+def _command(argv: list[str], log: str, environ: dict) -> None:
+    """`python ARGV...` in this process: runpy as `__main__` with its own argv and sys.path[0], stdout and
+    stderr into `log`, in a process group of its own (a timeout kills its loader and compile workers too)."""
+    os.setpgid(0, 0)
+    os.environ.clear()
+    os.environ.update(environ)
+    mp.set_start_method(None, force=True)  # as in _worker: its data-loader workers fork
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd in (1, 2):
+        os.dup2(out, fd)
+    if argv[0] == "-m":  # python -m MODULE: the working directory first on sys.path
+        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:  # python SCRIPT: the script's folder first on sys.path
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def run_commands(commands: dict[str, list[str]], logs: str, jobs: int = 2, timeout: float = 900) -> dict[str, int]:
+    """Exit codes of the Python command lines `commands` (name -> argv after `python`), `jobs` at a time, each
+    one's output in LOGS/NAME.log; 124 for one killed at `timeout` seconds, as `timeout` reports it. A command
+    spent ~5 s importing torch, megatron and megamlm as a new interpreter; here the server has."""
+    waiting, running, codes = list(commands.items()), {}, {}
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            name, argv = waiting.pop(0)
+            process = CONTEXT.Process(target=_command, args=(argv, os.path.join(logs, f"{name}.log"), dict(os.environ)))
+            process.start()
+            running[process.sentinel] = (name, process, time.monotonic() + timeout)
+        soonest = min(deadline for _, _, deadline in running.values())
+        for sentinel in wait(list(running), timeout=max(0.0, soonest - time.monotonic())):
+            name, process, _ = running.pop(sentinel)
+            process.join()
+            codes[name] = process.exitcode
+        for sentinel, (name, process, deadline) in list(running.items()):
+            if time.monotonic() >= deadline:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.join()
+                codes[name] = 124
+                del running[sentinel]
+    return codes

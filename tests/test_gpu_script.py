@@ -4,7 +4,6 @@
 A lease is 30 minutes of device time; a step that dies on a stale flag, a config that does not merge or
 a run directory left by an earlier try costs its share of it (the smoke run found all three)."""
 
-import json
 import os
 import re
 import shlex
@@ -14,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.multiproc import run_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks/gpu.sh"
@@ -44,24 +45,18 @@ def _assert_each_ran_or_needs_a_gpu(codes: dict[str, int], logs: Path, commands:
 @pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
 def test_every_command_of_the_step_runs_at_toy_size(step, tmp_path):
-    """gpu.sh's toy commands (GPU_SH_SMOKE=1) as it lists them, run two at a time by tests/forked_commands.py
-    (children of one process that imported torch, megatron and megamlm once: the imports were most of a toy
-    row's time; the ~60 rows took 14 minutes of the suite one interpreter each)."""
-    argv_printer = f"{sys.executable} {ROOT / 'tests/forked_commands.py'} --print-argv"
-    listed = _run(tmp_path, step, GPU_SH_SMOKE="1", PYTHON=argv_printer)
+    """gpu.sh's toy commands (GPU_SH_SMOKE=1) as it lists them (PYTHON=printf: each row's log its arguments),
+    run two at a time by tests/multiproc.py's fork server, which imported torch, megatron and megamlm once:
+    those imports were most of a toy row's time, and the ~60 rows took 14 minutes of the suite."""
+    listed = _run(tmp_path, step, GPU_SH_SMOKE="1", PYTHON="printf %s\\0")
     assert listed.returncode == 0, listed.stdout + listed.stderr
-    commands = dict(re.findall(r"^=== (\S+): \S+ \S+ --print-argv (.*)$", listed.stdout, re.M))
+    commands = dict(re.findall(r"^=== (\S+): printf %s\\0 (.*)$", listed.stdout, re.M))
     same = re.findall(r"^=== (\S+): same toy command as (\S+)$", listed.stdout, re.M)
     assert commands and all(first in commands for _, first in same), listed.stdout
     toy = tmp_path / "toy"
     toy.mkdir()
-    listing = [(name, json.loads((tmp_path / f"{name}.log").read_text()), str(toy / f"{name}.log"), 900)
-               for name in commands]
-    (tmp_path / "commands.json").write_text(json.dumps(listing))
-    forked = subprocess.run([sys.executable, str(ROOT / "tests/forked_commands.py"), str(tmp_path / "commands.json"),
-                             "2"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    assert forked.returncode == 0, forked.stderr[-3000:]
-    codes = json.loads(forked.stdout.splitlines()[-1])
+    codes = run_commands({name: (tmp_path / f"{name}.log").read_text().split("\0")[:-1] for name in commands},
+                         str(toy))
     assert sorted(codes) == sorted(commands)
     _assert_each_ran_or_needs_a_gpu(codes, toy, commands)
 
