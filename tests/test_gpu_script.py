@@ -1,5 +1,6 @@
 """benchmarks/gpu.sh before a GPU lease is spent on it: every step's commands run at toy size on the CPU
-(GPU_SH_SMOKE=1), and without that switch the commands are the full-size ones.
+(GPU_SH_SMOKE=1), without that switch the commands are the full-size ones, and each training row's
+full-size config loads.
 
 A lease is 30 minutes of device time; a step that dies on a stale flag, a config that does not merge or
 a run directory left by an earlier try costs its share of it (the smoke run found all three)."""
