@@ -7,7 +7,6 @@ a run directory left by an earlier try costs its share of it (the smoke run foun
 
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -32,6 +31,18 @@ def _run(log_dir: Path, step: str, **env) -> subprocess.CompletedProcess:
                           timeout=1200, env={**os.environ, "PYTHON": sys.executable, **env})
 
 
+def _listed(log_dir: Path, *steps: str, **env) -> tuple[dict[str, list[str]], str]:
+    """Each row's arguments (after `python`) as gpu.sh would run them, and its listing: PYTHON=printf
+    writes them into the row's log, NUL-separated, quoting kept."""
+    env = {**{k: v for k, v in os.environ.items() if k != "GPU_SH_SMOKE"}, "PYTHON": "printf %s\\0", **env}
+    run = subprocess.run(["bash", str(SCRIPT), str(log_dir), *steps], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    names = re.findall(r"^=== (\S+): printf ", run.stdout, re.M)
+    assert names, run.stdout
+    return {name: (log_dir / f"{name}.log").read_text().split("\0")[:-1] for name in names}, run.stdout
+
+
 def _assert_each_ran_or_needs_a_gpu(codes: dict[str, int], logs: Path, commands: dict[str, str]) -> None:
     for name, code in codes.items():
         log = (logs / f"{name}.log").read_text()
@@ -46,20 +57,17 @@ def _assert_each_ran_or_needs_a_gpu(codes: dict[str, int], logs: Path, commands:
 @pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
 def test_every_command_of_the_step_runs_at_toy_size(step, tmp_path):
-    """gpu.sh's toy commands (GPU_SH_SMOKE=1) as it lists them (PYTHON=printf: each row's log its arguments),
-    run two at a time by tests/multiproc.py's fork server, which imported torch, megatron and megamlm once:
-    those imports were most of a toy row's time, and the ~60 rows took 14 minutes of the suite."""
-    listed = _run(tmp_path, step, GPU_SH_SMOKE="1", PYTHON="printf %s\\0")
-    assert listed.returncode == 0, listed.stdout + listed.stderr
-    commands = dict(re.findall(r"^=== (\S+): printf %s\\0 (.*)$", listed.stdout, re.M))
-    same = re.findall(r"^=== (\S+): same toy command as (\S+)$", listed.stdout, re.M)
-    assert commands and all(first in commands for _, first in same), listed.stdout
+    """gpu.sh's toy commands (GPU_SH_SMOKE=1) as it lists them, run two at a time by tests/multiproc.py's fork
+    server, which imported torch, megatron and megamlm once: those imports were most of a toy row's time, and
+    the ~60 rows took 14 minutes of the suite."""
+    commands, listing = _listed(tmp_path, step, GPU_SH_SMOKE="1")
+    same = re.findall(r"^=== (\S+): same toy command as (\S+)$", listing, re.M)
+    assert all(first in commands for _, first in same), listing
     toy = tmp_path / "toy"
     toy.mkdir()
-    codes = run_commands({name: (tmp_path / f"{name}.log").read_text().split("\0")[:-1] for name in commands},
-                         str(toy))
+    codes = run_commands(commands, str(toy))
     assert sorted(codes) == sorted(commands)
-    _assert_each_ran_or_needs_a_gpu(codes, toy, commands)
+    _assert_each_ran_or_needs_a_gpu(codes, toy, {name: " ".join(argv) for name, argv in commands.items()})
 
 
 @pytest.mark.slow
@@ -95,19 +103,15 @@ def test_without_the_smoke_switch_the_commands_are_full_size(tmp_path):
 
 def test_every_training_row_parses_and_its_config_loads_at_full_size(tmp_path):
     """The toy run's size overrides come last and win, so a config that fails only at full size (a key, a value
-    out of range) passed it; here each row's command as the lease runs it (PYTHON=echo) goes through the CLI's
+    out of range) passed it; here each row's command as the lease runs it goes through the CLI's
     parser and the config loader."""
     from megamlm.cli import build_parser
     from megamlm.config import load_config
 
-    env = {**{k: v for k, v in os.environ.items() if k != "GPU_SH_SMOKE"}, "PYTHON": "echo"}
-    run = subprocess.run(["bash", str(SCRIPT), str(tmp_path), *STEPS], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, env=env)
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [(name, shlex.split(command)) for name, command in re.findall(r"^=== (\S+): echo (.*)$", run.stdout, re.M)]
-    training = [(name, argv[2:]) for name, argv in rows if argv[:3] == ["-m", "megamlm", "train"]]
+    rows, _ = _listed(tmp_path, *STEPS)
+    training = {name: argv[2:] for name, argv in rows.items() if argv[:3] == ["-m", "megamlm", "train"]}
     assert len(training) > 40, rows
-    for name, argv in training:
+    for name, argv in training.items():
         args = build_parser().parse_args(argv)
         cfg = load_config(args.config, args.overrides)
         assert cfg.data.seq_length in (2048, 8192) and cfg.train.run_dir == f"runs/{name}", name
