@@ -75,6 +75,30 @@ def test_shard_folder_without_manifest_is_refused_not_rebuilt(shards, tmp_path):
     assert not list(tmp_path.glob(".shards.building-*"))  # the staging folder went away
 
 
+def test_a_shard_folder_another_job_finished_meanwhile_is_used_not_refused(shards, tmp_path, monkeypatch, capsys):
+    """Two jobs on one data.shards with data.build_from (two rows of gpu.sh's toy run, two rows of an array job)
+    build it at once; the one to finish second met "already holds shards" at its swap and failed after the
+    work. Now it uses the other's build (builds are deterministic), as if it had been there at its start."""
+    import megamlm.data.shards as shard_module
+
+    folder = tmp_path / "shards"
+    cfg = config(shards, tmp_path / "r", f"data.shards={folder}", f"data.build_from=[{WIKITEXT}/valid.txt]")
+    real_build, other_job = shard_module._build, []
+
+    def the_other_job_finishes_first(options, tokenizer, out, progress):
+        manifest = real_build(options, tokenizer, out, progress)
+        if not other_job:  # the other job, start to finish (its own _build call goes straight through)
+            other_job.append("running")
+            other_job[0] = shard_module.build_shards(options, tokenizer, progress=False)
+        return manifest
+
+    monkeypatch.setattr(shard_module, "_build", the_other_job_finishes_first)
+    assert ensure_shards(cfg.data, Tokenizer.gpt2(), progress=False) == folder
+    assert other_job and json.loads((folder / "manifest.json").read_text()) == other_job[0]
+    assert f"{folder}: built meanwhile by another process; using that build" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".shards.*"))  # both staging folders went away
+
+
 def test_convert_never_replaces_a_users_folder_and_replaces_its_own_only_when_asked(run, tmp_path, capsys):
     final = run / "final"
     for target in ("megamlm", "hf"):

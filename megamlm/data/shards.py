@@ -323,10 +323,18 @@ def ensure_shards(data, tokenizer: Tokenizer, progress: bool = True) -> Path:
         raise ShardError(f"{folder}/manifest.json not found and data.build_from is empty: build the "
                          f"shards with `megamlm shards build ... --out {folder}`")
     remove_stale_staging(folder)
-    manifest = build_shards(BuildOptions(inputs=list(data.build_from), out_dir=str(folder),
-                                         seq_length=data.seq_length, long_docs=data.long_docs,
-                                         text_mode=data.text_mode, valid_fraction=data.valid_fraction),
-                            tokenizer, progress=progress)
+    try:
+        manifest = build_shards(BuildOptions(inputs=list(data.build_from), out_dir=str(folder),
+                                             seq_length=data.seq_length, long_docs=data.long_docs,
+                                             text_mode=data.text_mode, valid_fraction=data.valid_fraction),
+                                tokenizer, progress=progress)
+    except ShardError:
+        if not (folder / "manifest.json").exists():
+            raise
+        # another job on the same data.shards finished its build first (builds are deterministic): as if
+        # it had been there at the start, instead of failing with "already holds shards" after the work
+        print(f"{folder}: built meanwhile by another process; using that build")
+        return folder
     print(summary_table(manifest))
     return folder
 
