@@ -16,7 +16,8 @@ import torch
 from megamlm.config import ParallelConfig
 from megamlm.data.masking import Masker
 from megamlm.data.shards import BuildOptions, ShardError, build_shards
-from megamlm.data.stream import MaskedBatches, ShardSet, StreamPosition, advance, make_loader
+from megamlm.data.stream import (LoaderWorkerError, MaskedBatches, ShardSet, StreamPosition, advance,
+                                 loader_deaths_explained, make_loader)
 from megamlm.data.tokenizer import Dictionary, Tokenizer
 from megamlm.parallel import init_distributed
 from tests.multiproc import run_on_ranks
@@ -150,6 +151,21 @@ def test_a_loader_worker_says_nothing_when_the_trainer_hangs_up_on_it():
     assert "ValueError: a worker's own error" in printed
     assert "ConnectionResetError" not in printed and "BrokenPipeError" not in printed, printed
     assert stop_signals_ignored
+
+
+@pytest.mark.parametrize("death", ["DataLoader worker (pid 4242) is killed by signal: Killed.",
+                                   "DataLoader worker (pid(s) 4242) exited unexpectedly"])
+def test_either_of_torchs_words_for_a_killed_worker_gets_the_out_of_memory_advice(death):
+    """Which of the two torch raises for one SIGKILLed worker is a race (its SIGCHLD handler, or the batch
+    queue's read failing first); the advice is the same."""
+    with pytest.raises(LoaderWorkerError) as raised, loader_deaths_explained(workers=3):
+        raise RuntimeError(death)
+    assert str(raised.value) == (
+        f"a data loader worker died: {death} "
+        + ("SIGKILL mostly comes from" if "Killed" in death else
+           "A worker that exits without a Python error was most likely killed, mostly by")
+        + " the kernel's out-of-memory killer: lower data.loader_workers (now 3) or give the job more host memory."
+        " Continue from the last checkpoint with --resume auto")
 
 
 def test_batches_are_padded_to_a_multiple_of_8_and_start_with_bos(shard_dir):

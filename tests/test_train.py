@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import re
 import signal
 import subprocess
 import sys
@@ -311,8 +312,12 @@ def test_a_loader_worker_killed_by_the_oom_killer_stops_the_run_with_one_line(sh
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, output
     last = output.strip().splitlines()[-1]
-    assert last.startswith(f"megamlm: train: a data loader worker died: DataLoader worker (pid {workers[0]})"), last
-    assert "lower data.loader_workers (now 2)" in last and last.endswith("with --resume auto"), last
+    # torch's "(pid N) is killed by signal: Killed." or, when the trainer was reading the batch queue, "(pid(s) N)
+    # exited unexpectedly": a race (1 run in ~16 on a loaded machine)
+    assert re.match(rf"megamlm: train: a data loader worker died: DataLoader worker \(pid(\(s\))? {workers[0]}\)",
+                    last), last
+    assert "out-of-memory killer: lower data.loader_workers (now 2)" in last, last
+    assert last.endswith("with --resume auto"), last
 
 
 def test_interrupted_checkpoint_is_never_chosen(world, tmp_path):

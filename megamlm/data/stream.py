@@ -366,14 +366,19 @@ class LoaderWorkerError(MegamlmError):
 @contextlib.contextmanager
 def loader_deaths_explained(workers: int):
     """torch's "DataLoader worker (pid N) is killed by signal: Killed." as one line that says what to do.
-    torch raises it from its SIGCHLD handler, wherever the trainer is at that moment (a forward, a save)."""
+    torch raises it from its SIGCHLD handler, wherever the trainer is at that moment (a forward, a save);
+    when the trainer was waiting for a batch instead, the same death reads "DataLoader worker (pid(s) N)
+    exited unexpectedly" (its queue's read failed first: which one comes is a race)."""
     try:
         yield
     except RuntimeError as err:
         if workers == 0 or not str(err).startswith("DataLoader worker"):
             raise
-        cause = (" SIGKILL mostly comes from the kernel's out-of-memory killer: lower data.loader_workers "
-                 f"(now {workers}) or give the job more host memory." if "signal: Killed" in str(err) else "")
+        advice = (f"the kernel's out-of-memory killer: lower data.loader_workers (now {workers}) or give the job "
+                  f"more host memory.")
+        cause = (f" SIGKILL mostly comes from {advice}" if "signal: Killed" in str(err) else
+                 f" A worker that exits without a Python error was most likely killed, mostly by {advice}"
+                 if "exited unexpectedly" in str(err) else "")
         raise LoaderWorkerError(f"a data loader worker died: {err}{cause} Continue from the last checkpoint "
                                 f"with --resume auto") from err
 
