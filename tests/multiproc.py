@@ -36,15 +36,20 @@ CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(PRELOAD)
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, environ: dict, fn, args) -> None:
-    # the server's environment is the one of its start: the test's own is what a spawned rank saw
+def _as_a_new_process(environ: dict) -> None:
+    """A child of the fork server made to look like a freshly started one."""
+    # the server's environment is the one of its start: the test's own is what a spawned process saw
     os.environ.clear()
     os.environ.update(environ)
+    # a fork server's child inherits "forkserver" as its default start method; a new process has none
+    # set, so its data-loader workers fork (and do not import torch again in a new server)
+    mp.set_start_method(None, force=True)
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, environ: dict, fn, args) -> None:
+    _as_a_new_process(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    # a fork server's child inherits "forkserver" as its default start method; a torchrun rank has
-    # none set, so its data-loader workers fork (and do not import torch again in a new server)
-    mp.set_start_method(None, force=True)
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -88,9 +93,7 @@ def _command(argv: list[str], log: str, environ: dict) -> None:
     """`python ARGV...` in this process: runpy as `__main__` with its own argv and sys.path[0], stdout and
     stderr into `log`, in a process group of its own (a timeout kills its loader and compile workers too)."""
     os.setpgid(0, 0)
-    os.environ.clear()
-    os.environ.update(environ)
-    mp.set_start_method(None, force=True)  # as in _worker: its data-loader workers fork
+    _as_a_new_process(environ)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for fd in (1, 2):
         os.dup2(out, fd)

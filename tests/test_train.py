@@ -4,8 +4,8 @@ preemption by SIGTERM, spike / NaN rollback, schedule values, DeepSpeed JSON gen
 import json
 import math
 import os
-import shutil
 import re
+import shutil
 import signal
 import subprocess
 import sys

@@ -376,9 +376,11 @@ def loader_deaths_explained(workers: int):
             raise
         advice = (f"the kernel's out-of-memory killer: lower data.loader_workers (now {workers}) or give the job "
                   f"more host memory.")
-        cause = (f" SIGKILL mostly comes from {advice}" if "signal: Killed" in str(err) else
-                 f" A worker that exits without a Python error was most likely killed, mostly by {advice}"
-                 if "exited unexpectedly" in str(err) else "")
+        cause = ""
+        if "signal: Killed" in str(err):
+            cause = f" SIGKILL mostly comes from {advice}"
+        elif "exited unexpectedly" in str(err):
+            cause = f" A worker that exits without a Python error was most likely killed, mostly by {advice}"
         raise LoaderWorkerError(f"a data loader worker died: {err}{cause} Continue from the last checkpoint "
                                 f"with --resume auto") from err
 
