@@ -174,6 +174,30 @@ def test_a_compiled_head_gives_the_eager_losses_with_one_graph_for_every_batch(s
     assert graphs == 2
 
 
+def test_a_changed_backward_formula_is_not_served_from_torchs_compile_cache():
+    """A custom op's backward formula is traced into the compiled backward graph but is not in
+    AOTAutograd's cache key (pytorch#144344): compiled through the loop's entry point (`compile_head`),
+    a second compilation after the formula changed must use the new formula, not the cached one."""
+    import types
+    import uuid
+
+    from megamlm.train.layers import compile_head
+
+    @torch.library.custom_op(f"megamlm_tests::double_{uuid.uuid4().hex}", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    double.register_fake(torch.empty_like)
+    x = torch.randn(8, requires_grad=True)
+    for factor in (2.0, 3.0):  # the true gradient's 2, then a changed (wrong, but telling) formula's 3
+        double.register_autograd(lambda ctx, grad, factor=factor: grad * factor)
+        torch._dynamo.reset()  # Dynamo's in-memory cache: what remains is the on-disk one
+        model = types.SimpleNamespace(loss_sum=lambda x: double(x.sin()).sum())
+        compile_head(model)
+        (grad,) = torch.autograd.grad(model.loss_sum(x), x)
+        torch.testing.assert_close(grad, factor * x.detach().cos())
+
+
 def test_compile_head_is_refused_where_it_does_not_apply():
     for override, named in (("parallel.tensor_parallel=2", "parallel.tensor_parallel=2"),
                             ("model.head_loss=fused", "model.head_loss=fused"),

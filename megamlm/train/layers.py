@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch._functorch.config
 import torch._inductor
 import torch.utils.checkpoint
 from torch import nn
@@ -73,11 +74,24 @@ def records_cuda_graphs(mode: str) -> bool:
     return bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs", False))
 
 
+def _no_backward_from_the_autograd_cache() -> None:
+    """Turn off AOTAutograd's on-disk cache for what this process compiles. Our custom ops
+    (megamlm::triton_attention, megamlm::bias_activation) register backward formulas in Python, which
+    AOTAutograd traces into a compiled layer's backward graph but leaves out of that cache's key
+    (pytorch#144344): after a change of formula (an edit, or a newer megamlm) a process gets the old
+    backward from the cache, and wrong gradients without an error (session 36: the compiled Triton loop's
+    first gradient norm 3.65 against 3.36, from a formula of the day before). Without it AOTAutograd
+    traces again in every process (seconds); Inductor's cache, keyed on the traced graphs themselves,
+    still saves the code generation."""
+    torch._functorch.config.enable_autograd_cache = False
+
+
 def compile_layers(model: nn.Module, mode: str = "default") -> None:
     """torch.compile every encoder layer (`encoder_layers`) in place (parameter names and the state
     dict are unchanged) in torch.compile's `mode` (train.compile_mode). The embedding and head stay
     eager here: the number of masked positions the head projects changes with every batch
     (`compile_head` compiles it with dynamic shapes)."""
+    _no_backward_from_the_autograd_cache()
     for layer in encoder_layers(model):
         layer.compile(mode=mode)
 
@@ -85,4 +99,5 @@ def compile_layers(model: nn.Module, mode: str = "default") -> None:
 def compile_head(model: nn.Module) -> None:
     """torch.compile the MLM head and its loss (`MaskedLM.loss_sum`, train.compile_head) in place, dynamic
     in the number of masked positions, which changes with every batch. The state dict is unchanged."""
+    _no_backward_from_the_autograd_cache()
     model.loss_sum = torch.compile(model.loss_sum, dynamic=True)
