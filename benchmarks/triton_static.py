@@ -153,8 +153,9 @@ def launches(batch: int, length: int, heads: int, head_dim: int, dtype: torch.dt
     pattern = (slopes.expand(2, -1), layout, spans)
     constants = (head_dim ** -0.5, 0.0, dropped, -1)
     forward, (out, lse, query_bits) = forward_launch(q, k, v, *pattern, seed, *constants)
-    (keys, queries), _ = backward_launches(torch.empty_like(out), q, k, v, out, lse, query_bits, *pattern, *constants,
-                                           False)
+    delta = torch.empty_like(lse)
+    (keys, queries), _ = backward_launches(torch.empty_like(out), q, k, v, delta, lse, query_bits, *pattern,
+                                           *constants, False)
     return {"forward": forward, "dK/dV": keys, "dQ": queries}
 
 

@@ -110,27 +110,32 @@ def forward_launch(q, k, v, slopes, groups, spans, seed, scale: float, offset: f
     return launch, outputs
 
 
-def backward_launches(do, q, k, v, out, lse, query_bits, slopes, groups, spans, scale: float, offset: float,
+def softmax_row_terms(do: torch.Tensor, out: torch.Tensor, dropped: int) -> torch.Tensor:
+    """[b, np, s, hn] -> [b, np, s] fp32: Σ_d dO·O per query, the softmax backward's row term (O includes
+    dropout), divided by the keep scale, which the kernels apply once per program (`kernel_backward`).
+    Computed outside the backward op, in the autograd formula, so that in a compiled layer Inductor fuses
+    the cast, the product and the sum into one pass (eager: three kernels and an fp32 copy of dO)."""
+    # an fp32 copy of dO times O, promoted in the product: one fp32 copy where .float() twice made three
+    delta = do.to(torch.float32, copy=True).mul_(out).sum(-1)
+    return delta / level_keep_scale(dropped) if dropped else delta
+
+
+def backward_launches(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale: float, offset: float,
                       dropped: int, half_window: int,
                       slope_grad: bool) -> tuple[tuple[Launch, Launch], tuple[torch.Tensor, ...]]:
-    """(the backward kernels' launches, (dq, dk, dv, shares)) for `_attention_backward_op`'s arguments."""
+    """(the backward kernels' launches, (dq, dk, dv, shares)) for `_attention_backward_op`'s arguments;
+    delta: `softmax_row_terms`."""
     do, q, k, v = _rows(do), _rows(q), _rows(k), _rows(v)
-    dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, out, lse, query_bits, slopes, groups, spans, scale,
+    delta = delta.contiguous()  # the kernels read [b, np, s]; Inductor may lay a fused reduction out otherwise
+    dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale,
                                              offset, dropped, half_window, slope_grad)
     b, np_local, s, _ = q.shape
     # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size); without
     # slope_grad a placeholder, never written (as _kernel_inputs': no null pointer for the launcher)
     shares = q.new_empty((b, np_local, s, 2) if slope_grad else (1,), dtype=torch.float32)
-    # [b, np, s, hn] -> [b, np, s]: Σ_d dO·O per query, the softmax backward's row term (O includes dropout)
-    # (an fp32 copy of dO times O, promoted in the product: one fp32 copy where .float() twice made three),
-    # divided by the keep scale, which the kernels apply once per program (`kernel_backward`)
-    keep_scale = level_keep_scale(dropped)
-    delta = do.to(torch.float32, copy=True).mul_(out).sum(-1)
-    if dropped:
-        delta /= keep_scale
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, query_bits, dropped, half_window)
-    launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset, keep_scale,
-                               half_window, flags, slope_grad)
+    launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset,
+                               level_keep_scale(dropped), half_window, flags, slope_grad)
     return launches, (dq, dk, dv, shares)
 
 
@@ -155,13 +160,13 @@ def _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped
 
 
 @torch.library.custom_op("megamlm::triton_attention_backward", mutates_args=())
-def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, query_bits: torch.Tensor, slopes: torch.Tensor | None,
-                           groups: torch.Tensor | None, spans: torch.Tensor | None, scale: float, offset: float,
-                           dropped: int, half_window: int,
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           delta: torch.Tensor, lse: torch.Tensor, query_bits: torch.Tensor,
+                           slopes: torch.Tensor | None, groups: torch.Tensor | None, spans: torch.Tensor | None,
+                           scale: float, offset: float, dropped: int, half_window: int,
                            slope_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv and, with slope_grad, the slopes' [2, np] (else an empty tensor)."""
-    launches, (dq, dk, dv, shares) = backward_launches(do, q, k, v, out, lse, query_bits, slopes, groups, spans,
+    launches, (dq, dk, dv, shares) = backward_launches(do, q, k, v, delta, lse, query_bits, slopes, groups, spans,
                                                        scale, offset, dropped, half_window, slope_grad)
     for launch in launches:
         launch()
@@ -171,7 +176,7 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(do, q, k, v, out, lse, query_bits, slopes, groups, spans, scale, offset, dropped,
+def _attention_backward_fake(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale, offset, dropped,
                              half_window, slope_grad):
     return (_like_sbh(q), _like_sbh(q), _like_sbh(q),
             slopes.new_empty(slopes.shape) if slope_grad else q.new_empty(0, dtype=torch.float32))
@@ -186,8 +191,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _lse_grad, _bits_grad):
     q, k, v, out, lse, query_bits, slopes, groups, spans = ctx.saved_tensors
     slope_grad = ctx.needs_input_grad[3]  # learned ALiBi slopes
-    dq, dk, dv, dslopes = _attention_backward_op(do, q, k, v, out, lse, query_bits, slopes, groups, spans,
-                                                 *ctx.constants, slope_grad)
+    _scale, _offset, dropped, _half_window = ctx.constants
+    dq, dk, dv, dslopes = _attention_backward_op(do, q, k, v, softmax_row_terms(do, out, dropped), lse, query_bits,
+                                                 slopes, groups, spans, *ctx.constants, slope_grad)
     return dq, dk, dv, dslopes if slope_grad else None, None, None, None, None, None, None, None
 
 
