@@ -45,8 +45,10 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_TRITON="--device cpu --lengths 40 --batch 2 --heads 2 --head-dim 16 --dtype fp32"
     SMOKE_BIAS="--device cpu --rows 300 --ffn 40 --dtype fp32 --rounds 1 --no-compile"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
+    # (train.global_batch_size: the recipe rows' 16 micro-batches per update are 2 here, still accumulated;
+    # 32 took two of the loop step's toy minutes)
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256 \
-        train.eval_batches=1"
+        train.eval_batches=1 train.global_batch_size=4"
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else

@@ -16,7 +16,7 @@ from megamlm.config import ModelConfig
 
 try:  # triton comes with CUDA builds of torch; a CPU-only install may lack it (unsupported_here says so)
     from megamlm.model import triton_bias_activation as kernels
-    from megamlm.model.triton_dropout import INTERPRET
+    from megamlm.model.triton_interpreter import INTERPRET
 except ImportError:
     kernels, INTERPRET = None, False
 

@@ -21,9 +21,7 @@ import triton
 import triton.language as tl
 
 from megamlm.model.triton_autotune import autotuned
-from megamlm.model.triton_dropout import INTERPRET
-
-_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)  # the kernels' copy
+from megamlm.model.triton_interpreter import _INTERPRET, INTERPRET, rounded
 
 ACTIVATION_CODES = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
 """model.activation -> the kernels' ACTIVATION (the names are activation.py's ACTIVATIONS)."""
@@ -112,19 +110,6 @@ def _derivative(x, ACTIVATION: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rounded(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to DTYPE (to nearest, ties to even: the GPU's conversion), in fp32. Triton's
-    interpreter truncates to bf16, so there the rounding is done on the bits."""
-    if _INTERPRET and DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        rounded = bits.to(tl.float32, bitcast=True)
-    else:
-        rounded = x.to(DTYPE).to(tl.float32)
-    return rounded
-
-
-@triton.jit
 def _strip(Y, B, start, cols, N, F, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
     """(offsets, inside, x) of rows [start, +BLOCK_N) and columns cols of [N, F] Y: x = y + b in fp32, rounded
     to y's dtype where HALF (the sum's dtype is y's 16-bit one, as the forward's add rounds it)."""
@@ -134,7 +119,7 @@ def _strip(Y, B, start, cols, N, F, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
     bias = tl.load(B + cols, mask=cols < F, other=0.0).to(tl.float32)
     x = tl.load(Y + offsets, mask=inside, other=0.0).to(tl.float32) + bias[None, :]
     if HALF:
-        x = _rounded(x, Y.dtype.element_ty)
+        x = rounded(x, Y.dtype.element_ty)
     return offsets, inside, x
 
 
@@ -163,7 +148,7 @@ def _backward_kernel(G, Y, B, DY, PARTIAL, N, F, ROWS: tl.constexpr, ACTIVATION:
         g = tl.load(G + offsets, mask=inside, other=0.0).to(tl.float32)
         dy = g * _derivative(x, ACTIVATION, HALF)
         if HALF:
-            dy = _rounded(dy, DY.dtype.element_ty)
+            dy = rounded(dy, DY.dtype.element_ty)
         tl.store(DY + offsets, dy.to(DY.dtype.element_ty), mask=inside)
         sums += dy
     tl.store(PARTIAL + tl.program_id(1) * F + cols, tl.sum(sums, 0), mask=cols < F)

@@ -9,14 +9,10 @@ in one thread in either orientation and the two halves need no data moved (`key_
 is stored; the backward recomputes the mask.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
-_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)  # the kernels' copy
+from megamlm.model.triton_interpreter import _INTERPRET
 
 
 @triton.jit

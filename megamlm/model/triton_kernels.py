@@ -28,7 +28,8 @@ import triton.language as tl
 
 from megamlm.model.triton_autotune import autotuned
 from megamlm.model.triton_blocks import block_scores, block_start, groups_of, partition, stretches
-from megamlm.model.triton_dropout import INTERPRET, drop, kept, key_levels, query_bits_of, saved_query_bits
+from megamlm.model.triton_dropout import drop, kept, key_levels, query_bits_of, saved_query_bits
+from megamlm.model.triton_interpreter import INTERPRET, computable, operand, stored
 
 LOG2E = 1.4426950408889634
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy
@@ -42,13 +43,14 @@ def _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _load_rows(PTR, b, h, offs, sb, sh, ss, S, HEAD_DIM: tl.constexpr):
-    """[len(offs), hn] of [b, np, s, hn] PTR (zeros past S)."""
-    return tl.load(PTR + _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM), mask=offs[:, None] < S, other=0.0)
+    """[len(offs), hn] of [b, np, s, hn] PTR (zeros past S), in a type the kernel computes with (`computable`)."""
+    return computable(tl.load(PTR + _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM), mask=offs[:, None] < S, other=0.0))
 
 
 @triton.jit
 def _store_rows(PTR, value, b, h, offs, sb, sh, ss, S, HEAD_DIM: tl.constexpr):
-    tl.store(PTR + _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM), value.to(PTR.dtype.element_ty), mask=offs[:, None] < S)
+    tl.store(PTR + _rows_at(b, h, offs, sb, sh, ss, HEAD_DIM), stored(value, PTR.dtype.element_ty),
+             mask=offs[:, None] < S)
 
 
 @triton.jit
@@ -102,7 +104,7 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
             if DROPPED > 0:
                 p = drop(p, key_levels(query_bits, start_n, BLOCK_N, False), DROPPED)
             v = _load_rows(V, b, h, offs_n, svb, svh, svs, S, HEAD_DIM)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(operand(p, V.dtype.element_ty), v)
             m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * keep_scale
@@ -149,12 +151,12 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
             dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
             if DROPPED > 0:  # (the keep scale once, at the end: `backward_launches`)
                 levels = key_levels(saved_query_bits(QBITS, bh, offs_m, S), start_n * BLOCK_N, BLOCK_N, True)
-                dv += tl.dot(drop(p_t, levels, DROPPED).to(do.dtype), do)
+                dv += tl.dot(operand(drop(p_t, levels, DROPPED), DO.dtype.element_ty), do)
                 dp_t = drop(dp_t, levels, DROPPED)
             else:
-                dv += tl.dot(p_t.to(do.dtype), do)
+                dv += tl.dot(operand(p_t, DO.dtype.element_ty), do)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q)
+            dk += tl.dot(operand(ds_t, Q.dtype.element_ty), q)
     dk *= sm_scale * keep_scale
     dv *= keep_scale
     _store_rows(DK, dk, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
@@ -201,7 +203,7 @@ def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUP
             if DROPPED > 0:
                 dp = tl.where(kept(key_levels(query_bits, start_n, BLOCK_N, False), DROPPED), dp, 0.0)
             ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+            dq += tl.dot(operand(ds, K.dtype.element_ty), k)
             if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
                 distance = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
                 d_before += tl.sum(tl.where(distance > 0, 0.0, ds * distance), 1)
