@@ -41,8 +41,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # a requeued job waits cred_expire seconds before it may start again (default 120: two of the
-# preemption tests' four minutes); also the job step credentials' lifetime, ample on one machine
-AuthInfo=cred_expire=20
+# preemption tests' four minutes); also the job step credentials' lifetime: a step launches on
+# loopback in well under a second
+AuthInfo=cred_expire=10
 CredType=cred/munge
 StateSaveLocation=$ROOT_DIR/state
 SlurmdSpoolDir=$ROOT_DIR/spool-%n
@@ -57,6 +58,9 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# a requeued job that has waited out cred_expire starts at the main scheduler's next pass, which runs
+# every sched_interval seconds (default 60: up to a minute more of each preemption test)
+SchedulerParameters=sched_interval=2
 ReturnToService=2
 JobRequeue=1
 KillWait=60

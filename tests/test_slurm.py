@@ -61,7 +61,7 @@ def _wait(predicate, timeout, what):
 
 
 def _submit(cluster, tmp_path, nodes: str, *overrides) -> tuple[dict, str, Path, Path]:
-    """sbatch the demo (2 layers) on `nodes`: (env, job id, its output file, the run's log.jsonl)."""
+    """sbatch the demo (2 layers, micro-batches of 8) on `nodes`: (env, job id, its output file, the run's log.jsonl)."""
     shards = tmp_path / "shards"
     text = tmp_path / "corpus.txt"
     text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:200_000])
@@ -71,7 +71,7 @@ def _submit(cluster, tmp_path, nodes: str, *overrides) -> tuple[dict, str, Path,
     env = dict(cluster, PYTHON=sys.executable, PYTHONPATH=str(ROOT))
     submit = subprocess.run(
         ["sbatch", "--parsable", f"-N{nodes}", str(ROOT / "slurm/pretrain.sbatch"), str(ROOT / "configs/demo.yaml"),
-         "model.num_layers=2", "train.steps=24", "train.log_interval=1", "train.eval_interval=1000",
+         "model.num_layers=2", "train.micro_batch_size=8", "train.global_batch_size=16", "train.steps=24", "train.log_interval=1", "train.eval_interval=1000",
          "train.eval_batches=2", f"data.shards={shards}", f"train.run_dir={run_dir}", *overrides],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert submit.returncode == 0, submit.stderr
@@ -123,7 +123,7 @@ def test_a_job_requeued_onto_fewer_nodes_resumes_resharded(cluster, tmp_path):
     """8 nodes -> 4 in small: a 2-node job (DP=2) is preempted while node n2 is drained, so its
     requeued copy waits for 2 nodes; shrunk to 1 node it runs on n1 alone (DP=1, accumulation 2: the
     same global batch) and continues from the checkpoint, resharded."""
-    env, job, out, log = _submit(cluster, tmp_path, "2", "train.global_batch_size=32")  # micro 16
+    env, job, out, log = _submit(cluster, tmp_path, "2")  # 16 sequences: micro 8 x 2 ranks, then x 2 accumulated
 
     def job_output():
         return out.read_text() if out.exists() else "(no output file)"
