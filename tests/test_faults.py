@@ -349,7 +349,7 @@ def _start_training(shards, run_dir):
 def test_ctrl_c_finishes_the_update_saves_and_exits_130(shards, tmp_path):
     proc = _start_training(shards, tmp_path / "run")
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
     assert "signal received: saved update" in out and "(SIGINT)" in out and "Traceback" not in err
     saved = (tmp_path / "run/checkpoints/latest").read_text()

@@ -61,7 +61,8 @@ def _wait(predicate, timeout, what):
 
 
 def _submit(cluster, tmp_path, nodes: str, *overrides) -> tuple[dict, str, Path, Path]:
-    """sbatch the demo (2 layers, micro-batches of 8) on `nodes`: (env, job id, its output file, the run's log.jsonl)."""
+    """sbatch the demo (2 layers, micro-batches of 8) on `nodes`: (env, job id, its output file, the run's
+    log.jsonl)."""
     shards = tmp_path / "shards"
     text = tmp_path / "corpus.txt"
     text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:200_000])
@@ -71,8 +72,9 @@ def _submit(cluster, tmp_path, nodes: str, *overrides) -> tuple[dict, str, Path,
     env = dict(cluster, PYTHON=sys.executable, PYTHONPATH=str(ROOT))
     submit = subprocess.run(
         ["sbatch", "--parsable", f"-N{nodes}", str(ROOT / "slurm/pretrain.sbatch"), str(ROOT / "configs/demo.yaml"),
-         "model.num_layers=2", "train.micro_batch_size=8", "train.global_batch_size=16", "train.steps=24", "train.log_interval=1", "train.eval_interval=1000",
-         "train.eval_batches=2", f"data.shards={shards}", f"train.run_dir={run_dir}", *overrides],
+         "model.num_layers=2", "train.micro_batch_size=8", "train.global_batch_size=16", "train.steps=24",
+         "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2", f"data.shards={shards}",
+         f"train.run_dir={run_dir}", *overrides],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip()

@@ -291,7 +291,7 @@ def test_sigterm_saves_a_complete_checkpoint_exits_0_and_resume_continues(shards
     proc = _start_and_wait_for_3_updates(args, env, run_dir)
     sent_at_step = max(logged(run_dir))
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
+    output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     saved = int((run_dir / "checkpoints/latest").read_text().removeprefix("step"))
     assert saved - sent_at_step <= 2 and (run_dir / f"checkpoints/step{saved:08d}/complete").exists()
@@ -314,7 +314,7 @@ def test_a_stop_signal_to_the_whole_job_with_loader_workers_still_saves(shards, 
     args, env = _cli_run(shards, run_dir, "data.loader_workers=2")
     proc = _start_and_wait_for_3_updates(args, env, run_dir, start_new_session=True)
     os.killpg(proc.pid, sig)  # its own process group: the trainer and its loader workers
-    output, _ = proc.communicate(timeout=120)
+    output, _ = proc.communicate(timeout=300)
     assert proc.returncode == exit_code, output
     saved = int((run_dir / "checkpoints/latest").read_text().removeprefix("step"))
     assert (run_dir / f"checkpoints/step{saved:08d}/complete").exists()
@@ -333,7 +333,7 @@ def test_a_loader_worker_killed_by_the_oom_killer_stops_the_run_with_one_line(sh
     workers = [int(pid) for pid in children if Path(f"/proc/{pid}/cmdline").read_bytes() == own]
     assert len(workers) == 2, children
     os.kill(workers[0], signal.SIGKILL)  # as the kernel's out-of-memory killer does
-    output, _ = proc.communicate(timeout=120)
+    output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, output
     last = output.strip().splitlines()[-1]
     # torch's "(pid N) is killed by signal: Killed." or, when the trainer was reading the batch queue, "(pid(s) N)
