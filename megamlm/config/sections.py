@@ -178,6 +178,15 @@ class TrainConfig:
     bf16 gradients in fp32 always: a 16-bit running sum keeps 8 (bf16) or 11 (fp16) significant bits of
     each addend, and the Pile recipes accumulate 16-32 micro-batches (BENCHMARKS.md, "Gradient
     accumulation"). Costs an add and a zero over the gradient buffer per micro-batch, no memory."""
+    overlap_grad_reduce: bool = False
+    """train.engine=flat, DP > 1: reduce-scatter the gradients over DP in buckets (train.grad_bucket_size)
+    while the update's last backward runs, each once the backward has finished its parameters
+    (megatron-core's overlap_grad_reduce with its distributed optimizer), instead of in one collective
+    after the backward. The same sums: at DP=2 the same losses bit for bit without clipping (the norm
+    adds its rows in another order). DeepSpeed's engine: its JSON's overlap_comm (train.deepspeed_config)."""
+    grad_bucket_size: int = 40_000_000
+    """Elements of the flat gradient buffer per reduce-scatter under train.overlap_grad_reduce
+    (megatron-core's default); smaller buckets start reducing earlier in the backward, in more collectives."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP). An
     fp32 run on one data-parallel rank runs at stage 0 whatever this says (`engine_zero_stage`)."""
@@ -250,7 +259,8 @@ class TrainConfig:
         if self.profile_updates < 0:
             raise ConfigError(f"train.profile_updates={self.profile_updates} must be >= 0 (0: no profile)")
         check_bounds(self, "train", {"seed": ">= 0", "global_batch_size": ">= 1", "eval_batches": ">= 1",
-                                     "spike_factor": "> 1", "max_rollbacks": ">= 0"})
+                                     "spike_factor": "> 1", "max_rollbacks": ">= 0",
+                                     "grad_bucket_size": ">= 1"})
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage={self.zero_stage} is invalid; allowed: 0 | 1 | 2 | 3")
         if not self.skip_nonfinite_updates and self.precision == "fp16":
@@ -263,6 +273,9 @@ class TrainConfig:
             if asks:
                 raise ConfigError(f"train.engine=flat runs ZeRO-1 without a DeepSpeed JSON; "
                                   f"{', '.join(asks)} needs train.engine=deepspeed")
+        if self.overlap_grad_reduce and self.engine != "flat":
+            raise ConfigError("train.overlap_grad_reduce=true needs train.engine=flat (DeepSpeed's engine: "
+                              "zero_optimization.overlap_comm in a JSON given as train.deepspeed_config)")
         if self.fp32_grad_accumulation and self.engine != "flat":
             raise ConfigError("train.fp32_grad_accumulation=true needs train.engine=flat: DeepSpeed's ZeRO-1 "
                               "sums micro-batches in the weights' dtype (its fp32 option is another optimizer, "

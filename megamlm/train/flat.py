@@ -8,7 +8,8 @@ dispatch, and the H200 loop waited on the host (BENCHMARKS.md). This engine keep
 - the model's weights (bf16 under train.precision=bf16) as views of one flat buffer and their
   gradients as views of another, so that autograd accumulates micro-batches into it in place;
 - fp32 master weights and AdamW's moments for this data-parallel rank's range of that buffer only
-  (ZeRO-1: the optimizer state is cut over DP), stepped by torch's fused AdamW as one tensor;
+  (ZeRO-1: the optimizer state is cut over DP), stepped by torch's fused AdamW as one tensor (one per
+  bucket under train.overlap_grad_reduce, below);
 
 so an update's step is 14 operations at any depth, 22 with the inf/NaN skip (loop_ops.py): cast the
 gradients to fp32, reduce-scatter them over DP (each rank receives the sum of its own range only: half
@@ -38,6 +39,15 @@ step, so the learning rates are DeepSpeed's,
 which does not advance the schedule on a skipped update. (The lr logged right after the skipped
 update is the one it would have advanced to.)
 
+train.overlap_grad_reduce (megatron-core's overlap_grad_reduce with its distributed optimizer): the
+buffers are cut into buckets of about train.grad_bucket_size elements, each cut over DP, and a rank's
+range is its part of every bucket (one fused AdamW over those parts). In the last micro-batch of an
+update, a bucket's gradients go to their reduce-scatter (asynchronous) as soon as the backward has
+accumulated all of them, so the reduction runs behind the rest of the backward; the step waits for it.
+Buckets are reduced in one fixed order on every rank (collectives must match), the order the backward
+finishes them in: by the first parameter each holds, last first. Without it one reduce-scatter of the
+whole buffer follows the backward: nothing else on the device while it runs.
+
 Checkpoints use DeepSpeed's stage-0 file layout (`mp_rank_XX_model_states.pt`: the fp32 master
 weights as the module, torch's AdamW state per parameter in model order, the schedule and counters),
 written by DP rank 0 of each TP rank after a gather. Every reader therefore takes it as it takes a
@@ -47,6 +57,7 @@ zero_to_fp32. The engine itself always loads through `train.elastic.load_full_st
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -81,6 +92,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _cut(lo: int, hi: int, size: int, unit: int) -> list[tuple[int, int]]:
+    """[lo, hi) (multiples of unit) in consecutive ranges of `size` elements rounded up to a unit, the
+    last one shorter."""
+    size = _round_up(max(size, 1), unit)
+    return [(first, min(first + size, hi)) for first in range(lo, hi, size)]
+
+
 class FlatEngine:
     """What the loop uses of a DeepSpeed engine (`__call__`, backward, step, module, optimizer,
     checkpoints, counters), over flat buffers."""
@@ -95,38 +113,54 @@ class FlatEngine:
         self.scan = self.scaler is not None or (cfg.train.precision == "bf16" and cfg.train.skip_nonfinite_updates)
         dtype = DTYPES[cfg.train.precision]
         # TP-sharded parameters first, so that the norm's two kinds of parameters are two ranges of rows
-        sharded = [p for p in model.parameters() if tp_sharded(p)]
-        replicated = [p for p in model.parameters() if not tp_sharded(p)]
+        params = list(model.parameters())
+        sharded = [p for p in params if tp_sharded(p)]
+        replicated = [p for p in params if not tp_sharded(p)]
+        self.overlap = cfg.train.overlap_grad_reduce and ctx.dp_size > 1
+        # buckets: whole rows on every DP rank, and (overlapping) none holding both kinds of parameters
+        unit = NORM_ROW * ctx.dp_size
         self.offsets: dict[int, int] = {}  # id(parameter) -> its first element in the flat buffers
-        self.sharded_end = _round_up(self._place(sharded, 0), NORM_ROW)
-        total = _round_up(self._place(replicated, self.sharded_end), NORM_ROW * ctx.dp_size)
+        self.sharded_end = _round_up(self._place(sharded, 0), unit if self.overlap else NORM_ROW)
+        total = _round_up(self._place(replicated, self.sharded_end), unit)
         self.weights = torch.zeros(total, dtype=dtype, device=ctx.device)
         self.grads = torch.zeros_like(self.weights)
         for param in sharded + replicated:  # parameters only: buffers keep their dtype, as DeepSpeed leaves them
             self._view(self.weights, param).copy_(param.data)
             param.data = self._view(self.weights, param)
             param.grad = self._view(self.grads, param)
-        # this DP rank's range [start, end) of the flat buffers: its master weights and moments
-        part = total // ctx.dp_size
-        self.start, self.end = ctx.dp_rank * part, (ctx.dp_rank + 1) * part
-        # fp32: the weights are their own masters (AdamW steps this rank's range of them in place);
+        self.buckets = [(0, total)]  # [lo, hi) of the flat buffers, each reduced over DP in one collective
+        if self.overlap:
+            size = cfg.train.grad_bucket_size
+            self.buckets = _cut(0, self.sharded_end, size, unit) + _cut(self.sharded_end, total, size, unit)
+        # this DP rank's part [first, end) of each bucket: its master weights and moments
+        self.parts = [(lo + ctx.dp_rank * (hi - lo) // ctx.dp_size, lo + (ctx.dp_rank + 1) * (hi - lo) // ctx.dp_size)
+                      for lo, hi in self.buckets]
+        # fp32: the weights are their own masters (AdamW steps this rank's parts of them in place);
         # bf16 / fp16: fp32 copies made from the 16-bit weights, as DeepSpeed makes its masters
         self.separate_masters = dtype != torch.float32
         self.grads32 = torch.zeros(total, device=ctx.device) if self.separate_masters else self.grads
-        self.master = self.weights[self.start:self.end]
-        if self.separate_masters:
-            self.master = self.master.float()
-        self.master.grad = self.grads32[self.start:self.end]
+        self.masters = []
+        for first, end in self.parts:
+            master = self.weights[first:end].float() if self.separate_masters else self.weights[first:end]
+            master.grad = self.grads32[first:end]  # a reduce-scatter's output, in place
+            self.masters.append(master)
         # train.fp32_grad_accumulation: each micro-batch's 16-bit gradients are added to grads32 after its
         # backward, and `grads` holds one micro-batch at a time
         self.accumulate32 = self.separate_masters and cfg.train.fp32_grad_accumulation
-        self.optimizer = torch.optim.AdamW([self.master], lr=cfg.optim.lr, **cfg.optim.adamw(), fused=True)
+        self.optimizer = torch.optim.AdamW(self.masters, lr=cfg.optim.lr, **cfg.optim.adamw(), fused=True)
         self.schedule = Schedule(self.optimizer, cfg.optim, cfg.train.steps)
-        # the parts of this rank's range whose squares the norm sums here
-        split = min(max(self.sharded_end - self.start, 0), part)
-        counted = [self.master.grad] if ctx.tp_size == 1 else \
-            [self.master.grad[:split]] + ([self.master.grad[split:]] if ctx.tp_rank == 0 else [])
-        self.counted = [part.view(-1, NORM_ROW) for part in counted if part.numel()]
+        # the rows whose squares the norm sums here: TP-sharded everywhere, replicated on TP rank 0
+        self.counted = []
+        for (first, _), master in zip(self.parts, self.masters):
+            split = min(max(self.sharded_end - first, 0), master.numel())
+            counted = [master.grad] if ctx.tp_size == 1 else \
+                [master.grad[:split]] + ([master.grad[split:]] if ctx.tp_rank == 0 else [])
+            self.counted += [rows.view(-1, NORM_ROW) for rows in counted if rows.numel()]
+        self.reducing = False
+        """In the last micro-batch's backward of an update under train.overlap_grad_reduce."""
+        self.in_flight: list[dist.Work] = []  # the update's reduce-scatters, launched
+        if self.overlap:
+            self._arm_buckets(params)
         self.norm = torch.zeros((), device=ctx.device)
         self.skipped = torch.zeros((), device=ctx.device)
         self.skip_in_flight: ToHost | None = None
@@ -147,6 +181,44 @@ class FlatEngine:
         offset = self.offsets[id(param)]
         return flat[offset: offset + param.numel()].view(param.shape)
 
+    def _arm_buckets(self, params: list[nn.Parameter]) -> None:
+        """train.overlap_grad_reduce: a hook on each parameter counts its buckets' gradients as the last
+        micro-batch's backward accumulates them; `order`, the launch order, is the same on every rank."""
+        holds = {id(p): [b for b, (lo, hi) in enumerate(self.buckets)
+                         if lo < self.offsets[id(p)] + p.numel() and self.offsets[id(p)] < hi] for p in params}
+        self.bucket_params = [sum(b in holds[id(p)] for p in params) for b in range(len(self.buckets))]
+        first_param = [min((i for i, p in enumerate(params) if b in holds[id(p)]), default=len(params))
+                       for b in range(len(self.buckets))]
+        self.order = sorted(range(len(self.buckets)), key=lambda b: (-first_param[b], b))
+        self.waiting = list(self.bucket_params)  # per bucket: parameters the backward has yet to finish
+        self.launched = 0  # buckets of `order` whose reduce-scatter is in flight
+        for p in params:
+            p.register_post_accumulate_grad_hook(partial(self._accumulated, holds[id(p)]))
+
+    def _accumulated(self, buckets: list[int], _param: nn.Parameter) -> None:
+        """A parameter's gradient is complete (autograd's post-accumulate hook): in the update's last
+        backward, one parameter fewer for each bucket it lies in."""
+        if self.reducing:
+            for b in buckets:
+                self.waiting[b] -= 1
+            self._launch_ready()
+
+    def _launch_ready(self, every: bool = False) -> None:
+        """Start the reduce-scatters of the buckets whose gradients are complete, in `order` (every: all
+        that are left, those the backward reached no parameter of included)."""
+        while self.launched < len(self.order):
+            b = self.order[self.launched]
+            if self.waiting[b] and not every:
+                return
+            lo, hi = self.buckets[b]
+            if self.accumulate32:  # the last micro-batch's share, as backward adds the others'
+                (self.grads32[lo:hi].add_ if self.accumulation > 1 else self.grads32[lo:hi].copy_)(self.grads[lo:hi])
+            elif self.separate_masters:
+                self.grads32[lo:hi].copy_(self.grads[lo:hi])
+            self.in_flight.append(_reduce_scatter(self.masters[b].grad, self.grads32[lo:hi],
+                                                  group=self.ctx.dp_group, async_op=True))
+            self.launched += 1
+
     # ---- the loop's calls ------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
@@ -156,12 +228,14 @@ class FlatEngine:
         """The loop's weights make the loss of an update a sum over micro-batches and DP ranks of
         `accumulation × DP` means; as DeepSpeed, divide by accumulation here and by DP in the reduction."""
         loss = loss / self.accumulation
+        # (step counts this micro-batch after it)
+        self.reducing = self.overlap and (self.micro_steps + 1) % self.accumulation == 0
         (loss if self.scaler is None else loss * self.scaler.scale).backward()
-        if self.accumulate32:  # (step counts this micro-batch after it)
-            if self.micro_steps % self.accumulation:
-                self.grads32.add_(self.grads)
-            else:
-                self.grads32.copy_(self.grads)
+        if self.reducing:
+            self._launch_ready(every=True)
+        if self.accumulate32:
+            if not self.reducing:  # (reducing, each bucket's share went in before its reduce-scatter)
+                (self.grads32.add_ if self.micro_steps % self.accumulation else self.grads32.copy_)(self.grads)
             self.grads.zero_()
 
     def step(self) -> None:
@@ -170,12 +244,21 @@ class FlatEngine:
         if self.micro_steps % self.accumulation:
             return
         ctx = self.ctx
-        if self.grads32 is not self.grads and not self.accumulate32:
-            self.grads32.copy_(self.grads)
-        grad = self.master.grad
-        if ctx.dp_size > 1:  # in place: this rank's range of the buffer receives the sum of that range
-            _reduce_scatter(grad, self.grads32, group=ctx.dp_group)
-            grad.div_(ctx.dp_size)
+        if self.overlap:  # launched in the backward
+            for work in self.in_flight:
+                work.wait()
+            self.in_flight, self.launched, self.reducing = [], 0, False
+            self.waiting = list(self.bucket_params)
+        else:
+            if self.grads32 is not self.grads and not self.accumulate32:
+                self.grads32.copy_(self.grads)
+            if ctx.dp_size > 1:  # in place: this rank's part of the buffer receives the sum of that part
+                for (lo, hi), master in zip(self.buckets, self.masters):
+                    _reduce_scatter(master.grad, self.grads32[lo:hi], group=ctx.dp_group)
+        grads = [master.grad for master in self.masters]
+        if ctx.dp_size > 1:
+            for grad in grads:
+                grad.div_(ctx.dp_size)
         squares = torch.zeros((), device=ctx.device)
         for rows in self.counted:
             squares = squares + torch.linalg.vector_norm(rows, dim=1).square().sum()
@@ -184,14 +267,18 @@ class FlatEngine:
                 dist.all_reduce(squares, group=group)
         norm = squares.sqrt()  # fp16: of the scaled gradients
         # as DeepSpeed clips: by max(1, (norm + 1e-6) / clip); fp16 unscales in the same division
+        divisor = None
         if self.scaler is None:
             self.norm = norm
             if self.clip > 0:
-                grad.div_(((self.norm + 1e-6) / self.clip).clamp(min=1.0))
+                divisor = ((self.norm + 1e-6) / self.clip).clamp(min=1.0)
         else:
             scale = self.scaler.scale
             self.norm = norm / scale
-            grad.div_(scale if self.clip <= 0 else ((self.norm + 1e-6) / self.clip).clamp(min=1.0) * scale)
+            divisor = scale if self.clip <= 0 else ((self.norm + 1e-6) / self.clip).clamp(min=1.0) * scale
+        if divisor is not None:
+            for grad in grads:
+                grad.div_(divisor)
         if self.scan:
             self.settle_skip()
             found_inf = norm.isfinite().logical_not().float()
@@ -204,10 +291,12 @@ class FlatEngine:
                 self.skip_in_flight = ToHost(torch.stack([found_inf, self.scaler.floor_overflow]))
         self.optimizer.step()
         self.schedule.step()
-        if self.separate_masters:  # bf16 / fp16: cast the range back
-            self.weights[self.start:self.end].copy_(self.master)
-        if ctx.dp_size > 1:  # in place: every rank's range of the weights from its owner
-            _all_gather(self.weights, self.weights[self.start:self.end], group=ctx.dp_group)
+        if self.separate_masters:  # bf16 / fp16: cast this rank's parts back
+            for (first, end), master in zip(self.parts, self.masters):
+                self.weights[first:end].copy_(master)
+        if ctx.dp_size > 1:  # in place: every rank's part of each bucket from its owner
+            for (lo, hi), (first, end) in zip(self.buckets, self.parts):
+                _all_gather(self.weights[lo:hi], self.weights[first:end], group=ctx.dp_group)
         if not self.accumulate32:  # (else zeroed after each backward)
             self.grads.zero_()
         self.global_steps += 1
@@ -250,6 +339,24 @@ class FlatEngine:
         return 0
 
     @property
+    def master(self) -> torch.Tensor:
+        """This rank's master weights where they are one range of the buffers (one bucket: without
+        train.overlap_grad_reduce, or at DP=1); `masters` holds one per bucket."""
+        (master,) = self.masters
+        return master
+
+    @property
+    def start(self) -> int:
+        """The first element of the buffers that `master` holds."""
+        (part,) = self.parts
+        return part[0]
+
+    @property
+    def end(self) -> int:
+        (part,) = self.parts
+        return part[1]
+
+    @property
     def skipped_steps(self) -> int:
         return int(self.skipped.item())
 
@@ -268,11 +375,12 @@ class FlatEngine:
         folder = Path(root) / tag
         folder.mkdir(parents=True, exist_ok=True)
         self.settle_skip()  # the schedule's state as DeepSpeed would save it
-        state = self.optimizer.state[self.master]  # empty before the first update: zero moments, step 0
-        state = {"step": torch.zeros(()), **{k: torch.zeros_like(self.master) for k in ("exp_avg", "exp_avg_sq")},
-                 **state}
-        fulls = {kind: self._gather(state[kind] if kind != "fp32" else self.master)
+        # empty before the first update: zero moments, step 0
+        states = [{"step": torch.zeros(()), **{k: torch.zeros_like(m) for k in ("exp_avg", "exp_avg_sq")},
+                   **self.optimizer.state[m]} for m in self.masters]
+        fulls = {kind: self._gather([state[kind] for state in states] if kind != "fp32" else self.masters)
                  for kind in ("fp32", "exp_avg", "exp_avg_sq")}
+        state = states[0]
         skipped = self.skipped_steps
         if self.ctx.dp_rank != 0:
             return
@@ -292,23 +400,28 @@ class FlatEngine:
                     **({} if self.scaler is None else {"loss_scaler": self.scaler.state_dict()})},
                    folder / f"mp_rank_{self.ctx.tp_rank:02d}_model_states.pt")
 
-    def _gather(self, part: torch.Tensor) -> torch.Tensor | None:
-        """Every DP rank's range of a flat fp32 tensor, whole, on DP rank 0 (CPU); None elsewhere."""
+    def _gather(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """A flat fp32 tensor whole on DP rank 0 (CPU) from every DP rank's parts of it (one per bucket);
+        None elsewhere."""
         ctx = self.ctx
-        part = part.detach().float()
+        parts = [part.detach().float() for part in parts]
         if ctx.dp_size == 1:
-            return part.cpu()
-        parts = [torch.empty_like(part) for _ in range(ctx.dp_size)] if ctx.dp_rank == 0 else None
-        dist.gather(part, parts, dst=dist.get_global_rank(ctx.dp_group, 0), group=ctx.dp_group)
-        return torch.cat(parts).cpu() if parts is not None else None
+            return torch.cat(parts).cpu()
+        whole = []  # bucket by bucket, each rank's part of it in rank order
+        for part in parts:
+            ranks = [torch.empty_like(part) for _ in range(ctx.dp_size)] if ctx.dp_rank == 0 else None
+            dist.gather(part, ranks, dst=dist.get_global_rank(ctx.dp_group, 0), group=ctx.dp_group)
+            whole += ranks or []
+        return torch.cat(whole).cpu() if ctx.dp_rank == 0 else None
 
     def set_full(self, param: nn.Parameter, kind: str, local: torch.Tensor) -> None:
         """Load this rank's (TP-cut) fp32 tensor of `kind` (master weights "fp32", "exp_avg",
-        "exp_avg_sq") for `param`: the weights, and the part of the range this DP rank holds."""
+        "exp_avg_sq") for `param`: the weights, and what of it this DP rank's parts hold."""
         if kind == "fp32":
             param.data.copy_(local.to(param.dtype))
-        target = self.master if kind == "fp32" else self.optimizer.state[self.master][kind]
         first = self.offsets[id(param)]
-        lo, hi = max(first, self.start), min(first + param.numel(), self.end)
-        if lo < hi:
-            target.data[lo - self.start: hi - self.start].copy_(local.flatten()[lo - first: hi - first])
+        for (start, end), master in zip(self.parts, self.masters):
+            target = master if kind == "fp32" else self.optimizer.state[master][kind]
+            lo, hi = max(first, start), min(first + param.numel(), end)
+            if lo < hi:
+                target.data[lo - start: hi - start].copy_(local.flatten()[lo - first: hi - first])
