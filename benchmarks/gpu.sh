@@ -46,9 +46,11 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_BIAS="--device cpu --rows 300 --ffn 40 --dtype fp32 --rounds 1 --no-compile"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
     # (train.global_batch_size: the recipe rows' 16 micro-batches per update are 2 here, still accumulated;
-    # 32 took two of the loop step's toy minutes)
-    SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.ffn_hidden_size=256 \
-        train.eval_batches=1 train.global_batch_size=4"
+    # 32 took two of the loop step's toy minutes. One head and one sequence per micro-batch: Triton's
+    # interpreter runs a program per head, sequence and block of queries, one after another, and the Triton
+    # rows took 40% longer with two of each)
+    SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=1 model.ffn_hidden_size=256 \
+        train.eval_batches=1 train.global_batch_size=2"
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
@@ -99,7 +101,7 @@ train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES [CONFIG]: 2
     # (the row's OVERRIDES come after the common ones, so they win: the last value of a key is the one)
     local name=$1 length=${SMOKE_LENGTH:-$2} micro=$3 extra=$4 updates=$5
     local config=${6:-configs/pile/base-zero-clap.yaml}
-    [ -z "$SMOKE_LENGTH" ] || { micro=2 updates=3; }
+    [ -z "$SMOKE_LENGTH" ] || { micro=1 updates=3; }
     step "$name" 420 $PY -m megamlm train --overwrite --config "$config" \
         "data.build_from=[data/wikitext-103/valid.txt,data/wikitext-103/test.txt]" \
         data.shards=cache/wikitext-103-s$length data.seq_length=$length model.max_positions=$length \
