@@ -44,11 +44,11 @@ def _buckets_launched_before_the_embedding(overrides):
     engine, _, _ = build_engine(objective.build_model(ctx), cfg, ctx, cfg.train.engine_zero_stage(ctx.dp_size))
     embedding = max(engine.module.parameters(), key=torch.Tensor.numel)
     at_embedding = []
-    embedding.register_hook(lambda grad: at_embedding.append(engine.launched))
+    embedding.register_hook(lambda grad: at_embedding.append(engine.launches.launched))
     engine.backward(objective.loss(engine, _batch(cfg, "padded")).loss_sum.sum())
-    after = engine.launched
+    after = engine.launches.launched
     engine.step()
-    return at_embedding, after, len(engine.buckets), engine.launched
+    return at_embedding, after, len(engine.buckets), engine.launches.launched
 
 
 def test_the_reduce_scatters_start_while_the_backward_runs():

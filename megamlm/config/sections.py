@@ -179,14 +179,11 @@ class TrainConfig:
     each addend, and the Pile recipes accumulate 16-32 micro-batches (BENCHMARKS.md, "Gradient
     accumulation"). Costs an add and a zero over the gradient buffer per micro-batch, no memory."""
     overlap_grad_reduce: bool = False
-    """train.engine=flat, DP > 1: reduce-scatter the gradients over DP in buckets (train.grad_bucket_size)
-    while the update's last backward runs, each once the backward has finished its parameters
-    (megatron-core's overlap_grad_reduce with its distributed optimizer), instead of in one collective
-    after the backward. The same sums: at DP=2 the same losses bit for bit without clipping (the norm
-    adds its rows in another order). DeepSpeed's engine: its JSON's overlap_comm (train.deepspeed_config)."""
+    """train.engine=flat, DP > 1: reduce-scatter the gradients over DP in buckets (train.grad_bucket_size),
+    each as soon as the update's last backward has finished it (megatron-core's overlap_grad_reduce),
+    instead of in one collective after the backward. The same sums; the norm adds its rows in another order."""
     grad_bucket_size: int = 40_000_000
-    """Elements of the flat gradient buffer per reduce-scatter under train.overlap_grad_reduce
-    (megatron-core's default); smaller buckets start reducing earlier in the backward, in more collectives."""
+    """Gradient elements per reduce-scatter under train.overlap_grad_reduce (megatron-core's default)."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP). An
     fp32 run on one data-parallel rank runs at stage 0 whatever this says (`engine_zero_stage`)."""
@@ -273,13 +270,12 @@ class TrainConfig:
             if asks:
                 raise ConfigError(f"train.engine=flat runs ZeRO-1 without a DeepSpeed JSON; "
                                   f"{', '.join(asks)} needs train.engine=deepspeed")
-        if self.overlap_grad_reduce and self.engine != "flat":
-            raise ConfigError("train.overlap_grad_reduce=true needs train.engine=flat (DeepSpeed's engine: "
-                              "zero_optimization.overlap_comm in a JSON given as train.deepspeed_config)")
-        if self.fp32_grad_accumulation and self.engine != "flat":
-            raise ConfigError("train.fp32_grad_accumulation=true needs train.engine=flat: DeepSpeed's ZeRO-1 "
-                              "sums micro-batches in the weights' dtype (its fp32 option is another optimizer, "
-                              "with another checkpoint layout)")
+        for key, deepspeed in (("overlap_grad_reduce", "DeepSpeed's engine overlaps with zero_optimization."
+                                "overlap_comm in a JSON given as train.deepspeed_config"),
+                               ("fp32_grad_accumulation", "DeepSpeed's ZeRO-1 sums micro-batches in the weights' "
+                                "dtype (its fp32 option is another optimizer, with another checkpoint layout)")):
+            if getattr(self, key) and self.engine != "flat":
+                raise ConfigError(f"train.{key}=true needs train.engine=flat: {deepspeed}")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "

@@ -375,11 +375,9 @@ def loader_deaths_explained(workers: int):
     except RuntimeError as err:
         if workers == 0 or not str(err).startswith("DataLoader worker"):
             raise
-        # torch's SIGCHLD handler raises this death again at every later SIGCHLD of the process (it checks
-        # every worker it still knows of). One arriving while this line is formed would replace it: the one
-        # way we see for a suite run's "internal error: RuntimeError: DataLoader worker ... is killed"
-        # (session 38, not reproduced in 5 reruns). The process is failing; from here its loaders notice a
-        # dead worker by their own checks (within 5 s) instead
+        # torch's SIGCHLD handler raises this death again at every later SIGCHLD (it checks every worker it
+        # knows of); one while this line is formed would replace it (a suite run's "internal error", session
+        # 38; not reproduced). The process is failing: its loaders' own checks find dead workers from here
         with contextlib.suppress(ValueError):  # (outside the main thread there is no handler to reset)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         advice = (f"the kernel's out-of-memory killer: lower data.loader_workers (now {workers}) or give the job "

@@ -44,9 +44,8 @@ buffers are cut into buckets of about train.grad_bucket_size elements, each cut 
 range is its part of every bucket (one fused AdamW over those parts). In the last micro-batch of an
 update, a bucket's gradients go to their reduce-scatter (asynchronous) as soon as the backward has
 accumulated all of them, so the reduction runs behind the rest of the backward; the step waits for it.
-Buckets are reduced in one fixed order on every rank (collectives must match), the order the backward
-finishes them in: by the first parameter each holds, last first. Without it one reduce-scatter of the
-whole buffer follows the backward: nothing else on the device while it runs.
+When each bucket starts, in one fixed order on every rank: train/grad_buckets.py. Without it one
+reduce-scatter of the whole buffer follows the backward: nothing else on the device while it runs.
 
 Checkpoints use DeepSpeed's stage-0 file layout (`mp_rank_XX_model_states.pt`: the fp32 master
 weights as the module, torch's AdamW state per parameter in model order, the schedule and counters),
@@ -57,7 +56,6 @@ zero_to_fp32. The engine itself always loads through `train.elastic.load_full_st
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -67,6 +65,7 @@ from torch import nn
 from megamlm.config import Config
 from megamlm.model.tp import tp_sharded
 from megamlm.parallel import ParallelContext, ToHost
+from megamlm.train.grad_buckets import BucketLaunches
 from megamlm.train.loss_scale import DynamicLossScale
 from megamlm.train.schedule import Schedule
 
@@ -116,11 +115,11 @@ class FlatEngine:
         params = list(model.parameters())
         sharded = [p for p in params if tp_sharded(p)]
         replicated = [p for p in params if not tp_sharded(p)]
-        self.overlap = cfg.train.overlap_grad_reduce and ctx.dp_size > 1
+        overlap = cfg.train.overlap_grad_reduce and ctx.dp_size > 1
         # buckets: whole rows on every DP rank, and (overlapping) none holding both kinds of parameters
         unit = NORM_ROW * ctx.dp_size
         self.offsets: dict[int, int] = {}  # id(parameter) -> its first element in the flat buffers
-        self.sharded_end = _round_up(self._place(sharded, 0), unit if self.overlap else NORM_ROW)
+        self.sharded_end = _round_up(self._place(sharded, 0), unit if overlap else NORM_ROW)
         total = _round_up(self._place(replicated, self.sharded_end), unit)
         self.weights = torch.zeros(total, dtype=dtype, device=ctx.device)
         self.grads = torch.zeros_like(self.weights)
@@ -129,7 +128,7 @@ class FlatEngine:
             param.data = self._view(self.weights, param)
             param.grad = self._view(self.grads, param)
         self.buckets = [(0, total)]  # [lo, hi) of the flat buffers, each reduced over DP in one collective
-        if self.overlap:
+        if overlap:
             size = cfg.train.grad_bucket_size
             self.buckets = _cut(0, self.sharded_end, size, unit) + _cut(self.sharded_end, total, size, unit)
         # this DP rank's part [first, end) of each bucket: its master weights and moments
@@ -156,11 +155,8 @@ class FlatEngine:
             counted = [master.grad] if ctx.tp_size == 1 else \
                 [master.grad[:split]] + ([master.grad[split:]] if ctx.tp_rank == 0 else [])
             self.counted += [rows.view(-1, NORM_ROW) for rows in counted if rows.numel()]
-        self.reducing = False
-        """In the last micro-batch's backward of an update under train.overlap_grad_reduce."""
-        self.in_flight: list[dist.Work] = []  # the update's reduce-scatters, launched
-        if self.overlap:
-            self._arm_buckets(params)
+        # train.overlap_grad_reduce: each bucket reduced as soon as the last backward has finished it
+        self.launches = BucketLaunches(params, self.offsets, self.buckets, self._reduce_async) if overlap else None
         self.norm = torch.zeros((), device=ctx.device)
         self.skipped = torch.zeros((), device=ctx.device)
         self.skip_in_flight: ToHost | None = None
@@ -181,43 +177,14 @@ class FlatEngine:
         offset = self.offsets[id(param)]
         return flat[offset: offset + param.numel()].view(param.shape)
 
-    def _arm_buckets(self, params: list[nn.Parameter]) -> None:
-        """train.overlap_grad_reduce: a hook on each parameter counts its buckets' gradients as the last
-        micro-batch's backward accumulates them; `order`, the launch order, is the same on every rank."""
-        holds = {id(p): [b for b, (lo, hi) in enumerate(self.buckets)
-                         if lo < self.offsets[id(p)] + p.numel() and self.offsets[id(p)] < hi] for p in params}
-        self.bucket_params = [sum(b in holds[id(p)] for p in params) for b in range(len(self.buckets))]
-        first_param = [min((i for i, p in enumerate(params) if b in holds[id(p)]), default=len(params))
-                       for b in range(len(self.buckets))]
-        self.order = sorted(range(len(self.buckets)), key=lambda b: (-first_param[b], b))
-        self.waiting = list(self.bucket_params)  # per bucket: parameters the backward has yet to finish
-        self.launched = 0  # buckets of `order` whose reduce-scatter is in flight
-        for p in params:
-            p.register_post_accumulate_grad_hook(partial(self._accumulated, holds[id(p)]))
-
-    def _accumulated(self, buckets: list[int], _param: nn.Parameter) -> None:
-        """A parameter's gradient is complete (autograd's post-accumulate hook): in the update's last
-        backward, one parameter fewer for each bucket it lies in."""
-        if self.reducing:
-            for b in buckets:
-                self.waiting[b] -= 1
-            self._launch_ready()
-
-    def _launch_ready(self, every: bool = False) -> None:
-        """Start the reduce-scatters of the buckets whose gradients are complete, in `order` (every: all
-        that are left, those the backward reached no parameter of included)."""
-        while self.launched < len(self.order):
-            b = self.order[self.launched]
-            if self.waiting[b] and not every:
-                return
-            lo, hi = self.buckets[b]
-            if self.accumulate32:  # the last micro-batch's share, as backward adds the others'
-                (self.grads32[lo:hi].add_ if self.accumulation > 1 else self.grads32[lo:hi].copy_)(self.grads[lo:hi])
-            elif self.separate_masters:
-                self.grads32[lo:hi].copy_(self.grads[lo:hi])
-            self.in_flight.append(_reduce_scatter(self.masters[b].grad, self.grads32[lo:hi],
-                                                  group=self.ctx.dp_group, async_op=True))
-            self.launched += 1
+    def _reduce_async(self, b: int) -> dist.Work:
+        """Start bucket b's reduce-scatter (the last backward has finished its gradients)."""
+        lo, hi = self.buckets[b]
+        if self.accumulate32:  # the last micro-batch's share, as backward adds the others'
+            (self.grads32[lo:hi].add_ if self.accumulation > 1 else self.grads32[lo:hi].copy_)(self.grads[lo:hi])
+        elif self.separate_masters:
+            self.grads32[lo:hi].copy_(self.grads[lo:hi])
+        return _reduce_scatter(self.masters[b].grad, self.grads32[lo:hi], group=self.ctx.dp_group, async_op=True)
 
     # ---- the loop's calls ------------------------------------------------------------------------
 
@@ -228,13 +195,15 @@ class FlatEngine:
         """The loop's weights make the loss of an update a sum over micro-batches and DP ranks of
         `accumulation × DP` means; as DeepSpeed, divide by accumulation here and by DP in the reduction."""
         loss = loss / self.accumulation
-        # (step counts this micro-batch after it)
-        self.reducing = self.overlap and (self.micro_steps + 1) % self.accumulation == 0
+        # the update's last micro-batch (step counts it after this)
+        reducing = self.launches is not None and (self.micro_steps + 1) % self.accumulation == 0
+        if reducing:
+            self.launches.start()
         (loss if self.scaler is None else loss * self.scaler.scale).backward()
-        if self.reducing:
-            self._launch_ready(every=True)
+        if reducing:
+            self.launches.launch_ready(every=True)
         if self.accumulate32:
-            if not self.reducing:  # (reducing, each bucket's share went in before its reduce-scatter)
+            if not reducing:  # (reducing, each bucket's share went in before its reduce-scatter)
                 (self.grads32.add_ if self.micro_steps % self.accumulation else self.grads32.copy_)(self.grads)
             self.grads.zero_()
 
@@ -244,11 +213,8 @@ class FlatEngine:
         if self.micro_steps % self.accumulation:
             return
         ctx = self.ctx
-        if self.overlap:  # launched in the backward
-            for work in self.in_flight:
-                work.wait()
-            self.in_flight, self.launched, self.reducing = [], 0, False
-            self.waiting = list(self.bucket_params)
+        if self.launches is not None:  # launched in the backward
+            self.launches.wait()
         else:
             if self.grads32 is not self.grads and not self.accumulate32:
                 self.grads32.copy_(self.grads)
