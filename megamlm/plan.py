@@ -90,8 +90,9 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
     params = parameter_count(cfg)
     w = 4 if train.precision == "fp32" else 2
     stage = 1 if train.engine == "flat" else train.zero_stage  # flat: the optimizer state is cut over DP
-    # the flat engine reduces gradients in an fp32 copy of the whole flat buffer (train/flat.py)
-    fp32_copy = 4 if train.engine == "flat" and w == 2 else 0
+    # the flat engine reduces gradients in an fp32 copy of the whole flat buffer, or (16-bit reduction)
+    # copies this rank's part of it (train/flat.py)
+    fp32_copy = 0 if train.engine != "flat" or w == 4 else 4 if train.grad_reduce_in_fp32 else 4 / dp
     memory = {
         "weights": params / tp * w / (dp if stage >= 3 else 1),
         "gradients": params / tp * (w + fp32_copy) / (dp if stage >= 2 else 1),

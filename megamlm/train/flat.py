@@ -11,14 +11,15 @@ dispatch, and the H200 loop waited on the host (BENCHMARKS.md). This engine keep
   (ZeRO-1: the optimizer state is cut over DP), stepped by torch's fused AdamW as one tensor (one per
   bucket under train.overlap_grad_reduce, below);
 
-so an update's step is 14 operations at any depth, 22 with the inf/NaN skip (loop_ops.py): cast the
-gradients to fp32, reduce-scatter them over DP (each rank receives the sum of its own range only: half
-the bytes of an all-reduce), one norm (tensor-parallel shards counted on every TP rank,
-replicated parameters on TP rank 0, as megatron and DeepSpeed count them), clip, one fused AdamW,
-cast back, all-gather over DP.
+so an update's step is 14 operations at any depth, 23 with the inf/NaN skip (one of them the read of
+the previous update's skip flag from host memory; loop_ops.py): cast the gradients to fp32,
+reduce-scatter them over DP (each rank receives the sum of its own range only: half the bytes of an
+all-reduce), one norm (tensor-parallel shards counted on every TP rank, replicated parameters on TP
+rank 0, as megatron and DeepSpeed count them), clip, one fused AdamW, cast back, all-gather over DP.
 
 Memory per parameter (bf16): weights 2 and gradients 2 bytes, an fp32 copy of the gradients (4, the
-whole buffer: what is reduced over DP), masters and moments 12 / DP (`megamlm plan` counts the same).
+whole buffer: what is reduced over DP; 4 / DP under train.grad_reduce_in_fp32=false, which reduces the
+16-bit buffer and copies this rank's parts), masters and moments 12 / DP (`megamlm plan` counts the same).
 
 Autograd sums an update's micro-batches into the 16-bit gradient buffer in place, as DeepSpeed's ZeRO-1
 does. Under train.fp32_grad_accumulation each micro-batch's gradients are added to the fp32 buffer
@@ -30,14 +31,13 @@ rule and settings); the norm is the scaled gradients', and one division unscales
 at the scale's floor reaches the loop as a `fault`, and the loop rolls back (DeepSpeed stops there).
 
 Skipping updates with a non-finite gradient (train.skip_nonfinite_updates, bf16; always in fp16, where
-an overflow also backs the loss scale off) costs no host read:
-the norm's finiteness goes to the fused AdamW as its `found_inf`, which leaves weights, moments and
-step count as they were; `skipped_steps` counts them. The flag also travels to the host without
-blocking, and the next update's step reads it there (by then the GPU has that update's forward and
-backward queued behind the copy, so it does not run dry): a skipped update then takes back its schedule
-step, so the learning rates are DeepSpeed's,
-which does not advance the schedule on a skipped update. (The lr logged right after the skipped
-update is the one it would have advanced to.)
+an overflow also backs the loss scale off) costs no host read: the norm's finiteness goes to the fused
+AdamW as its `found_inf`, which leaves weights, moments and step count as they were; `skipped_steps`
+counts them. The flag also travels to the host without blocking, and the next update's step reads it
+there (by then the GPU has that update's forward and backward queued behind the copy): a skipped update
+then takes back its schedule step, so the learning rates are DeepSpeed's, which does not advance the
+schedule on a skipped update. (The lr logged right after the skipped update is the one it would have
+advanced to.)
 
 train.overlap_grad_reduce (megatron-core's overlap_grad_reduce with its distributed optimizer): the
 buffers are cut into buckets of about train.grad_bucket_size elements, each cut over DP, and a rank's
@@ -47,11 +47,7 @@ accumulated all of them, so the reduction runs behind the rest of the backward; 
 When each bucket starts, in one fixed order on every rank: train/grad_buckets.py. Without it one
 reduce-scatter of the whole buffer follows the backward: nothing else on the device while it runs.
 
-Checkpoints use DeepSpeed's stage-0 file layout (`mp_rank_XX_model_states.pt`: the fp32 master
-weights as the module, torch's AdamW state per parameter in model order, the schedule and counters),
-written by DP rank 0 of each TP rank after a gather. Every reader therefore takes it as it takes a
-stage-0 run: resume at any layout or engine (`train.elastic`), `megamlm convert`, DeepSpeed's
-zero_to_fp32. The engine itself always loads through `train.elastic.load_full_state`.
+Checkpoints are in DeepSpeed's stage-0 file layout (train/flat_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -65,6 +61,7 @@ from torch import nn
 from megamlm.config import Config
 from megamlm.model.tp import tp_sharded
 from megamlm.parallel import ParallelContext, ToHost
+from megamlm.train.flat_checkpoint import write_stage0
 from megamlm.train.grad_buckets import BucketLaunches
 from megamlm.train.loss_scale import DynamicLossScale
 from megamlm.train.schedule import Schedule
@@ -124,9 +121,9 @@ class FlatEngine:
         self.weights = torch.zeros(total, dtype=dtype, device=ctx.device)
         self.grads = torch.zeros_like(self.weights)
         for param in sharded + replicated:  # parameters only: buffers keep their dtype, as DeepSpeed leaves them
-            self._view(self.weights, param).copy_(param.data)
-            param.data = self._view(self.weights, param)
-            param.grad = self._view(self.grads, param)
+            self.param_view(self.weights, param).copy_(param.data)
+            param.data = self.param_view(self.weights, param)
+            param.grad = self.param_view(self.grads, param)
         self.buckets = [(0, total)]  # [lo, hi) of the flat buffers, each reduced over DP in one collective
         if overlap:
             size = cfg.train.grad_bucket_size
@@ -137,11 +134,17 @@ class FlatEngine:
         # fp32: the weights are their own masters (AdamW steps this rank's parts of them in place);
         # bf16 / fp16: fp32 copies made from the 16-bit weights, as DeepSpeed makes its masters
         self.separate_masters = dtype != torch.float32
-        self.grads32 = torch.zeros(total, device=ctx.device) if self.separate_masters else self.grads
+        # train.grad_reduce_in_fp32=false: the 16-bit buffer is reduced in place, and only this rank's parts
+        # of it are copied to fp32 (grads32 is those parts, one after another)
+        self.reduce16 = self.separate_masters and not cfg.train.grad_reduce_in_fp32
+        sizes = [end - first for first, end in self.parts]
+        self.grads32 = torch.zeros(sum(sizes) if self.reduce16 else total, device=ctx.device) \
+            if self.separate_masters else self.grads
         self.masters = []
-        for first, end in self.parts:
+        for (first, end), grad32 in zip(self.parts, self.grads32.split(sizes) if self.reduce16 else
+                                        [self.grads32[first:end] for first, end in self.parts]):
             master = self.weights[first:end].float() if self.separate_masters else self.weights[first:end]
-            master.grad = self.grads32[first:end]  # a reduce-scatter's output, in place
+            master.grad = grad32  # a reduce-scatter's output in place (16-bit reduction: a cast's)
             self.masters.append(master)
         # train.fp32_grad_accumulation: each micro-batch's 16-bit gradients are added to grads32 after its
         # backward, and `grads` holds one micro-batch at a time
@@ -173,18 +176,27 @@ class FlatEngine:
             first = _round_up(first + param.numel(), ALIGN)
         return first
 
-    def _view(self, flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    def param_view(self, flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
         offset = self.offsets[id(param)]
         return flat[offset: offset + param.numel()].view(param.shape)
 
     def _reduce_async(self, b: int) -> dist.Work:
         """Start bucket b's reduce-scatter (the last backward has finished its gradients)."""
         lo, hi = self.buckets[b]
+        if self.reduce16:
+            return self._reduce16(b, async_op=True)
         if self.accumulate32:  # the last micro-batch's share, as backward adds the others'
             (self.grads32[lo:hi].add_ if self.accumulation > 1 else self.grads32[lo:hi].copy_)(self.grads[lo:hi])
         elif self.separate_masters:
             self.grads32[lo:hi].copy_(self.grads[lo:hi])
         return _reduce_scatter(self.masters[b].grad, self.grads32[lo:hi], group=self.ctx.dp_group, async_op=True)
+
+    def _reduce16(self, b: int, async_op: bool = False) -> dist.Work | None:
+        """Bucket b's 16-bit gradients reduce-scattered in place, each rank's share divided by DP first
+        (megatron's order: a sum of 16-bit means overflows only where the mean would)."""
+        (lo, hi), (first, end) = self.buckets[b], self.parts[b]
+        self.grads[lo:hi].div_(self.ctx.dp_size)
+        return _reduce_scatter(self.grads[first:end], self.grads[lo:hi], group=self.ctx.dp_group, async_op=async_op)
 
     # ---- the loop's calls ------------------------------------------------------------------------
 
@@ -215,6 +227,9 @@ class FlatEngine:
         ctx = self.ctx
         if self.launches is not None:  # launched in the backward
             self.launches.wait()
+        elif self.reduce16:
+            for b in range(len(self.buckets) if ctx.dp_size > 1 else 0):
+                self._reduce16(b)
         else:
             if self.grads32 is not self.grads and not self.accumulate32:
                 self.grads32.copy_(self.grads)
@@ -222,7 +237,10 @@ class FlatEngine:
                 for (lo, hi), master in zip(self.buckets, self.masters):
                     _reduce_scatter(master.grad, self.grads32[lo:hi], group=ctx.dp_group)
         grads = [master.grad for master in self.masters]
-        if ctx.dp_size > 1:
+        if self.reduce16:  # this rank's parts of the sums, to fp32 (divided already)
+            for (first, end), grad in zip(self.parts, grads):
+                grad.copy_(self.grads[first:end])
+        elif ctx.dp_size > 1:
             for grad in grads:
                 grad.div_(ctx.dp_size)
         squares = torch.zeros((), device=ctx.device)
@@ -337,48 +355,9 @@ class FlatEngine:
 
     def save_checkpoint(self, root: str, tag: str, save_latest: bool = False) -> None:
         """Collective: DP rank 0 of each TP rank writes mp_rank_XX_model_states.pt (DeepSpeed's stage-0
-        layout, fp32 masters as the module)."""
-        folder = Path(root) / tag
-        folder.mkdir(parents=True, exist_ok=True)
+        layout: train/flat_checkpoint.py)."""
         self.settle_skip()  # the schedule's state as DeepSpeed would save it
-        # empty before the first update: zero moments, step 0
-        states = [{"step": torch.zeros(()), **{k: torch.zeros_like(m) for k in ("exp_avg", "exp_avg_sq")},
-                   **self.optimizer.state[m]} for m in self.masters]
-        fulls = {kind: self._gather([state[kind] for state in states] if kind != "fp32" else self.masters)
-                 for kind in ("fp32", "exp_avg", "exp_avg_sq")}
-        state = states[0]
-        skipped = self.skipped_steps
-        if self.ctx.dp_rank != 0:
-            return
-        params = list(self.module.named_parameters())
-        # every entry of a parameter (a tied one may have several) holds its fp32 master weights
-        owner = {p.data_ptr(): p for _, p in params}
-        module = {key: self._view(fulls["fp32"], owner[t.data_ptr()])
-                  if isinstance(t, torch.Tensor) and t.data_ptr() in owner else t
-                  for key, t in self.module.state_dict().items()}
-        moments = {i: {"step": state["step"].cpu().clone(), "exp_avg": self._view(fulls["exp_avg"], p),
-                       "exp_avg_sq": self._view(fulls["exp_avg_sq"], p)} for i, (_, p) in enumerate(params)}
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        torch.save({"module": module, "engine": "flat",
-                    "optimizer": {"state": moments, "param_groups": [group | {"params": list(range(len(params)))}]},
-                    "lr_scheduler": self.schedule.state_dict(), "global_steps": self.global_steps,
-                    "global_samples": self.global_samples, "skipped_steps": skipped,
-                    **({} if self.scaler is None else {"loss_scaler": self.scaler.state_dict()})},
-                   folder / f"mp_rank_{self.ctx.tp_rank:02d}_model_states.pt")
-
-    def _gather(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
-        """A flat fp32 tensor whole on DP rank 0 (CPU) from every DP rank's parts of it (one per bucket);
-        None elsewhere."""
-        ctx = self.ctx
-        parts = [part.detach().float() for part in parts]
-        if ctx.dp_size == 1:
-            return torch.cat(parts).cpu()
-        whole = []  # bucket by bucket, each rank's part of it in rank order
-        for part in parts:
-            ranks = [torch.empty_like(part) for _ in range(ctx.dp_size)] if ctx.dp_rank == 0 else None
-            dist.gather(part, ranks, dst=dist.get_global_rank(ctx.dp_group, 0), group=ctx.dp_group)
-            whole += ranks or []
-        return torch.cat(whole).cpu() if ctx.dp_rank == 0 else None
+        write_stage0(self, Path(root) / tag)
 
     def set_full(self, param: nn.Parameter, kind: str, local: torch.Tensor) -> None:
         """Load this rank's (TP-cut) fp32 tensor of `kind` (master weights "fp32", "exp_avg",
