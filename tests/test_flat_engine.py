@@ -137,7 +137,7 @@ def test_fp32_accumulation_sums_each_micro_batchs_16bit_gradients_in_fp32(world,
         (loss if scale is None else loss * scale).backward()
         flat = torch.zeros_like(engine.grads)
         for p, mine in zip(reference.parameters(), engine.module.parameters()):
-            engine._view(flat, mine).copy_(p.grad)
+            engine.param_view(flat, mine).copy_(p.grad)
         micro.append(flat)
     unscale = 1.0 if scale is None else scale
     assert torch.equal(received[True], (micro[0].float() + micro[1].float()) / unscale)
