@@ -86,6 +86,11 @@ def check_bounds(section_obj: Any, section: str, bounds: dict[str, str]) -> None
                   for key, value in values.items()], ConfigError)
 
 
+def unmet(requirements: tuple[tuple[str, Any, bool], ...]) -> str:
+    """"key=value, ..." of the (key, value, met) requirements that are not met; "" when all are."""
+    return ", ".join(f"{key}={value}" for key, value, met in requirements if not met)
+
+
 def check_fields(section_obj: Any, section: str) -> None:
     """Type-check (and normalize, e.g. int -> float) every field of a config dataclass."""
     hints = typing.get_type_hints(type(section_obj))

@@ -9,7 +9,7 @@ from typing import Literal
 
 import yaml
 
-from megamlm.config.checks import ConfigError, _divisors, check_bounds, check_fields
+from megamlm.config.checks import ConfigError, _divisors, check_bounds, check_fields, unmet
 from megamlm.config.model import ModelConfig
 from megamlm.config.training import TrainConfig
 
@@ -207,14 +207,13 @@ class Config:
             )
         if self.train.compile_head:
             train = self.train
-            asks = [f"{key}={value}" for key, value, ok in (
-                ("parallel.tensor_parallel", tp, tp == 1),
-                ("model.head_loss", model.head_loss, model.head_loss == "unfused"),
-                ("train.zero_stage", train.zero_stage, train.engine == "flat" or train.zero_stage < 3),
-                ("objective.name", self.objective.name, self.objective.name != "electra")) if not ok]
+            asks = unmet((("parallel.tensor_parallel", tp, tp == 1),
+                          ("model.head_loss", model.head_loss, model.head_loss == "unfused"),
+                          ("train.zero_stage", train.zero_stage, train.engine == "flat" or train.zero_stage < 3),
+                          ("objective.name", self.objective.name, self.objective.name != "electra")))
             if asks:
                 raise ConfigError(f"train.compile_head=true compiles MaskedLM's unfused head and loss at TP=1 "
-                                  f"below ZeRO-3; {', '.join(asks)} needs train.compile_head=false")
+                                  f"below ZeRO-3; {asks} needs train.compile_head=false")
         if model.local_window is not None and model.local_window > self.data.seq_length:
             raise ConfigError(
                 f"model.local_window={model.local_window} is larger than data.seq_length={self.data.seq_length}: "

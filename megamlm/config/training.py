@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megamlm.config.checks import ConfigError, check_bounds, check_fields
+from megamlm.config.checks import ConfigError, check_bounds, check_fields, unmet
 
 
 @dataclass
@@ -130,12 +130,11 @@ class TrainConfig:
             raise ConfigError("train.skip_nonfinite_updates=false needs train.precision=bf16: fp16's loss "
                               "scale is set from the scan it turns off")
         if self.engine == "flat":
-            asks = [f"train.{key}={value}" for key, value, ok in (
-                ("zero_stage", self.zero_stage, self.zero_stage in (0, 1)),
-                ("deepspeed_config", self.deepspeed_config, self.deepspeed_config is None)) if not ok]
+            asks = unmet((("train.zero_stage", self.zero_stage, self.zero_stage in (0, 1)),
+                          ("train.deepspeed_config", self.deepspeed_config, self.deepspeed_config is None)))
             if asks:
                 raise ConfigError(f"train.engine=flat runs ZeRO-1 without a DeepSpeed JSON; "
-                                  f"{', '.join(asks)} needs train.engine=deepspeed")
+                                  f"{asks} needs train.engine=deepspeed")
         for key, deepspeed in (("overlap_grad_reduce", "DeepSpeed's engine overlaps with zero_optimization."
                                 "overlap_comm in a JSON given as train.deepspeed_config"),
                                ("fp32_grad_accumulation", "DeepSpeed's ZeRO-1 sums micro-batches in the weights' "
@@ -143,13 +142,13 @@ class TrainConfig:
             if getattr(self, key) and self.engine != "flat":
                 raise ConfigError(f"train.{key}=true needs train.engine=flat: {deepspeed}")
         if not self.grad_reduce_in_fp32:
-            asks = [f"train.{key}={value}" for key, value, ok in (
-                ("engine", self.engine, self.engine == "flat"), ("precision", self.precision, self.precision != "fp32"),
-                ("fp32_grad_accumulation", "true", not self.fp32_grad_accumulation)) if not ok]
+            asks = unmet((("train.engine", self.engine, self.engine == "flat"),
+                          ("train.precision", self.precision, self.precision != "fp32"),
+                          ("train.fp32_grad_accumulation", "true", not self.fp32_grad_accumulation)))
             if asks:
                 raise ConfigError(f"train.grad_reduce_in_fp32=false reduces the flat engine's 16-bit gradients "
                                   f"as they are (DeepSpeed's engine does so already); it needs train.engine=flat, "
-                                  f"train.precision=bf16 or fp16 and no fp32 sums, not {', '.join(asks)}")
+                                  f"train.precision=bf16 or fp16 and no fp32 sums, not {asks}")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "

@@ -182,9 +182,9 @@ class FlatEngine:
 
     def _reduce_async(self, b: int) -> dist.Work:
         """Start bucket b's reduce-scatter (the last backward has finished its gradients)."""
-        lo, hi = self.buckets[b]
         if self.reduce16:
             return self._reduce16(b, async_op=True)
+        lo, hi = self.buckets[b]
         if self.accumulate32:  # the last micro-batch's share, as backward adds the others'
             (self.grads32[lo:hi].add_ if self.accumulation > 1 else self.grads32[lo:hi].copy_)(self.grads[lo:hi])
         elif self.separate_masters:
@@ -228,8 +228,9 @@ class FlatEngine:
         if self.launches is not None:  # launched in the backward
             self.launches.wait()
         elif self.reduce16:
-            for b in range(len(self.buckets) if ctx.dp_size > 1 else 0):
-                self._reduce16(b)
+            if ctx.dp_size > 1:
+                for b, _ in enumerate(self.buckets):
+                    self._reduce16(b)
         else:
             if self.grads32 is not self.grads and not self.accumulate32:
                 self.grads32.copy_(self.grads)

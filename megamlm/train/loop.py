@@ -202,11 +202,11 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
               + (f"{stream.global_batch} packed rows of {stream.budget} tokens" if stream.packed
                  else f"{stream.global_batch} sequences of <= {cfg.data.seq_length} tokens"))
     engine_name = Layout.of(cfg, ctx.dp_size, engine.zero_optimization_stage()).engine_name
-    sums = ", fp32 gradient sums" if cfg.train.fp32_grad_accumulation else \
+    gradients = ", fp32 gradient sums" if cfg.train.fp32_grad_accumulation else \
         "" if cfg.train.grad_reduce_in_fp32 else f", gradients reduced in {cfg.train.precision}"
     log.event("start", state.step,
               f"{parameters / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | update = {update}"
-              f" | {engine_name} {cfg.train.precision}{sums} | peak {peak / 1e12:.2f} TFLOP/s ({peak_source}) | "
+              f" | {engine_name} {cfg.train.precision}{gradients} | peak {peak / 1e12:.2f} TFLOP/s ({peak_source}) | "
               f"{stream.batches_per_epoch()} micro-batches per rank per epoch")
 
     def validate(tag: str) -> dict | None:
