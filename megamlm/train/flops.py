@@ -28,12 +28,15 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak: float, devices: int) 
 
 
 def measured_matmul_peak(dtype: torch.dtype = torch.float32, max_size: int = 1024, trials: int = 5,
-                         slow_s: float = 0.05) -> float:
+                         slow_s: float = 0.1) -> float:
     """FLOP/s of a square matmul on this CPU (the reference for MFU on machines without a table): the
     best of `trials` timings of 5 matmuls, because one timing caught by a moment of other load read
     a third of the rate (and the log then showed MFU 99% or n/a). The size doubles from 128 up to
-    `max_size` while one matmul takes under `slow_s`: a CPU without bf16 units (0.5 GFLOP/s) spent
-    4 s on one bf16 matmul of 1024 and 2 minutes on the measurement; fp32 reaches 1024."""
+    `max_size` while the doubled matmul (8x the work) would take under `slow_s`: a CPU without bf16
+    units (0.5 GFLOP/s) spent 4 s on one bf16 matmul of 1024 and 2 minutes on the measurement; stopping
+    only after a matmul exceeded `slow_s` still left 25 of 0.23 s each (512 at 1.2 GFLOP/s), 6 s of
+    every bf16 run on such a CPU. fp32 reaches 1024 (20 ms on session 40's EPYC; its 512, 3 ms, has
+    4x the margin for a loaded CPU), bf16 there stops at 256."""
     generator = torch.Generator().manual_seed(0)  # leave the training RNG streams alone
     size = 128
     while True:
@@ -41,7 +44,7 @@ def measured_matmul_peak(dtype: torch.dtype = torch.float32, max_size: int = 102
         a @ b  # warm-up
         start = time.perf_counter()
         a @ b
-        if size >= max_size or time.perf_counter() - start > slow_s:
+        if size >= max_size or 8 * (time.perf_counter() - start) > slow_s:
             break
         size *= 2
     best, reps = 0.0, 5
