@@ -197,7 +197,8 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
     preemption = Preemption()
     profiler = UpdateProfiler(cfg.train.profile_updates, state.step, cfg.train.steps, ctx.device,
                               run_dir / "profile.txt", enabled=rank0)
-    peak, peak_source = device_peak(ctx.device, cfg.train.precision)
+    # only rank 0 logs MFU; on a CPU the other ranks' timing would be wasted, and would load the cores rank 0 times
+    peak, peak_source = device_peak(ctx.device, cfg.train.precision) if rank0 else (float("nan"), "rank 0's")
     update = (f"{stream.units_per_micro} micro x {accumulation} accumulation x {ctx.dp_size} DP = "
               + (f"{stream.global_batch} packed rows of {stream.budget} tokens" if stream.packed
                  else f"{stream.global_batch} sequences of <= {cfg.data.seq_length} tokens"))
