@@ -13,8 +13,9 @@ set -euo pipefail
 
 ROOT_DIR=${MEGAMLM_SLURM_DIR:-/tmp/megamlm-slurm}
 CONF="$ROOT_DIR/slurm.conf"
-# each node announces every core of the machine (the two "nodes" share them)
-CPUS_PER_NODE=${MEGAMLM_SLURM_CPUS:-$(nproc)}
+# each node announces every core of the machine (the two "nodes" share them); GNU nproc would
+# answer OMP_NUM_THREADS instead (a test runner's per-worker thread count), hence env -u
+CPUS_PER_NODE=${MEGAMLM_SLURM_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 
 die() { echo "local-cluster: $*" >&2; exit 1; }
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def megamlm(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # OMP_NUM_THREADS: conftest.py
     return subprocess.run([sys.executable, "-m", "megamlm", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
