@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from megamlm.model.triton_autotune import autotuned
-from megamlm.model.triton_interpreter import _INTERPRET, INTERPRET, rounded
+from megamlm.model.triton_interpreter import INTERPRET, INTERPRET_CONSTEXPR, rounded
 
 ACTIVATION_CODES = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
 """model.activation -> the kernels' ACTIVATION (the names are activation.py's ACTIVATIONS)."""
@@ -51,7 +51,7 @@ _HALF_LOG2E: tl.constexpr = tl.constexpr(0.5 * 1.4426950408889634)
 def _reciprocal(d):
     """1 / d (d >= 1): one MUFU.RCP (PTX rcp.approx, within 1 ulp) on a GPU, where `1.0 / d` compiles to
     div.full's range checks and scaling around it (7 instructions)."""
-    if _INTERPRET:
+    if INTERPRET_CONSTEXPR:
         return 1.0 / d
     return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
                                      pack=1)

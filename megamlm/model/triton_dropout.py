@@ -12,7 +12,7 @@ is stored; the backward recomputes the mask.
 import triton
 import triton.language as tl
 
-from megamlm.model.triton_interpreter import _INTERPRET
+from megamlm.model.triton_interpreter import INTERPRET_CONSTEXPR
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def drop(x, levels, DROPPED: tl.constexpr):
     Written as tl.where, LLVM moves the select past a bf16 conversion that follows (the forward's P, dK/dV's
     Pᵀ) and selects 16-bit halves: two more instructions per score (benchmarks/triton_static.py); in the
     transposed dK/dV tile tl.where costs more still. dQ's select stays fp32 and uses tl.where."""
-    if _INTERPRET:
+    if INTERPRET_CONSTEXPR:
         return tl.where(kept(levels, DROPPED), x, 0.0)
     return tl.inline_asm_elementwise(
         "{ .reg .pred kept; setp.hs.u32 kept, $2, $3; selp.f32 $0, $1, 0f00000000, kept; }", "=r,r,r,r",

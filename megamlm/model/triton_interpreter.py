@@ -18,14 +18,14 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
-_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)  # the kernels' copy
+INTERPRET_CONSTEXPR: tl.constexpr = tl.constexpr(INTERPRET)  # the kernels' copy
 
 
 @triton.jit
 def rounded(x, DTYPE: tl.constexpr):
     """fp32 x rounded to DTYPE (to nearest, ties to even: the GPU's conversion), in fp32. Triton's
     interpreter truncates to bf16, so there the rounding is done on the bits."""
-    if _INTERPRET and DTYPE == tl.bfloat16:
+    if INTERPRET_CONSTEXPR and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         value = bits.to(tl.float32, bitcast=True)
@@ -37,7 +37,7 @@ def rounded(x, DTYPE: tl.constexpr):
 @triton.jit
 def computable(x):
     """A loaded tile in a type the kernel can compute with: bf16 widened to fp32 on the interpreter."""
-    if _INTERPRET and x.dtype == tl.bfloat16:
+    if INTERPRET_CONSTEXPR and x.dtype == tl.bfloat16:
         value = x.to(tl.float32)
     else:
         value = x
@@ -48,7 +48,7 @@ def computable(x):
 def operand(x, DTYPE: tl.constexpr):
     """fp32 x as a `tl.dot` operand of DTYPE: `x.to(DTYPE)`; on the interpreter a bf16 one is rounded and
     kept in fp32 (`computable`'s type)."""
-    if _INTERPRET and DTYPE == tl.bfloat16:
+    if INTERPRET_CONSTEXPR and DTYPE == tl.bfloat16:
         value = rounded(x, DTYPE)
     else:
         value = x.to(DTYPE)
@@ -58,7 +58,7 @@ def operand(x, DTYPE: tl.constexpr):
 @triton.jit
 def stored(x, DTYPE: tl.constexpr):
     """fp32 x converted to DTYPE for a store, rounded to nearest even on the interpreter too."""
-    if _INTERPRET and DTYPE == tl.bfloat16:
+    if INTERPRET_CONSTEXPR and DTYPE == tl.bfloat16:
         value = rounded(x, DTYPE).to(DTYPE)
     else:
         value = x.to(DTYPE)
