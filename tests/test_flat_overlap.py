@@ -1,7 +1,7 @@
 """train.overlap_grad_reduce on the flat engine (megamlm/train/flat.py), on two real gloo ranks: the
 buckets' reduce-scatters start inside the backward, before it reaches the embedding, and the updates are
 the one-collective engine's: the same losses bit for bit without clipping, the same norms with it, and
-checkpoints that resume across the two layouts."""
+checkpoints that resume across the two layouts; at TP=2 x DP=2 (four ranks) too."""
 
 import shutil
 
@@ -51,9 +51,12 @@ def _buckets_launched_before_the_embedding(overrides):
     return at_embedding, after, len(engine.buckets), engine.launches.launched
 
 
-def test_the_reduce_scatters_start_while_the_backward_runs():
-    (at_embedding, after, buckets, reset), _ = run_on_ranks(
-        _buckets_launched_before_the_embedding, 2, ["train.engine=flat", "train.precision=bf16", *OVERLAP])
+# TP=2: each shard holds about half the parameters, in buckets of half the size
+@pytest.mark.parametrize("ranks, layout", [
+    (2, []), (4, ["parallel.tensor_parallel=2", "train.grad_bucket_size=100000"])], ids=["dp2", "tp2-dp2"])
+def test_the_reduce_scatters_start_while_the_backward_runs(ranks, layout):
+    (at_embedding, after, buckets, reset), *_ = run_on_ranks(
+        _buckets_launched_before_the_embedding, ranks, ["train.engine=flat", "train.precision=bf16", *OVERLAP, *layout])
     assert buckets > 10 and len(at_embedding) == 1
     # the layers' and the head's buckets were on their way; the embedding's waited for its gradient
     assert 0 < at_embedding[0] < buckets and after == buckets and reset == 0, (at_embedding, buckets)
@@ -88,3 +91,23 @@ def test_overlapped_reduction_trains_the_one_collective_losses_and_resumes_acros
 
 def _resume_at_2(cfgs):
     return [_train(cfg, resume="step00000002")["losses"] for cfg in cfgs]
+
+
+@pytest.mark.slow
+def test_overlapped_and_16_bit_reductions_at_tp2_dp2_train_the_one_collective_losses(shards, tmp_path):
+    """Four ranks, TP=2 x DP=2: the buckets reduce over the data-parallel group only, each TP shard's own
+    buckets; overlapping them changes no sum (two terms), in fp32 or in 16 bits."""
+    bf16 = ["optim.clip_grad=0", "train.precision=bf16"]
+    settings = {"fp32": ["optim.clip_grad=0"], "bf16": bf16, "bf16-16bit": [*bf16, "train.grad_reduce_in_fp32=false"]}
+    layout = ["parallel.tensor_parallel=2", "train.steps=3"]
+    cfgs = {(name, overlap): config(shards, tmp_path / f"{name}-{overlap}", *COMMON, *layout, *extra,
+                                    *(OVERLAP if overlap else []))
+            for name, extra in settings.items() for overlap in (False, True) if name != "bf16" or not overlap}
+    runs = dict(zip(cfgs, run_on_ranks(_zero_runs, 4, list(cfgs.values()))[0]))
+    for name in ("fp32", "bf16-16bit"):
+        plain, overlapped = runs[name, False]["losses"], runs[name, True]["losses"]
+        assert len(plain) == 3 and plain[-1] < plain[0], name
+        assert overlapped == plain, name
+    # the 16-bit sums really are 16-bit (other losses than bf16 with fp32 sums), and close to them
+    summed32, summed16 = runs["bf16", False]["losses"], runs["bf16-16bit", False]["losses"]
+    assert summed32 != summed16 and max(abs(a - b) for a, b in zip(summed32, summed16)) < 0.01, (summed32, summed16)
