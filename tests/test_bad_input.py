@@ -54,6 +54,10 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
                                f"step00000002, step00000004; or --resume auto)"),
         "missing init_from": (tiny(shards, tmp_path / "r1", f"train.init_from={tmp_path}/nothing"),
                               f"train.init_from={tmp_path}/nothing: not a model folder (no config.yaml)"),
+        "missing build_from input": (tiny(shards, tmp_path / "r3", f"data.shards={tmp_path}/new-shards",
+                                          "data.build_from=[corpus/missing.txt]"),
+                                     f"input not found: corpus/missing.txt (relative to the working directory "
+                                     f"{ROOT})"),
         "flex on CPU": (tiny(shards, tmp_path / "r2", "model.attention_backend=flex", "model.attention_dropout=0"),
                         "model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
                         "backward on CPU); use model.attention_backend=sdpa"),
@@ -85,13 +89,20 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, (name, err[-2000:])
         prefix = "megamlm: train: " if name in ("run dir under a file", "user's config.yaml in the run dir",
-                                                "missing checkpoint", "resume another model") \
+                                                "missing checkpoint", "resume another model",
+                                                "missing build_from input") \
             else "megamlm: config error: "
         assert one_line(err) == prefix + cases[name][1], name
     ours = ("log.jsonl", "tensorboard/")  # each attempt appends its own (megamlm's) log files
     assert {k: v for k, v in snapshot(run).items() if not k.startswith(ours)} == \
         {k: v for k, v in before.items() if not k.startswith(ours)}
     assert (users / "config.yaml").read_text() == "mine: true\n"
+    # a run that failed before its first log line (here: in the data and in train.init_from) left no files,
+    # so the same command runs once its input is fixed, without --resume or --overwrite
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r3").exists()
+    fixed = subprocess.run([sys.executable, "-m", "megamlm", "train", *tiny(shards, tmp_path / "r1", "train.steps=1")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert fixed.returncode == 0 and "done: " in fixed.stdout, fixed.stderr[-2000:]
 
 
 def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):

@@ -177,8 +177,9 @@ class BuildOptions:
         for path in self.inputs:
             if Path(path).is_dir():
                 raise ShardError(f"input {path} is a directory; pass the files in it")
-            if not Path(path).is_file():
-                raise ShardError(f"input not found: {path}")
+            if not Path(path).is_file():  # a relative path is read from where the command runs
+                where = "" if Path(path).is_absolute() else f" (relative to the working directory {Path.cwd()})"
+                raise ShardError(f"input not found: {path}{where}")
             if out in Path(path).absolute().parents:
                 raise ShardError(f"input {path} is inside the output folder {self.out_dir}: the shards "
                                  f"need a folder of their own (e.g. {self.out_dir}-shards)")

@@ -11,21 +11,28 @@ from pathlib import Path
 
 
 class Log:
-    """Human lines on stdout and JSON lines in run_dir/log.jsonl (rank 0), TensorBoard scalars."""
+    """Human lines on stdout and JSON lines in run_dir/log.jsonl (rank 0), TensorBoard scalars.
+
+    The files are created with the first event: a run that fails before it (a missing input, a bad
+    checkpoint) leaves no run behind, and the same command runs again once the input is fixed, without
+    --resume or --overwrite."""
 
     def __init__(self, run_dir: Path, enabled: bool):
-        self.enabled = enabled
-        self.tb = None
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(run_dir / "log.jsonl", "a")
-            from torch.utils.tensorboard import SummaryWriter
+        self.enabled, self.path = enabled, run_dir / "log.jsonl"
+        self.jsonl = self.tb = None
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.path, "a")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.path.parent / "tensorboard"))
 
     def event(self, kind: str, step: int, text: str | None = None, **values) -> None:
         if not self.enabled:
             return
+        if self.jsonl is None:
+            self._open()
         self.jsonl.write(json.dumps({"event": kind, "step": step, "time": time.time(), **values}) + "\n")
         self.jsonl.flush()
         for key, value in values.items():
@@ -37,19 +44,21 @@ class Log:
     def drop_after(self, step: int) -> None:
         """After a resume from `step`: drop the lines of updates after it (they are redone), so that
         log.jsonl holds each update once."""
-        if not self.enabled:
+        if not self.enabled or not self.path.is_file():
             return
-        self.jsonl.close()
-        path = Path(self.jsonl.name)
-        kept = [line for line in path.read_text().splitlines(keepends=True)
+        was_open = self.jsonl is not None
+        if was_open:
+            self.jsonl.close()
+        kept = [line for line in self.path.read_text().splitlines(keepends=True)
                 if _step_of(line) is None or _step_of(line) <= step]
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(kept))
-        os.replace(tmp, path)
-        self.jsonl = open(path, "a")
+        os.replace(tmp, self.path)
+        if was_open:
+            self.jsonl = open(self.path, "a")
 
     def close(self) -> None:
-        if self.enabled:
+        if self.jsonl is not None:
             self.jsonl.close()
             self.tb.close()
 

@@ -187,8 +187,6 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
     state = TrainState(data_seed=cfg.train.seed)
     if tag is not None:
         state = load_resumed(cfg, ctx, checkpoints, engine, schedule, tag, log)
-    if rank0:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     stream = train_stream(cfg, ctx, data, state)
     batches = iter(make_loader(stream, cfg.data.loader_workers, ignore_stop_signals))
@@ -209,6 +207,8 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
               f"{parameters / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | update = {update}"
               f" | {engine_name} {cfg.train.precision}{gradients} | peak {peak / 1e12:.2f} TFLOP/s ({peak_source}) | "
               f"{stream.batches_per_epoch()} micro-batches per rank per epoch")
+    if rank0:  # beside the log's first lines (a run that failed before them left no files: train/log.py)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     def validate(tag: str) -> dict | None:
         if valid is None:
