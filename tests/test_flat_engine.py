@@ -159,7 +159,9 @@ def test_without_clipping_the_loop_trains_deepspeeds_losses_bit_for_bit(shards, 
     assert len(flat["losses"]) == 4 and flat["losses"] == deepspeed["losses"]
 
 
-@pytest.mark.parametrize("precision, tolerance", [("fp32", 5e-6), ("bf16", 1e-4)])
+# bf16: 4e-7 at two threads; 1.6e-4 at one thread (the suite's per xdist worker) on a Xeon with AVX512-BF16,
+# whose DeepSpeed norm differed by 3e-5 from update 3 on, and the bf16 weights with it
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 5e-6), ("bf16", 5e-4)])
 def test_the_loop_on_the_flat_engine_trains_deepspeeds_losses(shards, tmp_path, precision, tolerance, capsys):
     """DP=1, accumulation 2, clipping active. DeepSpeed's engines compute the norm as one fp32 reduction
     per tensor, which on a CPU is off the L2 norm by ~1e-5 here (the flat engine's by ~1e-8, NORM_ROW):
