@@ -14,7 +14,7 @@ class Log:
     """Human lines on stdout and JSON lines in run_dir/log.jsonl (rank 0), TensorBoard scalars.
 
     The files are created with the first event: a run that fails before it (a missing input, a bad
-    checkpoint) leaves no run behind, and the same command runs again once the input is fixed, without
+    train.init_from) leaves no run behind, and the same command runs again once the input is fixed, without
     --resume or --overwrite."""
 
     def __init__(self, run_dir: Path, enabled: bool):
