@@ -39,6 +39,37 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def wikitext_batches(tokenizer: Tokenizer, count: int, micro: int, seq_length: int) -> list:
+    """`count` micro-batches of `micro` samples of WikiText-103 valid (`megamlm eval`'s samples), masked by
+    the fairseq rule with a fixed seed."""
+    rows = samples(token_stream(ROOT / "data/wikitext-103/valid.txt", tokenizer, count * micro * seq_length),
+                   seq_length)
+    masker = Masker(tokenizer.dictionary.mask_id, tokenizer.dictionary.ordinary_ids(), seed=1)
+    return [collate([(row, i * micro + j) for j, row in enumerate(rows[i * micro:(i + 1) * micro])],
+                    masker, 0, seq_length, PAD) for i in range(len(rows) // micro)]
+
+
+def loss_scale(dtype: torch.dtype) -> float:
+    """What the flat engine multiplies the loss by: fp16's initial dynamic scale."""
+    return 2.0 ** FP16_LOSS_SCALING["initial_scale_power"] if dtype == torch.float16 else 1.0
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and its micro-batches (the demo's tiny model on 4 x 128 tokens by default)."""
+    parser.add_argument("--config", default=str(ROOT / "configs/model/tiny.yaml"))
+    parser.add_argument("--variant", default=str(ROOT / "configs/variants/baseline.yaml"))
+    parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--seq-length", type=int, default=128)
+
+
+def model_config(args: argparse.Namespace, tokenizer: Tokenizer, precision: str, *overrides: str):
+    """The model of `add_model_arguments` at `precision`, dropout off: every backward of a micro-batch
+    computes the same function."""
+    return load_config([args.config, args.variant], [
+        f"model.vocab_size={len(tokenizer.dictionary)}", f"train.precision={precision}",
+        f"data.seq_length={args.seq_length}", "model.hidden_dropout=0", "model.attention_dropout=0", *overrides])
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
@@ -79,7 +110,7 @@ def exact_sums(cfg, ctx, objective, batches, dtype) -> tuple[torch.Tensor, torch
         wide_p.data = p.data.float()
     exact = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
     wide = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
-    scale = 2.0 ** FP16_LOSS_SCALING["initial_scale_power"] if dtype == torch.float16 else 1.0  # the engine's
+    scale = loss_scale(dtype)
     for batch in batches:
         for net, sums, factor in ((model, exact, scale), (reference, wide, 1.0)):
             net.zero_grad(set_to_none=True)
@@ -100,10 +131,7 @@ def flat_order(engine_like, tensors, params) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "configs/model/tiny.yaml"))
-    parser.add_argument("--variant", default=str(ROOT / "configs/variants/baseline.yaml"))
-    parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--seq-length", type=int, default=128)
+    add_model_arguments(parser)
     parser.add_argument("--accumulation", type=int, nargs="+", default=[2, 8, 32])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     args = parser.parse_args()
@@ -111,12 +139,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     ctx = init_distributed(ParallelConfig())
     tokenizer = Tokenizer.gpt2()
-    most = max(args.accumulation) * args.micro
-    rows = samples(token_stream(ROOT / "data/wikitext-103/valid.txt", tokenizer, most * args.seq_length),
-                   args.seq_length)
-    masker = Masker(tokenizer.dictionary.mask_id, tokenizer.dictionary.ordinary_ids(), seed=1)
-    batches = [collate([(row, i * args.micro + j) for j, row in enumerate(rows[i * args.micro:(i + 1) * args.micro])],
-                       masker, 0, args.seq_length, PAD) for i in range(len(rows) // args.micro)]
+    batches = wikitext_batches(tokenizer, max(args.accumulation), args.micro, args.seq_length)
     print(f"gradient accumulation, {Path(args.config).name} + {Path(args.variant).name}, micro-batch "
           f"{args.micro} x {args.seq_length}, CPU {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| dtype | micro-batches | 16-bit sum: error | fp32 sum: error | 16-bit backward (for scale) "
@@ -124,11 +147,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in args.dtypes:
         for k in args.accumulation:
-            cfg = load_config([args.config, args.variant], [
-                f"model.vocab_size={len(tokenizer.dictionary)}", "train.engine=flat", f"train.precision={name}",
-                f"train.micro_batch_size={args.micro}", f"train.global_batch_size={args.micro * k}",
-                "optim.clip_grad=0", f"data.seq_length={args.seq_length}",
-                "model.hidden_dropout=0", "model.attention_dropout=0"])  # the same function in every backward
+            cfg = model_config(args, tokenizer, name, "train.engine=flat", f"train.micro_batch_size={args.micro}",
+                               f"train.global_batch_size={args.micro * k}", "optim.clip_grad=0")
             objective = get_objective(cfg)
             chosen = batches[:k]
             summed16, micro_ms, _ = engine_gradient(cfg, ctx, objective, chosen, False)

@@ -49,7 +49,8 @@ class TrainConfig:
     false: reduce the 16-bit buffer itself (megatron's --grad-reduce-in-bf16; DeepSpeed's ZeRO reduces so
     by default, its communication_data_type), each rank's share divided by DP first as megatron does:
     half the bytes over DP and 4 bytes less memory per parameter (only this rank's part is copied to
-    fp32), each sum rounded to 8 (bf16) or 11 (fp16) significant bits."""
+    fp32), each sum rounded to 8 (bf16) or 11 (fp16) significant bits: an error that grows as about √DP
+    and passes the 16-bit backward's own from DP = 32 on (BENCHMARKS.md)."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage 0-3 (optimizer states / + gradients / + parameters sharded over DP). An
     fp32 run on one data-parallel rank runs at stage 0 whatever this says (`engine_zero_stage`)."""
