@@ -12,7 +12,7 @@ per rank on real WikiText-103 text masked by the fairseq rule (dropout off; fp16
 loss scale, unscaled after the reduction). The reduction is computed as NCCL's ring reduce-scatter computes
 it (`ring_reduce_scatter`): the buffer's chunk c starts at rank c + 1 and goes round the ring, each rank
 adding its share in fp32 and rounding the sum to the buffer's dtype, and ends at rank c; DP - 1 roundings per
-element. tests/test_reduce16_ring.py checks it bit for bit against gloo's reduce-scatter at DP 2 and 3
+element. tests/test_flat_reduce16.py checks it bit for bit against gloo's reduce-scatter at DP 2 and 3
 (gloo takes another order from 4 ranks on).
 - 16-bit: each share divided by DP in its dtype first (megatron's order, the flat engine's, DeepSpeed's
   pre-division), then the ring in that dtype.
@@ -38,8 +38,6 @@ from megamlm.config import ParallelConfig
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.objectives import get_objective
 from megamlm.parallel import init_distributed, seed_everything
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def ring_reduce_scatter(shares: list[torch.Tensor], dtype: torch.dtype, divide: bool = False) -> torch.Tensor:
