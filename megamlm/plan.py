@@ -1,5 +1,5 @@
-"""`megamlm plan`: the layout, batch arithmetic, memory per GPU and wall time of a run, before
-submitting it.
+"""`megamlm plan`: the layout, batch arithmetic, memory per GPU, the gradients' reduction and wall time of
+a run, before submitting it.
 
 Memory per GPU (bytes; P = parameters, TP/DP the parallel degrees, w = 2 for bf16/fp16, 4 for fp32):
   weights      P/TP · w                 (ZeRO-3: / DP)
@@ -17,6 +17,9 @@ Wall time = flops/token (the objective's) · token slots · updates / (GPUs · p
 the fill (real tokens / slots) trains: measured 0.99 for data.packing=packed (best fit) and 0.745 padded
 (the reference's `complete` samples of Pile-like documents at 2048; BENCHMARKS.md); the training log's
 `fill` column gives a run's own.
+Reduction: the dtype the gradients are summed in over DP (the flat engine: fp32 unless
+train.grad_reduce_in_fp32=false; DeepSpeed: its communication_data_type, the weights' dtype unless a
+train.deepspeed_config JSON names another), with a note from REDUCE16_OVER_BACKWARD_DP ranks on in 16 bits.
 """
 
 from __future__ import annotations
@@ -28,10 +31,15 @@ from megamlm.errors import check_ranges
 from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
+from megamlm.train.engine import deepspeed_config
 from megamlm.train.flops import GPU_PEAKS
 
 FILL = {"packed": 0.99, "padded": 0.745}
 """Default fill by data.packing (see the module docstring)."""
+
+REDUCE16_OVER_BACKWARD_DP = 32
+"""From this DP on, a 16-bit reduction of the gradients errs more than the 16-bit backward that made them
+(BENCHMARKS.md "How the 16-bit reduction's error grows with DP": about √DP, 3.7-6.8x at 128 ranks)."""
 
 
 def parameter_count(cfg: Config) -> int:
@@ -54,6 +62,8 @@ class Plan:
     updates: int
     memory: dict  # name -> bytes per GPU
     hours: float
+    reduction: str
+    """The dtype the gradients are summed in over DP, and whose rule that is (`reduction`)."""
 
     def table(self, budget_gib: float) -> str:
         gib = {k: v / 2**30 for k, v in self.memory.items()}
@@ -66,6 +76,7 @@ class Plan:
             f" in {self.updates:,} updates",
             "memory / GPU  " + ", ".join(f"{k} {v:.2f}" for k, v in gib.items() if k != "total")
             + f" -> total {gib['total']:.2f} GiB of {budget_gib:g}",
+            f"reduction     {self.reduction}",
             f"wall time     {self.hours:.1f} h ({self.hours / 24:.1f} days)",
         ]
         return "\n".join(rows)
@@ -107,7 +118,26 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
     fill = FILL[cfg.data.packing] if fill is None else fill
     seconds = get_objective(cfg).flops_per_token(s) * tokens * train.steps / (gpus * peak * mfu)
     return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens, fill,
-                train.steps, memory, seconds / 3600)
+                train.steps, memory, seconds / 3600, reduction(cfg, dp))
+
+
+def reduction(cfg: Config, dp: int) -> str:
+    """The dtype the gradients are summed in over `dp` ranks, whose rule chose it, and from
+    REDUCE16_OVER_BACKWARD_DP ranks on in 16 bits what that costs."""
+    train = cfg.train
+    if dp == 1:
+        return "none (DP 1)"
+    if train.engine == "flat":
+        dtype = "fp32" if train.grad_reduce_in_fp32 or train.precision == "fp32" else train.precision
+        rule = "train.grad_reduce_in_fp32"
+    else:  # the weights' dtype, unless a user's DeepSpeed JSON names another
+        dtype = deepspeed_config(cfg, dp).get("communication_data_type", train.precision)
+        rule = "DeepSpeed's communication_data_type"
+    text = f"gradients summed over DP {dp} in {dtype} ({rule})"
+    if dtype != "fp32" and dp >= REDUCE16_OVER_BACKWARD_DP:
+        text += (f": from DP {REDUCE16_OVER_BACKWARD_DP} on, 16-bit sums err more than the 16-bit backward "
+                 f"(BENCHMARKS.md)")
+    return text
 
 
 def activations(cfg: Config, micro_tokens: int, w: int, tp: int) -> dict[str, float]:

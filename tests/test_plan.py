@@ -113,3 +113,26 @@ def test_activation_memory_counts_the_scores_only_where_a_backend_keeps_them():
     # ALiBi on sdpa: one global pattern, its bias [b, np, s, s] over this rank's 6 heads at TP=2
     alibi = memory([CONFIGS / "pile/base-alibi.yaml"], tp=2)
     assert alibi["attention bias"] == 4 * 6 * 2048 * 2048 * 2
+
+
+def test_the_plan_says_which_dtype_sums_the_gradients_over_dp_and_when_16_bits_err_more(tmp_path):
+    """BENCHMARKS.md "How the 16-bit reduction's error grows with DP": from 32 ranks on, a 16-bit sum errs
+    more than the 16-bit backward; the Pile recipe (fp16 on DeepSpeed) reduces in fp16."""
+    def row(nodes, *overrides):
+        plan = make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"], list(overrides)), nodes, 8, "A100", 0.35)
+        return plan.reduction
+
+    assert row(1) == "gradients summed over DP 8 in fp16 (DeepSpeed's communication_data_type)"
+    assert row(4).endswith("in fp16 (DeepSpeed's communication_data_type): from DP 32 on, 16-bit sums err more "
+                           "than the 16-bit backward (BENCHMARKS.md)")
+    flat = ["train.engine=flat", "train.precision=bf16"]
+    assert row(16, *flat) == "gradients summed over DP 128 in fp32 (train.grad_reduce_in_fp32)"
+    assert "in bf16 (train.grad_reduce_in_fp32): from DP 32 on" in row(16, *flat, "train.grad_reduce_in_fp32=false")
+    assert row(16, *flat, "parallel.tensor_parallel=4").startswith("gradients summed over DP 32 in fp32")
+    # a user's DeepSpeed JSON decides DeepSpeed's
+    user = tmp_path / "ds.json"
+    user.write_text('{"communication_data_type": "fp32", "fp16": {"enabled": true}}')
+    assert row(16, f"train.deepspeed_config={user}") == \
+        "gradients summed over DP 128 in fp32 (DeepSpeed's communication_data_type)"
+    one = make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"]), 1, 1, "A100", 0.35)
+    assert one.reduction == "none (DP 1)" and "reduction     none (DP 1)" in one.table(80)
