@@ -100,14 +100,21 @@ def engine_gradient(cfg, ctx, objective, batches, fp32_accumulation: bool) -> tu
     return received["grad"], micro_ms, (time.perf_counter() - start) / 10 * 1e3
 
 
+def twin_models(cfg, ctx, objective, dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the config's model with its parameters in `dtype`, as the engine holds them; an fp32 model with the
+    same weights), in training mode; buffers keep their dtype."""
+    seed_everything(cfg.train.seed, ctx)
+    model, reference = objective.build_model(ctx).train(), objective.build_model(ctx).train()
+    for p, wide_p in zip(model.parameters(), reference.parameters()):
+        p.data = p.data.to(dtype)
+        wide_p.data = p.data.float()
+    return model, reference
+
+
 def exact_sums(cfg, ctx, objective, batches, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 sum of each micro-batch's 16-bit gradient / k, the fp32 model's gradient / k), flat in
     the engine's parameter order (the model's, which the flat engine's offsets keep per kind)."""
-    seed_everything(cfg.train.seed, ctx)
-    model, reference = objective.build_model(ctx).train(), objective.build_model(ctx).train()
-    for p, wide_p in zip(model.parameters(), reference.parameters()):  # the engine's weights; buffers as they are
-        p.data = p.data.to(dtype)
-        wide_p.data = p.data.float()
+    model, reference = twin_models(cfg, ctx, objective, dtype)
     exact = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
     wide = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
     scale = loss_scale(dtype)

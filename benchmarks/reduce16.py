@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.grad_accumulation import (DTYPES, add_model_arguments, loss_scale, model_config, relative,
-                                          wikitext_batches)
+                                          twin_models, wikitext_batches)
 from megamlm.config import ParallelConfig
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.objectives import get_objective
-from megamlm.parallel import init_distributed, seed_everything
+from megamlm.parallel import init_distributed
 
 
 def ring_reduce_scatter(shares: list[torch.Tensor], dtype: torch.dtype, divide: bool = False) -> torch.Tensor:
@@ -67,11 +67,7 @@ def flat_gradient(net: torch.nn.Module) -> torch.Tensor:
 def rank_gradients(cfg, ctx, objective, batches, dtype, sizes: list[int]) -> tuple[list[torch.Tensor], dict]:
     """(each batch's 16-bit gradient as a rank holds it, flat; fp16: at the engine's initial loss scale),
     {DP: the mean of the first DP batches' gradients of the fp32 model with the same weights, float64}."""
-    seed_everything(cfg.train.seed, ctx)
-    model, reference = objective.build_model(ctx).train(), objective.build_model(ctx).train()
-    for p, wide_p in zip(model.parameters(), reference.parameters()):  # buffers keep their dtype
-        p.data = p.data.to(dtype)
-        wide_p.data = p.data.float()
+    model, reference = twin_models(cfg, ctx, objective, dtype)
     scale = loss_scale(dtype)
     shares, means, wide = [], {}, None
     for count, batch in enumerate(batches, 1):
@@ -118,6 +114,7 @@ def main() -> None:
             print(f"| {name} | {dp} | {relative(sixteen, exact):.2e} | {relative(fp32, exact):.2e} | "
                   f"{relative(exact / scale, fp32_model[dp]):.2e} | {(exact.norm() / share_norm).item():.2f} |",
                   flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -37,6 +37,9 @@ from megamlm.train.flops import GPU_PEAKS
 FILL = {"packed": 0.99, "padded": 0.745}
 """Default fill by data.packing (see the module docstring)."""
 
+FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+"""DeepSpeed's names for fp32 as a communication_data_type (its DtypeEnum)."""
+
 REDUCE16_OVER_BACKWARD_DP = 32
 """From this DP on, a 16-bit reduction of the gradients errs more than the 16-bit backward that made them
 (BENCHMARKS.md "How the 16-bit reduction's error grows with DP": about √DP, 3.7-6.8x at 128 ranks)."""
@@ -128,13 +131,13 @@ def reduction(cfg: Config, dp: int) -> str:
     if dp == 1:
         return "none (DP 1)"
     if train.engine == "flat":
-        dtype = "fp32" if train.grad_reduce_in_fp32 or train.precision == "fp32" else train.precision
+        dtype = "fp32" if train.grad_reduce_in_fp32 else train.precision  # (false needs bf16 / fp16)
         rule = "train.grad_reduce_in_fp32"
     else:  # the weights' dtype, unless a user's DeepSpeed JSON names another
         dtype = deepspeed_config(cfg, dp).get("communication_data_type", train.precision)
         rule = "DeepSpeed's communication_data_type"
     text = f"gradients summed over DP {dp} in {dtype} ({rule})"
-    if dtype != "fp32" and dp >= REDUCE16_OVER_BACKWARD_DP:
+    if dtype not in FP32_NAMES and dp >= REDUCE16_OVER_BACKWARD_DP:
         text += (f": from DP {REDUCE16_OVER_BACKWARD_DP} on, 16-bit sums err more than the 16-bit backward "
                  f"(BENCHMARKS.md)")
     return text
