@@ -78,7 +78,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (padded, packed, ...)")
     args = parser.parse_args()
     tokenizer = Tokenizer.gpt2()
-    work = Path(tempfile.mkdtemp(prefix="megamlm-packing-"))
+    with tempfile.TemporaryDirectory(prefix="megamlm-packing-") as work:  # the shards go with it, also on Ctrl-C
+        compare(args, tokenizer, Path(work))
+
+
+def compare(args: argparse.Namespace, tokenizer: Tokenizer, work: Path) -> None:
     pile = work / "pile-like.txt"
     pile_like_corpus(pile, 3000)
     corpora = {

@@ -77,9 +77,13 @@ def main() -> None:
     parser.add_argument("--block-m", type=int, default=128)
     parser.add_argument("--block-n", type=int, default=64)
     args = parser.parse_args()
-    length, block = 2048, args.block_m * args.block_n
     tokenizer = Tokenizer.gpt2()
-    work = Path(tempfile.mkdtemp(prefix="megamlm-triton-blocks-"))
+    with tempfile.TemporaryDirectory(prefix="megamlm-triton-blocks-") as work:  # the shards go with it, also on Ctrl-C
+        compare(args, tokenizer, Path(work))
+
+
+def compare(args: argparse.Namespace, tokenizer: Tokenizer, work: Path) -> None:
+    length, block = 2048, args.block_m * args.block_n
     pile_like_corpus(work / "pile-like.txt", 3000)
     corpora = {"wikitext-103": ([ROOT / "data/wikitext-103/valid.txt", ROOT / "data/wikitext-103/test.txt"],
                                 "split", "paragraphs"),

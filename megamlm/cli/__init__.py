@@ -253,7 +253,8 @@ VERBS = {
     "deepspeed-config": (cmd_deepspeed_config, "print the DeepSpeed JSON generated from the config",
                          lambda p: p.add_argument("--dp", type=int, default=1,
                                                   help="data-parallel size the JSON is for")),
-    "plan": (cmd_plan, "layout, batch arithmetic, memory per GPU and wall time of a run", _add_plan_args),
+    "plan": (cmd_plan, "layout, batch arithmetic, memory per GPU, gradient reduction dtype and wall time of a run",
+             _add_plan_args),
 }
 
 
