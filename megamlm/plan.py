@@ -1,5 +1,5 @@
-"""`megamlm plan`: the layout, batch arithmetic, memory per GPU, the gradients' reduction and wall time of
-a run, before submitting it.
+"""`megamlm plan`: the layout, batch arithmetic, memory per GPU, the gradients' reduction, the checkpoints'
+size on disk and wall time of a run, before submitting it.
 
 Memory per GPU (bytes; P = parameters, TP/DP the parallel degrees, w = 2 for bf16/fp16, 4 for fp32):
   weights      P/TP · w                 (ZeRO-3: / DP)
@@ -20,6 +20,8 @@ the fill (real tokens / slots) trains: measured 0.99 for data.packing=packed (be
 Reduction: the dtype the gradients are summed in over DP (the flat engine: fp32 unless
 train.grad_reduce_in_fp32=false; DeepSpeed: its communication_data_type, the weights' dtype unless a
 train.deepspeed_config JSON names another), with a note from REDUCE16_OVER_BACKWARD_DP ranks on in 16 bits.
+Checkpoints: one folder's bytes (`train.checkpoint.checkpoint_bytes`: 12-16 bytes a parameter by engine,
+precision and ZeRO stage), train.keep_last + 1 of them at once while a save is written.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megamlm.errors import check_ranges
 from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
+from megamlm.train.checkpoint import checkpoint_bytes
 from megamlm.train.engine import deepspeed_config
 from megamlm.train.flops import GPU_PEAKS
 
@@ -67,6 +70,10 @@ class Plan:
     hours: float
     reduction: str
     """The dtype the gradients are summed in over DP, and whose rule that is (`reduction`)."""
+    checkpoint: int
+    """Bytes of one checkpoint folder (every rank's files)."""
+    keep_last: int
+    """train.keep_last: complete checkpoints kept (one more exists while a save is written)."""
 
     def table(self, budget_gib: float) -> str:
         gib = {k: v / 2**30 for k, v in self.memory.items()}
@@ -80,6 +87,9 @@ class Plan:
             "memory / GPU  " + ", ".join(f"{k} {v:.2f}" for k, v in gib.items() if k != "total")
             + f" -> total {gib['total']:.2f} GiB of {budget_gib:g}",
             f"reduction     {self.reduction}",
+            f"checkpoints   {self.checkpoint / 2**30:.2f} GiB each, up to {self.keep_last + 1} at once "
+            f"(train.keep_last {self.keep_last} + 1 being written): "
+            f"{(self.keep_last + 1) * self.checkpoint / 2**30:.2f} GiB in the run's checkpoints/",
             f"wall time     {self.hours:.1f} h ({self.hours / 24:.1f} days)",
         ]
         return "\n".join(rows)
@@ -121,7 +131,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
     fill = FILL[cfg.data.packing] if fill is None else fill
     seconds = get_objective(cfg).flops_per_token(s) * tokens * train.steps / (gpus * peak * mfu)
     return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens, fill,
-                train.steps, memory, seconds / 3600, reduction(cfg, dp))
+                train.steps, memory, seconds / 3600, reduction(cfg, dp), checkpoint_bytes(cfg, params, dp),
+                train.keep_last)
 
 
 def reduction(cfg: Config, dp: int) -> str:

@@ -136,3 +136,16 @@ def test_the_plan_says_which_dtype_sums_the_gradients_over_dp_and_when_16_bits_e
         "gradients summed over DP 128 in fp32 (DeepSpeed's communication_data_type)"
     one = make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"]), 1, 1, "A100", 0.35)
     assert one.reduction == "none (DP 1)" and "reduction     none (DP 1)" in one.table(80)
+
+
+def test_the_plan_prints_the_checkpoints_size_on_disk_with_the_one_being_written():
+    """`checkpoint_bytes` against real folders: tests/test_checkpoint_size.py."""
+    cfg = load_config([CONFIGS / "pile/base-alibi.yaml"])  # fp16 on DeepSpeed ZeRO-1: 2 + 12 bytes a parameter
+    plan = make_plan(cfg, 1, 8, "A100", 0.35)
+    assert plan.checkpoint == 14 * parameter_count(cfg) and plan.keep_last == cfg.train.keep_last == 3
+    each = plan.checkpoint / 2**30
+    assert (f"checkpoints   {each:.2f} GiB each, up to 4 at once (train.keep_last 3 + 1 being written): "
+            f"{4 * each:.2f} GiB in the run's checkpoints/") in plan.table(80)
+    flat = make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"], ["train.engine=flat", "train.keep_last=1"]),
+                     1, 8, "A100", 0.35)
+    assert flat.checkpoint == 12 * parameter_count(cfg) and "up to 2 at once" in flat.table(80)

@@ -68,6 +68,21 @@ class TrainState:
             self.rng = None
 
 
+def checkpoint_bytes(cfg: Config, parameters: int, dp: int) -> int:
+    """Bytes of one checkpoint folder, every rank's files together (measured on the tiny model in each
+    layout: within 1%; tests/test_checkpoint_size.py). Adam's two fp32 moments (8 bytes a parameter)
+    and an fp32 copy of the weights (4) always; DeepSpeed's ZeRO optimizers keep that copy in their own
+    files, so their model files add the weights in the run's dtype, except at ZeRO-3 (weights
+    partitioned into the optimizer files). The flat engine and fp32 at stage 0 save the fp32 weights
+    once (DeepSpeed's stage-0 layout)."""
+    train = cfg.train
+    stage = train.engine_zero_stage(dp)
+    if train.engine == "flat" or (stage == 0 and train.precision == "fp32"):
+        return 12 * parameters
+    module = 0 if stage >= 3 else 4 if train.precision == "fp32" else 2
+    return (12 + module) * parameters
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -121,6 +136,18 @@ class Checkpoints:
             self._prune()
         dist.barrier()
         return folder
+
+    def room_warning(self, each: int) -> str | None:
+        """A line when the checkpoints' filesystem has less free space than they will take at their
+        peak, less what complete ones here take already: train.keep_last complete ones and the one
+        being written (the oldest is deleted after a save completes). `each`: `checkpoint_bytes`."""
+        taken = sum(f.stat().st_size for tag in self.complete_tags() for f in (self.root / tag).iterdir())
+        needed, free = (self.keep_last + 1) * each - taken, shutil.disk_usage(self.root).free
+        if free >= needed:
+            return None
+        return (f"{self.root} has {free / 2**30:.1f} GiB free; the run's checkpoints need {needed / 2**30:.1f} "
+                f"GiB more ({self.keep_last} kept (train.keep_last) + 1 being written, ~{each / 2**30:.2f} GiB "
+                f"each): a save that finds the disk full ends the run (the complete checkpoints stay)")
 
     def _mine(self, names: list[str]) -> list[str]:
         """This rank's share of a folder's files (hashing and verifying are spread over the ranks)."""

@@ -29,7 +29,7 @@ from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives import LossTotals, Objective, ReducedTotals, get_objective
 from megamlm.parallel import ParallelContext, ToHost, host_to_device, init_distributed, seed_everything
-from megamlm.train.checkpoint import Checkpoints, TrainState, prepare_run_dir
+from megamlm.train.checkpoint import Checkpoints, TrainState, checkpoint_bytes, prepare_run_dir
 from megamlm.train.elastic import Layout
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, mfu
@@ -165,9 +165,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
     accumulation = cfg.train.accumulation_steps(ctx.dp_size)
     data = prepare_data(cfg, ctx, objective)
     model = objective.build_model(ctx)
-    if cfg.train.init_from:
-        for line in init_from_folder(model, cfg, cfg.train.init_from, objective):
-            log.event("warning", 0, f"warning: {line}", message=line)
+    notes = init_from_folder(model, cfg, cfg.train.init_from, objective) if cfg.train.init_from else []
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
@@ -180,6 +178,9 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
     graphs = cfg.train.compile and records_cuda_graphs(cfg.train.compile_mode)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
+    notes += [checkpoints.room_warning(checkpoint_bytes(cfg, parameters, ctx.dp_size))] if rank0 else []
+    for line in filter(None, notes):  # what the run's log should warn about
+        log.event("warning", 0, f"warning: {line}", message=line)
     tag = None if resume is None else resume_tag(checkpoints, resume, log)
     # resumed on its layout: the stage that wrote the checkpoint (ZeRO-1 at DP=1 before the stage-0 rule)
     stage = cfg.train.engine_zero_stage(ctx.dp_size) if tag is None else checkpoints.resume_stage(tag, cfg, ctx.dp_size)
@@ -310,8 +311,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
                       "grad_norm": _float(engine.get_global_grad_norm()),
                       "loss_scale": _loss_scale(engine, optimizer),
                       "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
-                      "fill": window_tokens / window_slots,
-                      "corrupt_samples": int(corrupt.item()),
+                      "fill": window_tokens / window_slots, "corrupt_samples": int(corrupt.item()),
                       "skipped_updates": int(engine.skipped_steps)}  # inf/NaN gradients (bf16, fp16)
             extra = {**{k: v for k, v in result.items() if k not in (objective.metric, "units")},
                      **objective.log_values(engine.module)}

@@ -1,0 +1,60 @@
+"""What a checkpoint takes on disk: `checkpoint_bytes` (what `megamlm plan` prints and a run checks its
+free space against) against the folders real runs write, in each engine, precision and ZeRO layout."""
+
+import json
+
+import pytest
+
+from megamlm.plan import parameter_count
+from megamlm.train.checkpoint import checkpoint_bytes
+from tests.multiproc import run_on_ranks
+from tests.test_train import _train, config, tiny_shards
+
+# (world size, overrides, bytes per parameter the layout writes)
+LAYOUTS = [
+    (1, ["train.precision=fp32"], 12),  # DeepSpeed stage 0: fp32 weights + moments
+    (1, ["train.precision=bf16", "train.zero_stage=1"], 14),  # + bf16 weights beside ZeRO's fp32 copy
+    (1, ["train.precision=fp32", "objective.name=electra"], 12),  # two models: the objective's count
+    (2, ["train.precision=fp32", "train.zero_stage=1"], 16),  # fp32 weights + ZeRO's own fp32 copy
+    (2, ["train.precision=bf16", "train.zero_stage=3"], 12),  # ZeRO-3: no weights in the model files
+    (2, ["train.precision=bf16", "train.engine=flat"], 12),  # the flat engine: stage-0 layout
+    (2, ["train.precision=bf16", "train.zero_stage=2", "parallel.tensor_parallel=2"], 14),
+]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return tiny_shards(tmp_path_factory, "checkpoint-size")
+
+
+def _runs(cfgs):
+    return [_train(cfg) for cfg in cfgs]
+
+
+@pytest.mark.slow
+def test_checkpoint_bytes_is_every_layouts_folder_within_2_percent(shards, tmp_path):
+    cfgs = {}
+    for world in (1, 2):
+        runs = [(i, config(shards, tmp_path / f"layout{i}", "train.steps=2", *overrides))
+                for i, (w, overrides, _) in enumerate(LAYOUTS) if w == world]
+        run_on_ranks(_runs, world, [cfg for _, cfg in runs])
+        cfgs.update(runs)
+    for i, (world, overrides, per_parameter) in enumerate(LAYOUTS):
+        cfg = cfgs[i]
+        folder = tmp_path / f"layout{i}/checkpoints/step00000002"
+        written = sum(f.stat().st_size for f in folder.iterdir())
+        dp = world // cfg.parallel.tensor_parallel
+        predicted = checkpoint_bytes(cfg, parameter_count(cfg), dp)
+        assert predicted == per_parameter * parameter_count(cfg)
+        assert abs(written / predicted - 1) < 0.02, (overrides, written, predicted)
+
+
+@pytest.mark.slow
+def test_a_run_whose_checkpoints_will_not_fit_says_so_in_its_log_and_trains(shards, tmp_path):
+    cfg = config(shards, tmp_path / "run", "train.steps=1", "train.keep_last=10000000")  # ~400 TB
+    run_on_ranks(_runs, 1, [cfg])
+    events = [json.loads(line) for line in (tmp_path / "run/log.jsonl").read_text().splitlines()]
+    (warning,) = [e["message"] for e in events if e["event"] == "warning"]
+    assert f"{tmp_path / 'run/checkpoints'} has " in warning and " GiB free" in warning
+    assert "(10000000 kept (train.keep_last) + 1 being written, ~0.04 GiB each)" in warning
+    assert [e["step"] for e in events if e["event"] == "summary"] == [1]
