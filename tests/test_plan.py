@@ -139,7 +139,7 @@ def test_the_plan_says_which_dtype_sums_the_gradients_over_dp_and_when_16_bits_e
 
 
 def test_the_plan_prints_the_checkpoints_size_on_disk_with_the_one_being_written():
-    """`checkpoint_bytes` against real folders: tests/test_checkpoint_size.py."""
+    """`checkpoint_bytes` against real folders: tests/test_checkpoint_disk.py."""
     cfg = load_config([CONFIGS / "pile/base-alibi.yaml"])  # fp16 on DeepSpeed ZeRO-1: 2 + 12 bytes a parameter
     plan = make_plan(cfg, 1, 8, "A100", 0.35)
     assert plan.checkpoint == 14 * parameter_count(cfg) and plan.keep_last == cfg.train.keep_last == 3

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megamlm.config import Config, ModelConfig
 from megamlm.data.stream import StreamPosition
-from megamlm.errors import CorruptFileError, MegamlmError
+from megamlm.errors import CorruptFileError, MegamlmError, error_line
 from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable, describe_files, verify_files
 from megamlm.parallel import ParallelContext, seed_everything, tensor_parallel_rng
 from megamlm.train.elastic import (Layout, base_optimizer, convert_position, load_full_state, read_full_state,
@@ -45,6 +45,10 @@ META_FILE, COMPLETE_FILE = "megamlm.json", "complete"
 
 class RunDirError(MegamlmError):
     """train.run_dir cannot be used as asked (it holds another run, or files of a user's)."""
+
+
+class SaveError(MegamlmError):
+    """A checkpoint could not be written (a full disk, a quota); the complete ones before it stay."""
 
 
 @dataclass
@@ -70,7 +74,7 @@ class TrainState:
 
 def checkpoint_bytes(cfg: Config, parameters: int, dp: int) -> int:
     """Bytes of one checkpoint folder, every rank's files together (measured on the tiny model in each
-    layout: within 1%; tests/test_checkpoint_size.py). Adam's two fp32 moments (8 bytes a parameter)
+    layout: within 1%; tests/test_checkpoint_disk.py). Adam's two fp32 moments (8 bytes a parameter)
     and an fp32 copy of the weights (4) always; DeepSpeed's ZeRO optimizers keep that copy in their own
     files, so their model files add the weights in the run's dtype, except at ZeRO-3 (weights
     partitioned into the optimizer files). The flat engine and fp32 at stage 0 save the fp32 weights
@@ -113,29 +117,52 @@ class Checkpoints:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def save(self, engine, state: TrainState, cfg: Config) -> Path:
-        """Collective: every rank calls it."""
+        """Collective: every rank calls it. A rank whose writing fails (a full disk, a quota) removes the
+        unfinished folder and raises SaveError."""
         tag = f"step{state.step:08d}"
         folder = self.root / tag
         if self.rank == 0 and folder.exists():  # a leftover of an interrupted save of this step
             shutil.rmtree(folder)
         dist.barrier()
-        engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
-        torch.save(rng_state(), folder / f"rank{self.rank:05d}.pt.tmp")
-        os.replace(folder / f"rank{self.rank:05d}.pt.tmp", folder / f"rank{self.rank:05d}.pt")
-        dist.barrier()
-        files = self._hash_files(folder)
+        failure = None
+        try:
+            engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
+            torch.save(rng_state(), folder / f"rank{self.rank:05d}.pt.tmp")
+            os.replace(folder / f"rank{self.rank:05d}.pt.tmp", folder / f"rank{self.rank:05d}.pt")
+            dist.barrier()
+            files = self._hash_files(folder)
+            if self.rank == 0:
+                meta = {"step": state.step, "position": state.position.state_dict(),
+                        "data_seed": state.data_seed, "rollbacks": state.rollbacks,
+                        "world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(),
+                        "config": cfg.to_dict(), "files": files}
+                text = json.dumps(meta, indent=1, default=list)
+                _atomic_write(folder / META_FILE, text)
+                _atomic_write(folder / COMPLETE_FILE, hashlib.sha256(text.encode()).hexdigest())
+        except (OSError, RuntimeError) as err:  # torch's zip writer reports a short write as a RuntimeError
+            if (folder / COMPLETE_FILE).exists():
+                raise
+            failure = f"{type(err).__name__}: {error_line(err)}"
+        if failure is not None:  # out of the except block: its traceback held the writer's open file
+            raise self._failed_save(tag, failure)
         if self.rank == 0:
-            meta = {"step": state.step, "position": state.position.state_dict(),
-                    "data_seed": state.data_seed, "rollbacks": state.rollbacks,
-                    "world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(),
-                    "config": cfg.to_dict(), "files": files}
-            text = json.dumps(meta, indent=1, default=list)
-            _atomic_write(folder / META_FILE, text)
-            _atomic_write(folder / COMPLETE_FILE, hashlib.sha256(text.encode()).hexdigest())
             _atomic_write(self.root / "latest", tag)
             self._prune()
         dist.barrier()
         return folder
+
+    def _failed_save(self, tag: str, failure: str) -> SaveError:
+        """Remove an unfinished checkpoint folder; the error that says what is left and how to go on."""
+        shutil.rmtree(self.root / tag, ignore_errors=True)
+        newest = self.newest()
+        free = shutil.disk_usage(self.root).free / 2**30
+        if newest is None:
+            go_on = "no complete checkpoint yet: a new run starts over"
+        else:
+            size = sum(f.stat().st_size for f in (self.root / newest).iterdir()) / 2**30
+            go_on = f"a checkpoint of this run takes {size:.2f} GiB; --resume auto continues from {newest}"
+        return SaveError(f"saving checkpoint {tag} failed ({failure}); its unfinished folder is removed, "
+                         f"{self.root} has {free:.2f} GiB free; {go_on}")
 
     def room_warning(self, each: int) -> str | None:
         """A line when the checkpoints' filesystem has less free space than they will take at their

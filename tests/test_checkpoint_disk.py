@@ -1,12 +1,17 @@
-"""What a checkpoint takes on disk: `checkpoint_bytes` (what `megamlm plan` prints and a run checks its
-free space against) against the folders real runs write, in each engine, precision and ZeRO layout."""
+"""Checkpoints on disk: what one takes (`checkpoint_bytes`, which `megamlm plan` prints and a run checks its
+free space against) against the folders real runs write in each engine, precision and ZeRO layout; a run
+that lacks the space warns; a save that cannot write removes its unfinished folder and says how to go on."""
 
 import json
+import re
+import resource
+import signal
 
 import pytest
 
 from megamlm.plan import parameter_count
 from megamlm.train.checkpoint import checkpoint_bytes
+from tests.faults_common import megamlm, one_line, snapshot, tiny
 from tests.multiproc import run_on_ranks
 from tests.test_train import _train, config, tiny_shards
 
@@ -58,3 +63,29 @@ def test_a_run_whose_checkpoints_will_not_fit_says_so_in_its_log_and_trains(shar
     assert f"{tmp_path / 'run/checkpoints'} has " in warning and " GiB free" in warning
     assert "(10000000 kept (train.keep_last) + 1 being written, ~0.04 GiB each)" in warning
     assert [e["step"] for e in events if e["event"] == "summary"] == [1]
+
+
+def _file_size_limit(limit: int):
+    """For a subprocess: writes past `limit` bytes fail (EFBIG), as writes on a full disk or over a quota do."""
+    def limit_writes():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process at the limit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return limit_writes
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_save_that_cannot_write_removes_its_folder_keeps_the_complete_ones_and_says_how_to_go_on(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    first = megamlm("train", *tiny(shards, run_dir, "train.steps=2", "train.save_interval=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(run_dir / "checkpoints")
+    # resumed, the next checkpoint's model file (~40 MB) stops at 20 MB
+    resumed = megamlm("train", "--resume", "auto", *tiny(shards, run_dir, "train.steps=4", "train.save_interval=2"),
+                      preexec_fn=_file_size_limit(20 * 2**20))
+    assert resumed.returncode == 2
+    line = one_line(resumed.stderr)
+    assert re.fullmatch(rf"megamlm: train: saving checkpoint step00000004 failed \(RuntimeError: .+\); its "
+                        rf"unfinished folder is removed, {run_dir}/checkpoints has \d+\.\d\d GiB free; a checkpoint "
+                        rf"of this run takes 0\.04 GiB; --resume auto continues from step00000002", line), line
+    assert snapshot(run_dir / "checkpoints") == before  # step 2 as it was, `latest` naming it
