@@ -10,7 +10,8 @@ Layout under <run_dir>/checkpoints/:
                                    of megamlm.json
   latest                           name of the newest complete checkpoint, replaced atomically
 
-A checkpoint without `complete` (interrupted while writing) is never chosen by resume; one whose
+A checkpoint without `complete` (interrupted while writing) is never chosen by resume (a save whose
+writing fails, say on a full disk, removes its folder and raises SaveError); one whose
 files differ from their recorded hashes (damaged on disk) is skipped by `--resume auto` with a
 warning, and refused when named explicitly. Hashing is spread over the ranks (file i: rank i mod
 world size), as is verification.
@@ -73,8 +74,8 @@ class TrainState:
 
 
 def checkpoint_bytes(cfg: Config, parameters: int, dp: int) -> int:
-    """Bytes of one checkpoint folder, every rank's files together (measured on the tiny model in each
-    layout: within 1%; tests/test_checkpoint_disk.py). Adam's two fp32 moments (8 bytes a parameter)
+    """Bytes of one checkpoint folder, every rank's files together (the tiny model's folders in 7 layouts
+    are within 1% of it; tests/test_checkpoint_disk.py). Adam's two fp32 moments (8 bytes a parameter)
     and an fp32 copy of the weights (4) always; DeepSpeed's ZeRO optimizers keep that copy in their own
     files, so their model files add the weights in the run's dtype, except at ZeRO-3 (weights
     partitioned into the optimizer files). The flat engine and fp32 at stage 0 save the fp32 weights
