@@ -1,6 +1,7 @@
 """The `megamlm` command as a user runs it: the smoke main job, parameter counts, config errors."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,14 @@ def test_a_list_that_is_not_integers_is_argparses_one_line(args, message, capsys
     with pytest.raises(SystemExit) as exit_:
         main(args)
     assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+
+
+@pytest.mark.slow
+def test_ranks_that_fail_under_nproc_end_with_their_lines_and_one_more_not_torchruns_traceback(tmp_path):
+    run = megamlm("train", "--nproc", "2", "--config", "configs/demo.yaml", "train.steps=0",
+                  f"train.run_dir={tmp_path / 'run'}")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]  # a run of one rank's code
+    lines = run.stderr.strip().splitlines()
+    assert lines.count("megamlm: config error: command line: train.steps=0 must be >= 1") == 2, lines
+    assert re.fullmatch(r"megamlm: train: [12] of 2 ranks failed, rank [01] first \(exit code 2\); what each said "
+                        r"is above", lines[-1]), lines[-1]

@@ -333,11 +333,11 @@ def test_truncated_zstd_input_is_an_error_not_a_shorter_corpus(tmp_path, capsys)
 # ------------------------------------------------------------------------------------------------
 
 
-def _start_training(shards, run_dir):
+def _start_training(shards, run_dir, *args, **popen):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", *tiny(shards, run_dir, "train.steps=100000",
-                                                                             "train.save_interval=100000")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", *args,
+                             *tiny(shards, run_dir, "train.steps=100000", "train.save_interval=100000")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     deadline = time.time() + 240
     while time.time() < deadline and not ((run_dir / "log.jsonl").exists() and len(logged(run_dir)) >= 2):
         time.sleep(0.2)
@@ -354,6 +354,17 @@ def test_ctrl_c_finishes_the_update_saves_and_exits_130(shards, tmp_path):
     assert "signal received: saved update" in out and "(SIGINT)" in out and "Traceback" not in err
     saved = (tmp_path / "run/checkpoints/latest").read_text()
     assert (tmp_path / f"run/checkpoints/{saved}/complete").exists()
+    assert int(saved.removeprefix("step")) == max(logged(tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_nproc_saves_and_exits_130_without_torchruns_traceback(shards, tmp_path):
+    proc = _start_training(shards, tmp_path / "run", "--nproc", "2", start_new_session=True)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: torchrun and both ranks
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert "signal received: saved update" in out and "(SIGINT)" in out
+    saved = (tmp_path / "run/checkpoints/latest").read_text()
     assert int(saved.removeprefix("step")) == max(logged(tmp_path / "run"))
 
 

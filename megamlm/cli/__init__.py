@@ -173,12 +173,28 @@ def _add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="extrapolation", help="extrapolation: output folder")
 
 
-def relaunch_with_torchrun(nproc: int, argv: list[str]) -> None:
-    """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...`."""
+def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
+    """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...`, in this
+    process. Ranks that fail have printed their own line; one more says which failed first, in place of
+    torchrun's traceback. Returns the exit code a run of one process gives: the first failed rank's, or
+    128 + the signal that stopped the run (130 for Ctrl-C)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
             and not a.startswith("--nproc=")]
-    os.execvp(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={nproc}", "-m", "megamlm", *argv])
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "megamlm", *argv]))
+    except ChildFailedError as err:
+        rank, first = err.get_first_failure()
+        how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
+        print(f"megamlm: train: {len(err.failures)} of {nproc} ranks failed, rank {rank} first ({how}); "
+              f"what each said is above", file=sys.stderr)
+        return first.exitcode if first.exitcode > 0 else 1
+    except SignalException as err:  # Ctrl-C, SIGTERM: torchrun passed it on, the ranks saved and said so
+        return 128 + err.sigval
+    return 0
 
 
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -309,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "nproc", 1) < 1:
         parser.error(f"train: --nproc {args.nproc} must be >= 1")
     if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
-        relaunch_with_torchrun(args.nproc, argv)
+        return relaunch_with_torchrun(args.nproc, argv)
     if args.verb == "glue" and not args.merge and not (args.checkpoint and args.data_dir):
         parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
     # one error path for every verb: a user's mistake is one line and exit 2, a bug one line and
