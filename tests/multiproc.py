@@ -36,6 +36,16 @@ CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(PRELOAD)
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def shell_environment(**extra: str) -> dict[str, str]:
+    """This process's environment less the launcher variables `init_distributed` set in it, plus `extra`:
+    what a command a test starts would see in a user's shell (`megamlm train --nproc 2` reads a
+    LOCAL_RANK as torchrun's and does not launch the ranks)."""
+    return {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}, **extra}
+
+
 def _as_a_new_process(environ: dict) -> None:
     """A child of the fork server made to look like a freshly started one."""
     # the server's environment is the one of its start: the test's own is what a spawned process saw

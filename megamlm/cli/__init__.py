@@ -187,7 +187,8 @@ def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
     try:
         run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "megamlm", *argv]))
     except ChildFailedError as err:
-        rank, first = err.get_first_failure()
+        # the first to fail on its own: torchrun stops the others with SIGTERM, and stamps failures in whole seconds
+        rank, first = min(err.failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp, item[0]))
         how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
         print(f"megamlm: train: {len(err.failures)} of {nproc} ranks failed, rank {rank} first ({how}); "
               f"what each said is above", file=sys.stderr)
