@@ -2,13 +2,12 @@
 shards, the CLI in this process and in a subprocess, and the checks that a refusal is one line and
 that a folder is unchanged."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from megamlm.cli import main as cli
-from tests.multiproc import run_on_ranks
+from tests.multiproc import run_on_ranks, shell_environment
 from tests.test_train import _train, config, tiny_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +49,13 @@ def run_cli(capsys, *args) -> tuple[int, str]:
     return code, one_line(capsys.readouterr().err)
 
 
+def user_environment() -> dict[str, str]:
+    """What `megamlm` started from a test sees: a user's shell (multiproc.shell_environment), one thread."""
+    return shell_environment(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
 def megamlm(*args, timeout=300, **popen):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = user_environment()
     return subprocess.run([sys.executable, "-m", "megamlm", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, **popen)
 

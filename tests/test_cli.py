@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def megamlm(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))  # OMP_NUM_THREADS: conftest.py
+    env = shell_environment(PYTHONPATH=str(ROOT))  # OMP_NUM_THREADS: conftest.py
     return subprocess.run([sys.executable, "-m", "megamlm", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -135,9 +135,8 @@ def test_a_list_that_is_not_integers_is_argparses_one_line(args, message, capsys
 
 @pytest.mark.slow
 def test_ranks_that_fail_under_nproc_end_with_their_lines_and_one_more_not_torchruns_traceback(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "megamlm", "train", "--nproc", "2", "--config", "configs/demo.yaml",
-                          "train.steps=0", f"train.run_dir={tmp_path / 'run'}"], cwd=ROOT,
-                         env=shell_environment(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    run = megamlm("train", "--nproc", "2", "--config", "configs/demo.yaml", "train.steps=0",
+                  f"train.run_dir={tmp_path / 'run'}")
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]  # a run of one rank's code
     lines = run.stderr.strip().splitlines()
     assert lines.count("megamlm: config error: command line: train.steps=0 must be >= 1") == 2, lines

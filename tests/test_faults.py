@@ -21,8 +21,8 @@ from megamlm.data.shards import ensure_shards
 from megamlm.data.stream import CorruptShardError, MaskedBatches, ShardSet, make_loader
 from megamlm.data.tokenizer import Tokenizer
 from tests.faults_common import (ROOT, WIKITEXT, fault_shards, finished_run, flip_byte, megamlm, one_line,
-                                 run_cli, snapshot, tiny, users_folder)
-from tests.multiproc import run_on_ranks, shell_environment
+                                 run_cli, snapshot, tiny, user_environment, users_folder)
+from tests.multiproc import run_on_ranks
 from tests.test_train import _train, config, logged
 
 pytestmark = pytest.mark.faults
@@ -334,7 +334,7 @@ def test_truncated_zstd_input_is_an_error_not_a_shorter_corpus(tmp_path, capsys)
 
 
 def _start_training(shards, run_dir, *args, **popen):
-    env = shell_environment(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = user_environment()
     proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", *args,
                              *tiny(shards, run_dir, "train.steps=100000", "train.save_interval=100000")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)

@@ -160,8 +160,8 @@ class Checkpoints:
         if newest is None:
             go_on = "no complete checkpoint yet: a new run starts over"
         else:
-            size = sum(f.stat().st_size for f in (self.root / newest).iterdir()) / 2**30
-            go_on = f"a checkpoint of this run takes {size:.2f} GiB; --resume auto continues from {newest}"
+            go_on = (f"a checkpoint of this run takes {self._bytes(newest) / 2**30:.2f} GiB; --resume auto continues "
+                     f"from {newest}")
         return SaveError(f"saving checkpoint {tag} failed ({failure}); its unfinished folder is removed, "
                          f"{self.root} has {free:.2f} GiB free; {go_on}")
 
@@ -169,13 +169,17 @@ class Checkpoints:
         """A line when the checkpoints' filesystem has less free space than they will take at their
         peak, less what complete ones here take already: train.keep_last complete ones and the one
         being written (the oldest is deleted after a save completes). `each`: `checkpoint_bytes`."""
-        taken = sum(f.stat().st_size for tag in self.complete_tags() for f in (self.root / tag).iterdir())
+        taken = sum(map(self._bytes, self.complete_tags()))
         needed, free = (self.keep_last + 1) * each - taken, shutil.disk_usage(self.root).free
         if free >= needed:
             return None
         return (f"{self.root} has {free / 2**30:.1f} GiB free; the run's checkpoints need {needed / 2**30:.1f} "
                 f"GiB more ({self.keep_last} kept (train.keep_last) + 1 being written, ~{each / 2**30:.2f} GiB "
                 f"each): a save that finds the disk full ends the run (the complete checkpoints stay)")
+
+    def _bytes(self, tag: str) -> int:
+        """What checkpoint `tag`'s files take."""
+        return sum(f.stat().st_size for f in (self.root / tag).iterdir())
 
     def _mine(self, names: list[str]) -> list[str]:
         """This rank's share of a folder's files (hashing and verifying are spread over the ranks)."""
