@@ -47,3 +47,16 @@ def error_line(err: BaseException) -> str:
         return f"{err.filename}: {err.strerror}"
     text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
     return " ".join(text.split()) or type(err).__name__
+
+
+PEER_GONE_MARKS = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo's and the TCP store's errors say when another rank's process has ended."""
+
+
+def peer_gone(err: BaseException) -> str | None:
+    """What `err` says of another rank's process having ended (it failed or was stopped), when a
+    collective or the rendezvous store failed for that: not this rank's fault; the other rank's line says
+    why. None for any other error."""
+    if isinstance(err, RuntimeError):
+        return next((mark for mark in PEER_GONE_MARKS if mark in str(err)), None)
+    return None

@@ -53,6 +53,15 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
+def check_world_size(cfg: ParallelConfig, world: int) -> None:
+    """The layout's rule for a world of `world` processes (TP x DP, DP >= 1)."""
+    if world % cfg.tensor_parallel:
+        raise ConfigError(
+            f"parallel.tensor_parallel={cfg.tensor_parallel} does not divide the world size "
+            f"{world}; launch a multiple of {cfg.tensor_parallel} processes"
+        )
+
+
 def init_distributed(cfg: ParallelConfig) -> ParallelContext:
     """Initialize torch.distributed (if needed) and megatron's TP × DP groups."""
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
@@ -77,12 +86,7 @@ def init_distributed(cfg: ParallelConfig) -> ParallelContext:
                                     timeout=timeout)
         else:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    world = dist.get_world_size()
-    if world % cfg.tensor_parallel:
-        raise ConfigError(
-            f"parallel.tensor_parallel={cfg.tensor_parallel} does not divide the world size "
-            f"{world}; launch a multiple of {cfg.tensor_parallel} processes"
-        )
+    check_world_size(cfg, dist.get_world_size())
     if not (parallel_state.model_parallel_is_initialized()
             and parallel_state.get_tensor_model_parallel_world_size() == cfg.tensor_parallel):
         # the same layout as an earlier call in this process keeps its groups: megatron's

@@ -3,6 +3,7 @@ free space against) against the folders real runs write in each engine, precisio
 that lacks the space warns; a save that cannot write removes its unfinished folder and says how to go on."""
 
 import json
+import os
 import re
 import resource
 import signal
@@ -10,7 +11,7 @@ import signal
 import pytest
 
 from megamlm.plan import parameter_count
-from megamlm.train.checkpoint import checkpoint_bytes
+from megamlm.train.checkpoint import SaveError, checkpoint_bytes
 from tests.faults_common import megamlm, one_line, snapshot, tiny
 from tests.multiproc import run_on_ranks
 from tests.test_train import _train, config, tiny_shards
@@ -89,3 +90,31 @@ def test_a_save_that_cannot_write_removes_its_folder_keeps_the_complete_ones_and
                         rf"unfinished folder is removed, {run_dir}/checkpoints has \d+\.\d\d GiB free; a checkpoint "
                         rf"of this run takes 0\.04 GiB; --resume auto continues from step00000002", line), line
     assert snapshot(run_dir / "checkpoints") == before  # step 2 as it was, `latest` naming it
+
+
+
+def _train_with_one_rank_writing_at_most(cfg, limit: int, rank: int) -> str:
+    """What a rank's run ends with when rank `rank` alone cannot write past `limit` bytes (its node's disk)."""
+    if int(os.environ["RANK"]) == rank:
+        _file_size_limit(limit)()
+    try:
+        _train(cfg)
+    except SaveError as err:
+        return str(err)
+    return "trained"
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_save_that_one_rank_cannot_write_ends_every_rank_with_its_line_and_no_checkpoint(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = config(shards, run_dir, "train.steps=2", "train.save_interval=2", "train.precision=bf16",
+                 "train.zero_stage=1")
+    # rank 1's ZeRO file (~20 MB) stops at 3 MB; rank 0 writes all of its own
+    rank0, rank1 = run_on_ranks(_train_with_one_rank_writing_at_most, 2, cfg, 3 * 2**20, 1)
+    assert rank1.startswith("saving checkpoint step00000002 failed (RuntimeError: "), rank1
+    assert rank0.startswith("saving checkpoint step00000002 failed (another rank's process ended: Connection "), rank0
+    for line in (rank0, rank1):
+        assert line.endswith("; no complete checkpoint yet: a new run starts over"), line
+    left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert not any(name.startswith("step") or name == "latest" for name in left), left  # DeepSpeed's scripts stay

@@ -4,11 +4,12 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.multiproc import shell_environment
+from tests.multiproc import run_on_ranks, shell_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,12 +134,88 @@ def test_a_list_that_is_not_integers_is_argparses_one_line(args, message, capsys
     assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
 
 
+TORCHRUNS_OWN_LINES = ("OMP_NUM_THREADS", "closing signal", "failed (exitcode", "torch/distributed")
+
+
 @pytest.mark.slow
 def test_ranks_that_fail_under_nproc_end_with_their_lines_and_one_more_not_torchruns_traceback(tmp_path):
-    run = megamlm("train", "--nproc", "2", "--config", "configs/demo.yaml", "train.steps=0",
+    # rank 0 alone builds the shards and refuses a folder of a user's; rank 1 waits for it in a collective
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "notes.txt").write_text("a user's file")
+    run = megamlm("train", "--nproc", "2", "--config", "configs/demo.yaml", f"data.shards={shards}",
                   f"train.run_dir={tmp_path / 'run'}")
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]  # a run of one rank's code
     lines = run.stderr.strip().splitlines()
-    assert lines.count("megamlm: config error: command line: train.steps=0 must be >= 1") == 2, lines
-    assert re.fullmatch(r"megamlm: train: [12] of 2 ranks failed, rank [01] first \(exit code 2\); what each said "
+    refused = (f"megamlm: train: {shards} is not empty and holds no finished shard build (notes.txt); choose a new "
+               f"or empty folder (megamlm never deletes files it did not write)")
+    # rank 1 either saw rank 0's process end in its collective (its own line, exit 3) or was stopped by torchrun
+    peer_gone = "megamlm: train: stopped: another rank's process ended (Connection closed by peer)"
+    assert lines.count(refused) == 1 and set(lines[:-1]) <= {refused, peer_gone}, lines
+    assert re.fullmatch(r"megamlm: train: [12] of 2 ranks failed, rank 0 first \(exit code 2\); what each said "
                         r"is above", lines[-1]), lines[-1]
+    assert not any(own in run.stderr for own in TORCHRUNS_OWN_LINES), run.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.steps=0"], "config error: command line: train.steps=0 must be >= 1"),
+    (["parallel.tensor_parallel=4"], "config error: parallel.tensor_parallel=4 does not divide the world size 2; "
+                                     "launch a multiple of 4 processes"),
+    (["model.vocab_size=100"], "config error: model.vocab_size=100 differs from the dictionary of data.tokenizer=gpt2 "
+                               "(50265 symbols); set model.vocab_size=50265"),
+    (["data.build_from=[missing.txt]", "data.shards=SHARDS"], f"train: input not found: missing.txt (relative to the "
+                                                               f"working directory {ROOT})")])
+def test_what_every_rank_would_refuse_is_one_line_before_nproc_starts_any(overrides, message, tmp_path):
+    overrides = [o.replace("SHARDS", str(tmp_path / "shards")) for o in overrides]
+    run = megamlm("train", "--nproc", "2", "--config", "configs/demo.yaml", f"train.run_dir={tmp_path / 'run'}",
+                  *overrides)
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", f"megamlm: {message}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_run_ends_with_the_first_rank_that_failed_on_its_own():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from megamlm.cli import PEER_GONE_EXIT, first_failure
+
+    def failure(rank, exitcode, timestamp):
+        failed = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="")
+        failed.timestamp = timestamp
+        return rank, failed
+
+    def first(*failures):
+        rank, failed = first_failure(dict(failures))
+        return rank, failed.exitcode
+
+    # rank 1's mistake; rank 0 lost it in a collective in the same second, or stopped by torchrun's SIGTERM
+    assert first(failure(0, PEER_GONE_EXIT, 100), failure(1, 2, 100)) == (1, 2)
+    assert first(failure(0, -15, 100), failure(1, 2, 101)) == (1, 2)
+    assert first(failure(0, 1, 101), failure(1, 2, 100)) == (1, 2)  # the earlier
+    assert first(failure(0, 1, 100), failure(1, 2, 100)) == (0, 1)  # the same second: the lower rank
+    assert first(failure(0, PEER_GONE_EXIT, 100), failure(1, -9, 100)) == (0, PEER_GONE_EXIT)  # killed: no line
+
+
+def _collective_after_the_peer_left() -> str | None:
+    import torch.distributed as dist
+
+    from megamlm.errors import peer_gone
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()  # its connections close, as when its process ends
+        return None
+    time.sleep(1)
+    try:
+        dist.barrier()
+    except RuntimeError as err:
+        return peer_gone(err)
+    return "the barrier passed"
+
+
+def test_a_collective_that_lost_its_peer_is_told_apart_from_a_bug():
+    from megamlm.errors import PEER_GONE_MARKS, peer_gone
+
+    lost, left = run_on_ranks(_collective_after_the_peer_left, 2)
+    assert lost in PEER_GONE_MARKS and left is None, lost
+    assert peer_gone(RuntimeError("CUDA out of memory")) is None
+    assert peer_gone(ValueError("Connection closed by peer")) is None  # a user's file saying it: not a collective

@@ -5,6 +5,7 @@ deepspeed-config) take `--config FILE` (repeatable, merged in order) and dotted 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from megamlm.cli.glue import add_glue_args, cmd_glue
 from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
-from megamlm.errors import MegamlmError, error_line
+from megamlm.errors import MegamlmError, error_line, peer_gone
 from megamlm.files import RUN_FINAL, check_writable
 
 
@@ -173,28 +174,48 @@ def _add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="extrapolation", help="extrapolation: output folder")
 
 
-def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
+PEER_GONE_EXIT = 3
+"""A rank's exit code when a collective failed because another rank's process ended (errors.peer_gone)."""
+
+
+def first_failure(failures: dict):
+    """(rank, ProcessFailure) of the rank that failed first on its own, of torchrun's {rank: failure}:
+    torchrun stops the others with SIGTERM, a rank whose collective lost that one exits PEER_GONE_EXIT,
+    and failures are stamped in whole seconds (the lower rank first within one)."""
+    return min(failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].exitcode == PEER_GONE_EXIT,
+                                                   item[1].timestamp, item[0]))
+
+
+def relaunch_with_torchrun(cfg: Config, args, argv: list[str]) -> int:
     """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...`, in this
-    process. Ranks that fail have printed their own line; one more says which failed first, in place of
-    torchrun's traceback. Returns the exit code a run of one process gives: the first failed rank's, or
+    process, once what every rank would refuse first is checked here (one line, no ranks started). Ranks
+    that fail have printed their own line; one more says which failed first, in place of torchrun's
+    traceback and log lines. Returns the exit code a run of one process gives: the first failed rank's, or
     128 + the signal that stopped the run (130 for Ctrl-C)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from megamlm.train.preflight import check_before_launch
+
+    check_before_launch(cfg, args.nproc, args.resume, args.overwrite)
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
             and not a.startswith("--nproc=")]
+    # torchrun's own lines (its OMP_NUM_THREADS banner: it sets 1 a rank; "closing signal"; "failed
+    # (exitcode ...)") say again what the ranks' lines and the one below say; this process logs nothing else
+    logging.disable(logging.ERROR)
     try:
-        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "megamlm", *argv]))
+        run(parse_args(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "megamlm", *argv]))
     except ChildFailedError as err:
-        # the first to fail on its own: torchrun stops the others with SIGTERM, and stamps failures in whole seconds
-        rank, first = min(err.failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp, item[0]))
+        rank, first = first_failure(err.failures)
         how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
-        print(f"megamlm: train: {len(err.failures)} of {nproc} ranks failed, rank {rank} first ({how}); "
+        print(f"megamlm: train: {len(err.failures)} of {args.nproc} ranks failed, rank {rank} first ({how}); "
               f"what each said is above", file=sys.stderr)
         return first.exitcode if first.exitcode > 0 else 1
     except SignalException as err:  # Ctrl-C, SIGTERM: torchrun passed it on, the ranks saved and said so
         return 128 + err.sigval
+    finally:
+        logging.disable(logging.NOTSET)
     return 0
 
 
@@ -325,8 +346,6 @@ def main(argv: list[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or os.environ.get("MEGAMLM_DEBUG", "") not in ("", "0")
     if getattr(args, "nproc", 1) < 1:
         parser.error(f"train: --nproc {args.nproc} must be >= 1")
-    if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
-        return relaunch_with_torchrun(args.nproc, argv)
     if args.verb == "glue" and not args.merge and not (args.checkpoint and args.data_dir):
         parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
     # one error path for every verb: a user's mistake is one line and exit 2, a bug one line and
@@ -335,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in COMMANDS:
             return COMMANDS[args.verb](args)
         cfg = load_config(args.config, args.overrides)
+        if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
+            return relaunch_with_torchrun(cfg, args, argv)
         return VERBS[args.verb][0](cfg, args)
     except KeyboardInterrupt:
         print(f"megamlm: {args.verb}: interrupted", file=sys.stderr)
@@ -348,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if debug:
             raise
+        if (mark := peer_gone(err)) is not None:  # the rank that ended first has said why
+            print(f"megamlm: {args.verb}: stopped: another rank's process ended ({mark})", file=sys.stderr)
+            return PEER_GONE_EXIT
         print(f"megamlm: {args.verb}: internal error: {type(err).__name__}: {error_line(err)} "
               f"(rerun with --debug for the traceback)", file=sys.stderr)
         return 1

@@ -312,23 +312,30 @@ def summary_table(manifest: dict, splits: bool = True) -> str:
     return "\n".join(rows)
 
 
-def ensure_shards(data, tokenizer: Tokenizer, progress: bool = True) -> Path:
-    """data.shards, built from data.build_from first if it holds no finished build (call on one
-    process; the others wait for it)."""
+def planned_build(data) -> BuildOptions | None:
+    """How data.shards is to be built from data.build_from (its inputs checked), or None when it holds a
+    finished build."""
     if data.shards is None:
         raise ShardError("data.shards is not set: point it at a folder built by `megamlm shards build`")
     folder = Path(data.shards)
     if (folder / "manifest.json").exists():
-        return folder
+        return None
     if not data.build_from:
         raise ShardError(f"{folder}/manifest.json not found and data.build_from is empty: build the "
                          f"shards with `megamlm shards build ... --out {folder}`")
+    return BuildOptions(inputs=list(data.build_from), out_dir=str(folder), seq_length=data.seq_length,
+                        long_docs=data.long_docs, text_mode=data.text_mode, valid_fraction=data.valid_fraction)
+
+
+def ensure_shards(data, tokenizer: Tokenizer, progress: bool = True) -> Path:
+    """data.shards, built from data.build_from first if it holds no finished build (call on one
+    process; the others wait for it)."""
+    options, folder = planned_build(data), Path(data.shards)
+    if options is None:
+        return folder
     remove_stale_staging(folder)
     try:
-        manifest = build_shards(BuildOptions(inputs=list(data.build_from), out_dir=str(folder),
-                                             seq_length=data.seq_length, long_docs=data.long_docs,
-                                             text_mode=data.text_mode, valid_fraction=data.valid_fraction),
-                                tokenizer, progress=progress)
+        manifest = build_shards(options, tokenizer, progress=progress)
     except ShardError:
         if not (folder / "manifest.json").exists():
             raise

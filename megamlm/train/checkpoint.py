@@ -16,7 +16,7 @@ files differ from their recorded hashes (damaged on disk) is skipped by `--resum
 warning, and refused when named explicitly. Hashing is spread over the ranks (file i: rank i mod
 world size), as is verification.
 
-The run directory belongs to one run: `prepare_run_dir` refuses to start a new run over an old one
+The run directory belongs to one run: `train/preflight.py` refuses to start a new run over an old one
 (unless asked to move it aside) and never touches files it did not write.
 """
 
@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from megamlm.config import Config, ModelConfig
 from megamlm.data.stream import StreamPosition
-from megamlm.errors import CorruptFileError, MegamlmError, error_line
-from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable, describe_files, verify_files
+from megamlm.errors import CorruptFileError, MegamlmError, error_line, peer_gone
+from megamlm.files import RUN_CHECKPOINTS, describe_files, verify_files
 from megamlm.parallel import ParallelContext, seed_everything, tensor_parallel_rng
 from megamlm.train.elastic import (Layout, base_optimizer, convert_position, load_full_state, read_full_state,
                                    written_layout)
@@ -119,7 +119,8 @@ class Checkpoints:
 
     def save(self, engine, state: TrainState, cfg: Config) -> Path:
         """Collective: every rank calls it. A rank whose writing fails (a full disk, a quota) removes the
-        unfinished folder and raises SaveError."""
+        unfinished folder and raises SaveError; so does every other rank, once its collective loses that
+        rank's process."""
         tag = f"step{state.step:08d}"
         folder = self.root / tag
         if self.rank == 0 and folder.exists():  # a leftover of an interrupted save of this step
@@ -143,7 +144,8 @@ class Checkpoints:
         except (OSError, RuntimeError) as err:  # torch's zip writer reports a short write as a RuntimeError
             if (folder / COMPLETE_FILE).exists():
                 raise
-            failure = f"{type(err).__name__}: {error_line(err)}"
+            mark = peer_gone(err)  # another rank's writing failed first, and its process ended
+            failure = f"another rank's process ended: {mark}" if mark else f"{type(err).__name__}: {error_line(err)}"
         if failure is not None:  # out of the except block: its traceback held the writer's open file
             raise self._failed_save(tag, failure)
         if self.rank == 0:
@@ -339,53 +341,3 @@ def written_zero_stage(meta: dict) -> int:
 def complete_tags(root: Path) -> list[str]:
     """The checkpoints under `root` whose save finished, oldest first."""
     return sorted(p.name for p in root.glob("step*") if (p / COMPLETE_FILE).exists())
-
-
-def run_at(run_dir: Path) -> int | None:
-    """The update a run directory's run has reached (newest complete checkpoint, else its log), or
-    None when it holds no run."""
-    tags = complete_tags(run_dir / RUN_CHECKPOINTS)
-    if tags:
-        return int(tags[-1].removeprefix("step"))
-    log = run_dir / "log.jsonl"
-    if not log.is_file():
-        return None
-    steps = [0]
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            steps.append(int(json.loads(line)["step"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return max(steps)
-
-
-RUN_FILES = ("log.jsonl", "config.yaml", RUN_CHECKPOINTS, "tensorboard", RUN_FINAL)
-"""What training writes into train.run_dir."""
-
-
-def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, rank: int) -> Path | None:
-    """Before any work: refuse a run dir that holds another run (unless `overwrite`: rank 0 moves it
-    aside, returning where) or a user's files where training would write; check it is writable."""
-    if resume is not None and overwrite:
-        raise RunDirError("--resume and --overwrite exclude each other")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"train.run_dir={run_dir} is a file, not a folder")
-    step = run_at(run_dir)
-    moved = None
-    if step is not None and resume is None:
-        if not overwrite:
-            raise RunDirError(f"train.run_dir={run_dir} holds a run at update {step}; pass --resume auto "
-                              f"to continue it, --overwrite to start over (the old run is moved aside), "
-                              f"or choose another train.run_dir")
-        if rank == 0:
-            moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-            os.replace(run_dir, moved)
-    elif step is None:
-        users = [name for name in RUN_FILES if (run_dir / name).exists()]
-        if users:
-            raise RunDirError(f"train.run_dir={run_dir} holds {', '.join(users)} but no megamlm run "
-                              f"(no log.jsonl): megamlm would write there; choose another train.run_dir")
-    check_writable(run_dir, "train.run_dir")
-    if (run_dir / RUN_CHECKPOINTS).is_dir():
-        check_writable(run_dir / RUN_CHECKPOINTS, "checkpoint folder")
-    return moved

@@ -29,13 +29,14 @@ from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives import LossTotals, Objective, ReducedTotals, get_objective
 from megamlm.parallel import ParallelContext, ToHost, host_to_device, init_distributed, seed_everything
-from megamlm.train.checkpoint import Checkpoints, TrainState, checkpoint_bytes, prepare_run_dir
+from megamlm.train.checkpoint import Checkpoints, TrainState, checkpoint_bytes
 from megamlm.train.elastic import Layout
 from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_head, compile_layers, records_cuda_graphs
 from megamlm.train.log import Log, train_line
+from megamlm.train.preflight import check_before_work, load_tokenizer, prepare_run_dir
 from megamlm.train.profiling import UpdateProfiler, phase
 from megamlm.train.restart import load_resumed, resume_tag, roll_back
 from megamlm.train.signals import Preemption, ignore_stop_signals
@@ -49,12 +50,7 @@ class Data:
 
 
 def prepare_data(cfg: Config, ctx: ParallelContext, objective: Objective) -> Data:
-    tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
-    if len(tokenizer.dictionary) != cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} differs from the dictionary of data.tokenizer="
-            f"{cfg.data.tokenizer} ({len(tokenizer.dictionary)} symbols); set model.vocab_size="
-            f"{len(tokenizer.dictionary)}")
+    tokenizer = load_tokenizer(cfg)
     if dist.get_rank() == 0:
         ensure_shards(cfg.data, tokenizer)
     dist.barrier()
@@ -347,14 +343,6 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
               rollbacks=state.rollbacks, minutes=summary["minutes"], corrupt_samples=summary["corrupt_samples"])
     log.close()
     return summary
-
-
-def check_before_work(cfg: Config, objective: Objective) -> None:
-    """What would otherwise fail minutes in (or with a confusing message): one line now."""
-    if (problem := objective.unsupported_here()) is not None:
-        raise ConfigError(problem)
-    if cfg.train.init_from and not (Path(cfg.train.init_from) / "config.yaml").is_file():
-        raise ConfigError(f"train.init_from={cfg.train.init_from}: not a model folder (no config.yaml)")
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""What a run refuses before any work: a layout its world cannot hold, an objective this machine cannot
+train, a train.init_from that is no model folder, a run directory that holds another run or a user's
+files, or cannot be written, a tokenizer of another vocabulary size, shards that are neither built nor
+buildable. Every rank checks as it starts (`loop.train`); `megamlm train --nproc N`
+checks once before it starts the ranks (`check_before_launch`), so a mistake is one line in a second,
+not one a rank after each imported torch and DeepSpeed.
+
+The run directory belongs to one run: a new run never starts over an old one (unless asked to move it
+aside) and never touches files it did not write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from megamlm.config import Config, ConfigError
+from megamlm.data.shards import planned_build
+from megamlm.data.tokenizer import Tokenizer
+from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
+from megamlm.objectives import Objective, get_objective
+from megamlm.parallel import check_world_size
+from megamlm.train.checkpoint import RunDirError, complete_tags
+
+
+def check_before_launch(cfg: Config, world: int, resume: str | None, overwrite: bool) -> None:
+    """What each of `world` ranks would refuse first (the layout, `check_before_work`, `check_run_dir`,
+    the tokenizer, the shards or what builds them), checked once, by the process that would start them."""
+    check_world_size(cfg.parallel, world)
+    check_before_work(cfg, get_objective(cfg))
+    check_run_dir(Path(cfg.train.run_dir), resume, overwrite)
+    load_tokenizer(cfg)
+    planned_build(cfg.data)
+
+
+def load_tokenizer(cfg: Config) -> Tokenizer:
+    """data.tokenizer; refused when its dictionary is not model.vocab_size symbols."""
+    tokenizer = Tokenizer.load(cfg.data.tokenizer, zero_clap=cfg.model.zero_mask)
+    if len(tokenizer.dictionary) != cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} differs from the dictionary of data.tokenizer="
+            f"{cfg.data.tokenizer} ({len(tokenizer.dictionary)} symbols); set model.vocab_size="
+            f"{len(tokenizer.dictionary)}")
+    return tokenizer
+
+
+def check_before_work(cfg: Config, objective: Objective) -> None:
+    """What would otherwise fail minutes in (or with a confusing message): one line now."""
+    if (problem := objective.unsupported_here()) is not None:
+        raise ConfigError(problem)
+    if cfg.train.init_from and not (Path(cfg.train.init_from) / "config.yaml").is_file():
+        raise ConfigError(f"train.init_from={cfg.train.init_from}: not a model folder (no config.yaml)")
+
+
+def run_at(run_dir: Path) -> int | None:
+    """The update a run directory's run has reached (newest complete checkpoint, else its log), or
+    None when it holds no run."""
+    tags = complete_tags(run_dir / RUN_CHECKPOINTS)
+    if tags:
+        return int(tags[-1].removeprefix("step"))
+    log = run_dir / "log.jsonl"
+    if not log.is_file():
+        return None
+    steps = [0]
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return max(steps)
+
+
+RUN_FILES = ("log.jsonl", "config.yaml", RUN_CHECKPOINTS, "tensorboard", RUN_FINAL)
+"""What training writes into train.run_dir."""
+
+
+def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> int | None:
+    """Refuse a run dir that holds another run (unless `overwrite`) or a user's files where training
+    would write, or that cannot be written; the update its run has reached (None: no run there)."""
+    if resume is not None and overwrite:
+        raise RunDirError("--resume and --overwrite exclude each other")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"train.run_dir={run_dir} is a file, not a folder")
+    step = run_at(run_dir)
+    if step is not None and resume is None:
+        if not overwrite:
+            raise RunDirError(f"train.run_dir={run_dir} holds a run at update {step}; pass --resume auto "
+                              f"to continue it, --overwrite to start over (the old run is moved aside), "
+                              f"or choose another train.run_dir")
+        return step  # its folder is checked once the old run is moved aside
+    if step is None:
+        users = [name for name in RUN_FILES if (run_dir / name).exists()]
+        if users:
+            raise RunDirError(f"train.run_dir={run_dir} holds {', '.join(users)} but no megamlm run "
+                              f"(no log.jsonl): megamlm would write there; choose another train.run_dir")
+    _check_writable_run_dir(run_dir)
+    return step
+
+
+def _check_writable_run_dir(run_dir: Path) -> None:
+    check_writable(run_dir, "train.run_dir")
+    if (run_dir / RUN_CHECKPOINTS).is_dir():
+        check_writable(run_dir / RUN_CHECKPOINTS, "checkpoint folder")
+
+
+def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, rank: int) -> Path | None:
+    """Before any work: `check_run_dir`; with `overwrite`, rank 0 moves a run that is there aside,
+    returning where."""
+    step = check_run_dir(run_dir, resume, overwrite)
+    if step is None or resume is not None:
+        return None
+    moved = None
+    if rank == 0:
+        moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(run_dir, moved)
+    _check_writable_run_dir(run_dir)
+    return moved
