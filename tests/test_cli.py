@@ -163,10 +163,12 @@ def test_ranks_that_fail_under_nproc_end_with_their_lines_and_one_more_not_torch
                                      "launch a multiple of 4 processes"),
     (["model.vocab_size=100"], "config error: model.vocab_size=100 differs from the dictionary of data.tokenizer=gpt2 "
                                "(50265 symbols); set model.vocab_size=50265"),
-    (["data.build_from=[missing.txt]", "data.shards=SHARDS"], f"train: input not found: missing.txt (relative to the "
-                                                               f"working directory {ROOT})")])
+    (["data.build_from=[missing.txt]", "data.shards=TMP/shards"], f"train: input not found: missing.txt (relative "
+                                                                   f"to the working directory {ROOT})"),
+    (["--resume", "step00000009"], "train: no complete checkpoint step00000009 in TMP/run/checkpoints (complete ones: "
+                                   "none; or --resume auto)")])
 def test_what_every_rank_would_refuse_is_one_line_before_nproc_starts_any(overrides, message, tmp_path):
-    overrides = [o.replace("SHARDS", str(tmp_path / "shards")) for o in overrides]
+    overrides, message = [o.replace("TMP", str(tmp_path)) for o in overrides], message.replace("TMP", str(tmp_path))
     run = megamlm("train", "--nproc", "2", "--config", "configs/demo.yaml", f"train.run_dir={tmp_path / 'run'}",
                   *overrides)
     assert (run.returncode, run.stdout, run.stderr) == (2, "", f"megamlm: {message}\n")

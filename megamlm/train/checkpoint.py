@@ -257,11 +257,7 @@ class Checkpoints:
         return complete[-1] if complete else None
 
     def require_complete(self, tag: str) -> Path:
-        if not (self.root / tag / COMPLETE_FILE).exists():
-            available = ", ".join(self.complete_tags()) or "none"
-            raise RunDirError(f"no complete checkpoint {tag} in {self.root} (complete ones: {available}; "
-                              f"or --resume auto)")
-        return self.root / tag
+        return require_complete(self.root, tag)
 
     def meta(self, tag: str) -> dict:
         return json.loads((self.require_complete(tag) / META_FILE).read_text())
@@ -336,6 +332,14 @@ def reseeded_rng(seed: int, ctx: ParallelContext) -> dict:
 def written_zero_stage(meta: dict) -> int:
     """The ZeRO stage of the engine that wrote a checkpoint (older ones record only the config's)."""
     return meta.get("zero_stage", meta["config"]["train"]["zero_stage"])
+
+
+def require_complete(root: Path, tag: str) -> Path:
+    """The folder of checkpoint `tag` under `root`; refused unless its save finished."""
+    if not (root / tag / COMPLETE_FILE).exists():
+        available = ", ".join(complete_tags(root)) or "none"
+        raise RunDirError(f"no complete checkpoint {tag} in {root} (complete ones: {available}; or --resume auto)")
+    return root / tag
 
 
 def complete_tags(root: Path) -> list[str]:

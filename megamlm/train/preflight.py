@@ -22,15 +22,18 @@ from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
 from megamlm.objectives import Objective, get_objective
 from megamlm.parallel import check_world_size
-from megamlm.train.checkpoint import RunDirError, complete_tags
+from megamlm.train.checkpoint import RunDirError, complete_tags, require_complete
 
 
 def check_before_launch(cfg: Config, world: int, resume: str | None, overwrite: bool) -> None:
     """What each of `world` ranks would refuse first (the layout, `check_before_work`, `check_run_dir`,
-    the tokenizer, the shards or what builds them), checked once, by the process that would start them."""
+    a --resume TAG that is no complete checkpoint, the tokenizer, the shards or what builds them), checked
+    once, by the process that would start them."""
     check_world_size(cfg.parallel, world)
     check_before_work(cfg, get_objective(cfg))
     check_run_dir(Path(cfg.train.run_dir), resume, overwrite)
+    if resume not in (None, "auto"):
+        require_complete(Path(cfg.train.run_dir) / RUN_CHECKPOINTS, resume)
     load_tokenizer(cfg)
     planned_build(cfg.data)
 
