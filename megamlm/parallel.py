@@ -62,6 +62,23 @@ def check_world_size(cfg: ParallelConfig, world: int) -> None:
         )
 
 
+def process_backend(cfg: ParallelConfig) -> str:
+    """parallel.backend as this machine runs it (auto: nccl where CUDA is available, else gloo)."""
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("parallel.backend=nccl needs CUDA GPUs; allowed here: gloo, auto")
+    return backend
+
+
+def check_gpus(backend: str, processes: int, gpus: int) -> None:
+    """NCCL runs a process per GPU: refuse more processes on a machine than it has GPUs."""
+    if backend == "nccl" and processes > gpus:
+        raise ConfigError(f"{processes} processes on this machine, which has {gpus} GPU{'s' * (gpus != 1)} (NCCL "
+                          f"runs one process per GPU): launch at most {gpus} a node, or parallel.backend=gloo")
+
+
 def init_distributed(cfg: ParallelConfig) -> ParallelContext:
     """Initialize torch.distributed (if needed) and megatron's TP × DP groups."""
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
@@ -70,11 +87,9 @@ def init_distributed(cfg: ParallelConfig) -> ParallelContext:
     # DeepSpeed reads these itself; make srun and plain `python` runs look like torchrun
     for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", local_rank)):
         os.environ.setdefault(name, str(value))
-    backend = cfg.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("parallel.backend=nccl needs CUDA GPUs; allowed here: gloo, auto")
+    backend = process_backend(cfg)
+    # local rank r is GPU r: a process past the last GPU would fail in set_device with CUDA's words
+    check_gpus(backend, local_rank + 1, torch.cuda.device_count() if backend == "nccl" else 0)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

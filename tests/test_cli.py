@@ -161,6 +161,7 @@ def test_ranks_that_fail_under_nproc_end_with_their_lines_and_one_more_not_torch
     (["train.steps=0"], "config error: command line: train.steps=0 must be >= 1"),
     (["parallel.tensor_parallel=4"], "config error: parallel.tensor_parallel=4 does not divide the world size 2; "
                                      "launch a multiple of 4 processes"),
+    (["parallel.backend=nccl"], "config error: parallel.backend=nccl needs CUDA GPUs; allowed here: gloo, auto"),
     (["model.vocab_size=100"], "config error: model.vocab_size=100 differs from the dictionary of data.tokenizer=gpt2 "
                                "(50265 symbols); set model.vocab_size=50265"),
     (["data.build_from=[missing.txt]", "data.shards=TMP/shards"], f"train: input not found: missing.txt (relative "

@@ -32,6 +32,18 @@ def test_hostfile_lines_and_errors(tmp_path, capsys, monkeypatch):
         hostfile_text(["a"], 0)
 
 
+def test_nccl_runs_no_more_processes_on_a_machine_than_it_has_gpus():
+    from megamlm.config import ConfigError
+    from megamlm.parallel import check_gpus
+
+    check_gpus("nccl", 4, 4)
+    check_gpus("gloo", 8, 0)  # CPU processes: as many as asked
+    with pytest.raises(ConfigError) as err:
+        check_gpus("nccl", 8, 4)
+    assert str(err.value) == ("8 processes on this machine, which has 4 GPUs (NCCL runs one process per GPU): launch "
+                              "at most 4 a node, or parallel.backend=gloo")
+
+
 def test_deepspeed_json_is_printed_from_the_config(capsys):
     files = [str(ROOT / "configs/pile/base-alibi.yaml"), str(ROOT / "configs/deepspeed/zero3-bf16.yaml")]
     assert cli(["deepspeed-config", "--config", files[0], "--config", files[1], "--dp", "8"]) == 0

@@ -16,12 +16,14 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
 from megamlm.config import Config, ConfigError
 from megamlm.data.shards import planned_build
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
 from megamlm.objectives import Objective, get_objective
-from megamlm.parallel import check_world_size
+from megamlm.parallel import check_gpus, check_world_size, process_backend
 from megamlm.train.checkpoint import RunDirError, complete_tags, require_complete
 
 
@@ -30,6 +32,8 @@ def check_before_launch(cfg: Config, world: int, resume: str | None, overwrite: 
     a --resume TAG that is no complete checkpoint, the tokenizer, the shards or what builds them), checked
     once, by the process that would start them."""
     check_world_size(cfg.parallel, world)
+    backend = process_backend(cfg.parallel)
+    check_gpus(backend, world, torch.cuda.device_count() if backend == "nccl" else 0)
     check_before_work(cfg, get_objective(cfg))
     check_run_dir(Path(cfg.train.run_dir), resume, overwrite)
     if resume not in (None, "auto"):
