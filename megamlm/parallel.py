@@ -72,9 +72,13 @@ def process_backend(cfg: ParallelConfig) -> str:
     return backend
 
 
-def check_gpus(backend: str, processes: int, gpus: int) -> None:
-    """NCCL runs a process per GPU: refuse more processes on a machine than it has GPUs."""
-    if backend == "nccl" and processes > gpus:
+def check_gpus(backend: str, processes: int, gpus: int | None = None) -> None:
+    """NCCL runs a process per GPU: refuse more processes on a machine than it has GPUs (`gpus`; None:
+    this machine's)."""
+    if backend != "nccl":
+        return
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if processes > gpus:
         raise ConfigError(f"{processes} processes on this machine, which has {gpus} GPU{'s' * (gpus != 1)} (NCCL "
                           f"runs one process per GPU): launch at most {gpus} a node, or parallel.backend=gloo")
 
@@ -89,7 +93,7 @@ def init_distributed(cfg: ParallelConfig) -> ParallelContext:
         os.environ.setdefault(name, str(value))
     backend = process_backend(cfg)
     # local rank r is GPU r: a process past the last GPU would fail in set_device with CUDA's words
-    check_gpus(backend, local_rank + 1, torch.cuda.device_count() if backend == "nccl" else 0)
+    check_gpus(backend, local_rank + 1)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

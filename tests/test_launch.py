@@ -37,7 +37,7 @@ def test_nccl_runs_no_more_processes_on_a_machine_than_it_has_gpus():
     from megamlm.parallel import check_gpus
 
     check_gpus("nccl", 4, 4)
-    check_gpus("gloo", 8, 0)  # CPU processes: as many as asked
+    check_gpus("gloo", 8)  # CPU processes: as many as asked
     with pytest.raises(ConfigError) as err:
         check_gpus("nccl", 8, 4)
     assert str(err.value) == ("8 processes on this machine, which has 4 GPUs (NCCL runs one process per GPU): launch "

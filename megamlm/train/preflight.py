@@ -1,9 +1,9 @@
-"""What a run refuses before any work: a layout its world cannot hold, an objective this machine cannot
-train, a train.init_from that is no model folder, a run directory that holds another run or a user's
-files, or cannot be written, a tokenizer of another vocabulary size, shards that are neither built nor
-buildable. Every rank checks as it starts (`loop.train`); `megamlm train --nproc N`
-checks once before it starts the ranks (`check_before_launch`), so a mistake is one line in a second,
-not one a rank after each imported torch and DeepSpeed.
+"""What a run refuses before any work: a layout its world cannot hold, more NCCL processes on a machine
+than it has GPUs, an objective this machine cannot train, a train.init_from that is no model folder, a
+run directory that holds another run or a user's files, or cannot be written, a tokenizer of another
+vocabulary size, shards that are neither built nor buildable. Every rank checks as it starts
+(`loop.train`); `megamlm train --nproc N` checks once before it starts the ranks (`check_before_launch`),
+so a mistake is one line in a second, not one a rank after each imported torch and DeepSpeed.
 
 The run directory belongs to one run: a new run never starts over an old one (unless asked to move it
 aside) and never touches files it did not write.
@@ -16,8 +16,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 from megamlm.config import Config, ConfigError
 from megamlm.data.shards import planned_build
 from megamlm.data.tokenizer import Tokenizer
@@ -28,12 +26,11 @@ from megamlm.train.checkpoint import RunDirError, complete_tags, require_complet
 
 
 def check_before_launch(cfg: Config, world: int, resume: str | None, overwrite: bool) -> None:
-    """What each of `world` ranks would refuse first (the layout, `check_before_work`, `check_run_dir`,
-    a --resume TAG that is no complete checkpoint, the tokenizer, the shards or what builds them), checked
-    once, by the process that would start them."""
+    """What each of `world` ranks on this machine would refuse first (the layout, the GPUs,
+    `check_before_work`, `check_run_dir`, a --resume TAG that is no complete checkpoint, the tokenizer, the
+    shards or what builds them), checked once, by the process that would start them."""
     check_world_size(cfg.parallel, world)
-    backend = process_backend(cfg.parallel)
-    check_gpus(backend, world, torch.cuda.device_count() if backend == "nccl" else 0)
+    check_gpus(process_backend(cfg.parallel), world)
     check_before_work(cfg, get_objective(cfg))
     check_run_dir(Path(cfg.train.run_dir), resume, overwrite)
     if resume not in (None, "auto"):
