@@ -176,26 +176,34 @@ def test_what_every_rank_would_refuse_is_one_line_before_nproc_starts_any(overri
     assert not (tmp_path / "run").exists()
 
 
-def test_the_run_ends_with_the_first_rank_that_failed_on_its_own():
+def test_the_run_ends_with_the_first_rank_that_failed_on_its_own(tmp_path, monkeypatch, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from megamlm.cli import PEER_GONE_EXIT, first_failure
+    from megamlm.cli.torchrun import PEER_GONE_EXIT, failed, first_failure
 
-    def failure(rank, exitcode, timestamp):
-        failed = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="")
-        failed.timestamp = timestamp
-        return rank, failed
+    def failure(rank, exitcode, timestamp, said=None):
+        """torchrun's record of a failed rank; `said`: (line, code) the rank recorded with `failed` first."""
+        error_file = tmp_path / f"error-{rank}-{exitcode}-{timestamp}.json"
+        if said is not None:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+            assert failed(*said) == said[1]
+        stopped = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+        if said is None:
+            stopped.timestamp = timestamp
+        return rank, stopped
 
-    def first(*failures):
-        rank, failed = first_failure(dict(failures))
-        return rank, failed.exitcode
-
-    # rank 1's mistake; rank 0 lost it in a collective in the same second, or stopped by torchrun's SIGTERM
-    assert first(failure(0, PEER_GONE_EXIT, 100), failure(1, 2, 100)) == (1, 2)
-    assert first(failure(0, -15, 100), failure(1, 2, 101)) == (1, 2)
-    assert first(failure(0, 1, 101), failure(1, 2, 100)) == (1, 2)  # the earlier
-    assert first(failure(0, 1, 100), failure(1, 2, 100)) == (0, 1)  # the same second: the lower rank
-    assert first(failure(0, PEER_GONE_EXIT, 100), failure(1, -9, 100)) == (0, PEER_GONE_EXIT)  # killed: no line
+    # rank 1's mistake; rank 0 lost it in a collective in the same second, or was stopped by torchrun's SIGTERM
+    assert first_failure(dict([failure(0, PEER_GONE_EXIT, 100), failure(1, 2, 100)])) == (1, 2)
+    assert first_failure(dict([failure(0, -15, 100), failure(1, 2, 101)])) == (1, 2)
+    assert first_failure(dict([failure(0, 1, 101), failure(1, 2, 100)])) == (1, 2)  # the earlier
+    assert first_failure(dict([failure(0, 1, 100), failure(1, 2, 100)])) == (0, 1)  # the same second: the lower rank
+    assert first_failure(dict([failure(0, PEER_GONE_EXIT, 100), failure(1, -9, 100)])) == (0, PEER_GONE_EXIT)
+    # rank 0 said its mistake and was stopped while exiting, after rank 1, which lost it, had exited
+    mistake = failure(0, -15, 0, said=("megamlm: train: a user's mistake", 2))
+    lost = failure(1, PEER_GONE_EXIT, 0, said=("megamlm: train: stopped: another rank's process ended", PEER_GONE_EXIT))
+    assert first_failure(dict([mistake, lost])) == (0, 2)
+    assert capsys.readouterr().err.splitlines() == ["megamlm: train: a user's mistake",
+                                                    "megamlm: train: stopped: another rank's process ended"]
 
 
 def _collective_after_the_peer_left() -> str | None:

@@ -5,7 +5,6 @@ deepspeed-config) take `--config FILE` (repeatable, merged in order) and dotted 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 from megamlm.cli.arguments import integer_list
 from megamlm.cli.glue import add_glue_args, cmd_glue
 from megamlm.cli.shards import add_shards_args, cmd_shards
+from megamlm.cli.torchrun import PEER_GONE_EXIT, failed, relaunch_with_torchrun
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line, peer_gone
@@ -174,51 +174,6 @@ def _add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="extrapolation", help="extrapolation: output folder")
 
 
-PEER_GONE_EXIT = 3
-"""A rank's exit code when a collective failed because another rank's process ended (errors.peer_gone)."""
-
-
-def first_failure(failures: dict):
-    """(rank, ProcessFailure) of the rank that failed first on its own, of torchrun's {rank: failure}:
-    torchrun stops the others with SIGTERM, a rank whose collective lost that one exits PEER_GONE_EXIT,
-    and failures are stamped in whole seconds (the lower rank first within one)."""
-    return min(failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].exitcode == PEER_GONE_EXIT,
-                                                   item[1].timestamp, item[0]))
-
-
-def relaunch_with_torchrun(cfg: Config, args, argv: list[str]) -> int:
-    """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...`, in this
-    process, once what every rank would refuse first is checked here (one line, no ranks started). Ranks
-    that fail have printed their own line; one more says which failed first, in place of torchrun's
-    traceback and log lines. Returns the exit code a run of one process gives: the first failed rank's, or
-    128 + the signal that stopped the run (130 for Ctrl-C)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from megamlm.train.preflight import check_before_launch
-
-    check_before_launch(cfg, args.nproc, args.resume, args.overwrite)
-    argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
-            and not a.startswith("--nproc=")]
-    # torchrun's own lines (its OMP_NUM_THREADS banner: it sets 1 a rank; "closing signal"; "failed
-    # (exitcode ...)") say again what the ranks' lines and the one below say; this process logs nothing else
-    logging.disable(logging.ERROR)
-    try:
-        run(parse_args(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "megamlm", *argv]))
-    except ChildFailedError as err:
-        rank, first = first_failure(err.failures)
-        how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
-        print(f"megamlm: train: {len(err.failures)} of {args.nproc} ranks failed, rank {rank} first ({how}); "
-              f"what each said is above", file=sys.stderr)
-        return first.exitcode if first.exitcode > 0 else 1
-    except SignalException as err:  # Ctrl-C, SIGTERM: torchrun passed it on, the ranks saved and said so
-        return 128 + err.sigval
-    finally:
-        logging.disable(logging.NOTSET)
-    return 0
-
-
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes on this machine (relaunches under torchrun); the layout is "
@@ -364,17 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         kind = "config error" if isinstance(err, ConfigError) else args.verb
-        print(f"megamlm: {kind}: {error_line(err)}", file=sys.stderr)
-        return 2
+        return failed(f"megamlm: {kind}: {error_line(err)}", 2)
     except Exception as err:
         if debug:
             raise
         if (mark := peer_gone(err)) is not None:  # the rank that ended first has said why
-            print(f"megamlm: {args.verb}: stopped: another rank's process ended ({mark})", file=sys.stderr)
-            return PEER_GONE_EXIT
-        print(f"megamlm: {args.verb}: internal error: {type(err).__name__}: {error_line(err)} "
-              f"(rerun with --debug for the traceback)", file=sys.stderr)
-        return 1
+            return failed(f"megamlm: {args.verb}: stopped: another rank's process ended ({mark})", PEER_GONE_EXIT)
+        return failed(f"megamlm: {args.verb}: internal error: {type(err).__name__}: {error_line(err)} "
+                      f"(rerun with --debug for the traceback)", 1)
 
 
 if __name__ == "__main__":
