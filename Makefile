@@ -30,7 +30,8 @@ demo: install
 # Two pytest workers (pytest-xdist), a test file each at a time (module fixtures built once): on 2 cores
 # the serial suite left ~30% of the CPU idle (one-thread tests, processes starting) and took 49 minutes,
 # two workers 34 (session 37), 30.6 with one OpenMP thread per worker (tests/conftest.py; session 41;
-# 27.7 on session 42's Intel Xeon, 26.6 with 853 tests on session 43's, 24.7 with 860 on session 44's).
+# 27.7 on session 42's Intel Xeon, 26.6 with 853 tests on session 43's, 24.7 with 860 on session 44's,
+# 27.2 with 870 on session 45's).
 # Temp files peak at ~2 GB: a passing test's folders are removed as it ends (pyproject, tests/conftest.py).
 # TEST_WORKERS=0 runs it in this process, one test at a time.
 TEST_WORKERS ?= 2

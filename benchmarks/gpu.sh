@@ -24,7 +24,8 @@
 #   GPU_SH_SMOKE=1 bash benchmarks/gpu.sh LOG_DIR [STEP ...]
 # runs every command at toy size (tiny model, 16-token benchmarks, 128-token training runs, a few updates; a command
 # that is another row's at toy size runs once) on whatever device there is:
-# the check, on a CPU, that a lease will not be spent on a broken command (tests/test_gpu_script.py).
+# the check, on a CPU, that a lease will not be spent on a broken command (tests/test_gpu_script.py). Its shards
+# go to LOG_DIR/cache (GPU_SH_SHARDS=FOLDER: there, for runs to share them), its runs to LOG_DIR/runs.
 #   GPU_SH_ONLY="loop-2048 base-baseline" bash benchmarks/gpu.sh LOG_DIR loop throughput
 # runs only the named rows of those steps; GPU_SH_DEADLINE=EPOCH_SECONDS cuts each command's limit to
 # what is left before then and skips a command with under 45 s left (benchmarks/gpu_lease.sh: one lease).
@@ -51,11 +52,12 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     # rows took 40% longer with two of each)
     SMOKE_TRAIN="model.num_layers=2 model.hidden_size=64 model.num_attention_heads=1 model.ffn_hidden_size=256 \
         train.eval_batches=1 train.global_batch_size=2"
-    SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs
+    # the toy rows' shards and runs stay out of the checkout (its cache/ is the demo's, runs/ the user's)
+    SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs SHARDS=${GPU_SH_SHARDS:-$LOG_DIR/cache}
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
     SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_BIAS="" SMOKE_HEAD=""
-    SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SMOKE_LIMIT=""
+    SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SHARDS=cache SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
 PROFILE="train.profile_updates=3"
@@ -104,7 +106,7 @@ train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES [CONFIG]: 2
     [ -z "$SMOKE_LENGTH" ] || { micro=1 updates=3; }
     step "$name" 420 $PY -m megamlm train --overwrite --config "$config" \
         "data.build_from=[data/wikitext-103/valid.txt,data/wikitext-103/test.txt]" \
-        data.shards=cache/wikitext-103-s$length data.seq_length=$length model.max_positions=$length \
+        data.shards=$SHARDS/gpu-wikitext-103-s$length data.seq_length=$length model.max_positions=$length \
         data.long_docs=split data.valid_fraction=0.02 train.precision=bf16 \
         train.micro_batch_size=$micro train.global_batch_size=$((2 * micro)) train.steps=$updates \
         optim.warmup_steps=10 optim.period_steps=$updates train.log_interval=10 train.eval_interval=$updates \

@@ -58,15 +58,25 @@ def _assert_each_ran_or_needs_a_gpu(codes: dict[str, int], logs: Path, commands:
     assert 0 in codes.values(), "no command of the step ran on the CPU"
 
 
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Where the toy training rows build and share their shards (GPU_SH_SHARDS)."""
+    return tmp_path_factory.mktemp("gpu-sh-shards")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
-def test_every_command_of_the_step_runs_at_toy_size(step, tmp_path):
+def test_every_command_of_the_step_runs_at_toy_size(step, tmp_path, shards):
     """gpu.sh's toy commands (GPU_SH_SMOKE=1) as it lists them, run two at a time by tests/multiproc.py's fork
     server, which imported torch, megatron and megamlm once: those imports were most of a toy row's time, and
     the ~60 rows took 14 minutes of the suite."""
-    commands, listing = _listed(tmp_path, step, GPU_SH_SMOKE="1")
+    commands, listing = _listed(tmp_path, step, GPU_SH_SMOKE="1", GPU_SH_SHARDS=str(shards))
     same = re.findall(r"^=== (\S+): same toy command as (\S+)$", listing, re.M)
     assert all(first in commands for _, first in same), listing
+    # nothing goes into the checkout: its cache/ is the demo's (a toy build there once changed `make demo`'s losses)
+    written = [a.split("=", 1)[1] for argv in commands.values() for a in argv
+               if a.startswith(("data.shards=", "train.run_dir="))]
+    assert all(Path(path).is_relative_to(shards) or Path(path).is_relative_to(tmp_path) for path in written), written
     toy = tmp_path / "toy"
     toy.mkdir()
     codes = run_commands(commands, str(toy))
@@ -75,10 +85,10 @@ def test_every_command_of_the_step_runs_at_toy_size(step, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_script_itself_runs_a_steps_toy_commands_and_reports_each(tmp_path):
+def test_the_script_itself_runs_a_steps_toy_commands_and_reports_each(tmp_path, shards):
     """gpu.sh's own runner (`timeout`, a log per row, a GPU-only row's refusal counted as checked, the exit
     code) on one step that has both kinds of row."""
-    result = _run(tmp_path, "large", GPU_SH_SMOKE="1")
+    result = _run(tmp_path, "large", GPU_SH_SMOKE="1", GPU_SH_SHARDS=str(shards))
     assert result.returncode == 0, result.stdout + result.stderr
     codes = {name: 0 if end == "exit 0" else 1
              for name, end in re.findall(r"^=== (\S+): (exit \d+|needs a GPU)", result.stdout, re.M)}
@@ -99,6 +109,7 @@ def test_without_the_smoke_switch_the_commands_are_full_size(tmp_path):
     loop = commands["loop-2048"]
     assert "data.seq_length=2048" in loop and "train.micro_batch_size=8" in loop and "train.steps=60" in loop
     assert "train.run_dir=runs/loop-2048" in loop and "model.num_layers" not in loop
+    assert "data.shards=cache/gpu-wikitext-103-s2048" in loop  # not the demo's cache/wikitext-103-s128 build
     assert "--config configs/pile/large-zero-clap.yaml" in commands["loop-2048-large"]
     triton = commands["loop-2048-triton-flat"]  # the recipe's attention dropout kept: what the kernels are for
     assert "model.attention_backend=triton" in triton and "data.seq_length=2048" in triton
