@@ -125,3 +125,8 @@ def test_deepspeed_launcher_runs_the_tiny_job_from_a_generated_hostfile(tmp_path
     valid = [e["ppl"] for e in log if e["event"] == "valid"]
     assert len(valid) == 2 and valid[1] < valid[0]
     assert (tmp_path / "run/final/model.pt").exists()
+    # configs/demo.yaml's build_from would build other shards than these: the run uses them and says so
+    assert [e["message"] for e in log if e["event"] == "warning"] == [
+        f"data.shards={shards} holds a build of other choices than the config's: valid_fraction 0.1 (asked: 0.05), "
+        f"inputs ['corpus.txt'] (asked: ['valid.txt', 'test.txt']); the run uses it as it is (to build anew, point "
+        f"data.shards at a new folder)"]

@@ -153,3 +153,24 @@ def test_cli_build_reports_and_refuses_reuse(tmp_path, capsys):
     assert "already holds shards" in capsys.readouterr().err
     assert cli(["shards", "build", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p")]) == 2
     assert "input not found" in capsys.readouterr().err
+
+
+def test_a_finished_build_of_other_choices_is_named_not_rebuilt(tmp_path, gpt2):
+    from megamlm.config import DataConfig
+    from megamlm.data.shards import ensure_shards, other_build
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Paragraph {i}. " + a_tokens(40) for i in range(200)))
+    asked = DataConfig(shards=str(tmp_path / "shards"), build_from=[str(corpus)], seq_length=64, valid_fraction=0.1)
+    assert other_build(asked) is None  # nothing built yet
+    ensure_shards(asked, gpt2, progress=False)
+    manifest = (tmp_path / "shards/manifest.json").read_bytes()
+    assert other_build(asked) is None
+    assert other_build(DataConfig(shards=asked.shards, build_from=[], valid_fraction=0.2)) is None  # builds nothing
+    changed = DataConfig(shards=asked.shards, build_from=[str(corpus)], seq_length=128, valid_fraction=0.2)
+    assert other_build(changed) == (
+        f"data.shards={tmp_path / 'shards'} holds a build of other choices than the config's: seq_length 64 (asked: "
+        f"128), valid_fraction 0.1 (asked: 0.2); the run uses it as it is (to build anew, point data.shards at a new "
+        f"folder)")
+    assert ensure_shards(changed, gpt2, progress=False) == tmp_path / "shards"
+    assert (tmp_path / "shards/manifest.json").read_bytes() == manifest  # used as it is

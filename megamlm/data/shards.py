@@ -327,6 +327,30 @@ def planned_build(data) -> BuildOptions | None:
                         long_docs=data.long_docs, text_mode=data.text_mode, valid_fraction=data.valid_fraction)
 
 
+BUILD_CHOICES = ("seq_length", "long_docs", "text_mode", "valid_fraction")
+"""The data section's keys a build records (manifest "options") that change what the shards hold."""
+
+
+def other_build(data) -> str | None:
+    """A line when data.shards holds a finished build of other choices (BUILD_CHOICES, the inputs' names)
+    than data.build_from with the data section would make: it is used as it is (a finished build is never
+    redone); None when they agree or nothing would be built."""
+    folder = Path(data.shards or "")
+    if not data.build_from or not (folder / "manifest.json").is_file():
+        return None
+    try:
+        built = json.loads((folder / "manifest.json").read_text())["options"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # reading the shards names what is wrong with the manifest
+    asked = {**{key: getattr(data, key) for key in BUILD_CHOICES}, "inputs": [Path(i).name for i in data.build_from]}
+    built = {**built, "inputs": [Path(i).name for i in built.get("inputs", [])]}
+    differ = [f"{key} {built.get(key)} (asked: {asked[key]})" for key in asked if built.get(key) != asked[key]]
+    if not differ:
+        return None
+    return (f"data.shards={folder} holds a build of other choices than the config's: {', '.join(differ)}; the run "
+            f"uses it as it is (to build anew, point data.shards at a new folder)")
+
+
 def ensure_shards(data, tokenizer: Tokenizer, progress: bool = True) -> Path:
     """data.shards, built from data.build_from first if it holds no finished build (call on one
     process; the others wait for it)."""

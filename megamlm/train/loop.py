@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megamlm.config import Config, ConfigError, ModelConfig
-from megamlm.data.shards import ShardError, ensure_shards
+from megamlm.data.shards import ShardError, ensure_shards, other_build
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, loader_deaths_explained, make_loader
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import RUN_FINAL
@@ -174,7 +174,8 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
     graphs = cfg.train.compile and records_cuda_graphs(cfg.train.compile_mode)
     parameters = model.parameter_count()  # before ZeRO-3 partitions the tensors
     checkpoints = Checkpoints(run_dir, cfg.train.keep_last, allow_batch_change)
-    notes += [checkpoints.room_warning(checkpoint_bytes(cfg, parameters, ctx.dp_size))] if rank0 else []
+    if rank0:
+        notes += [checkpoints.room_warning(checkpoint_bytes(cfg, parameters, ctx.dp_size)), other_build(cfg.data)]
     for line in filter(None, notes):  # what the run's log should warn about
         log.event("warning", 0, f"warning: {line}", message=line)
     tag = None if resume is None else resume_tag(checkpoints, resume, log)
