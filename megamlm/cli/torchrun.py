@@ -40,7 +40,7 @@ def failed(line: str, code: int) -> int:
 
 def recorded(failure) -> tuple[int, float]:
     """(exit code, time) of a torchrun ProcessFailure: the rank's own record, else what torchrun saw."""
-    record = failure.error_file_data.get(RECORD_KEY) if isinstance(failure.error_file_data, dict) else None
+    record = failure.error_file_data.get(RECORD_KEY)
     return (record["exit"], record["time"]) if record else (failure.exitcode, failure.timestamp)
 
 

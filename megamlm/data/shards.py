@@ -312,6 +312,10 @@ def summary_table(manifest: dict, splits: bool = True) -> str:
     return "\n".join(rows)
 
 
+BUILD_CHOICES = ("seq_length", "long_docs", "text_mode", "valid_fraction")
+"""The data section's keys a build records (manifest "options") that change what the shards hold."""
+
+
 def planned_build(data) -> BuildOptions | None:
     """How data.shards is to be built from data.build_from (its inputs checked), or None when it holds a
     finished build."""
@@ -323,12 +327,8 @@ def planned_build(data) -> BuildOptions | None:
     if not data.build_from:
         raise ShardError(f"{folder}/manifest.json not found and data.build_from is empty: build the "
                          f"shards with `megamlm shards build ... --out {folder}`")
-    return BuildOptions(inputs=list(data.build_from), out_dir=str(folder), seq_length=data.seq_length,
-                        long_docs=data.long_docs, text_mode=data.text_mode, valid_fraction=data.valid_fraction)
-
-
-BUILD_CHOICES = ("seq_length", "long_docs", "text_mode", "valid_fraction")
-"""The data section's keys a build records (manifest "options") that change what the shards hold."""
+    return BuildOptions(inputs=list(data.build_from), out_dir=str(folder),
+                        **{key: getattr(data, key) for key in BUILD_CHOICES})
 
 
 def other_build(data) -> str | None:
