@@ -125,7 +125,10 @@ def test_a_number_out_of_range_is_one_line_before_any_work(args, message, capsys
                                 "integers, e.g. 1,2,3)"),
     (["eval", "extrapolation", "--checkpoint", "m", "--data", "d", "--lengths", "128,"],
      "argument --lengths: '128,': '' is not an integer (a comma-separated list of integers, e.g. 1,2,3)"),
-    (["train", "--nproc", "0"], "train: --nproc 0 must be >= 1")])
+    (["train", "--nproc", "0"], "train: --nproc 0 must be >= 1"),
+    (["train", "--nodes", "0"], "train: --nodes 0 must be >= 1"),
+    (["train", "--nodes", "2"], "train: --nodes 2 needs --rendezvous HOST:PORT (where the machines meet)"),
+    (["train", "--nodes", "2", "--rendezvous", "head-node"], "train: --rendezvous head-node: expected HOST:PORT")])
 def test_a_list_that_is_not_integers_is_argparses_one_line(args, message, capsys):
     from megamlm.cli import main
 
@@ -167,7 +170,9 @@ def test_ranks_that_fail_under_nproc_end_with_their_lines_and_one_more_not_torch
     (["data.build_from=[missing.txt]", "data.shards=TMP/shards"], f"train: input not found: missing.txt (relative "
                                                                    f"to the working directory {ROOT})"),
     (["--resume", "step00000009"], "train: no complete checkpoint step00000009 in TMP/run/checkpoints (complete ones: "
-                                   "none; or --resume auto)")])
+                                   "none; or --resume auto)"),
+    (["parallel.tensor_parallel=2", "--nproc", "1", "--nodes", "3", "--rendezvous", "127.0.0.1:9"],
+     "config error: parallel.tensor_parallel=2 does not divide the world size 3; launch a multiple of 2 processes")])
 def test_what_every_rank_would_refuse_is_one_line_before_nproc_starts_any(overrides, message, tmp_path):
     overrides, message = [o.replace("TMP", str(tmp_path)) for o in overrides], message.replace("TMP", str(tmp_path))
     run = megamlm("train", "--nproc", "2", "--config", "configs/demo.yaml", f"train.run_dir={tmp_path / 'run'}",

@@ -333,8 +333,8 @@ def test_truncated_zstd_input_is_an_error_not_a_shorter_corpus(tmp_path, capsys)
 # ------------------------------------------------------------------------------------------------
 
 
-def _start_training(shards, run_dir, *args, **popen):
-    env = user_environment()
+def _start_training(shards, run_dir, *args, env=None, **popen):
+    env = dict(user_environment(), **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", *args,
                              *tiny(shards, run_dir, "train.steps=100000", "train.save_interval=100000")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
@@ -365,6 +365,23 @@ def test_ctrl_c_under_nproc_saves_and_exits_130_without_torchruns_traceback(shar
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert "signal received: saved update" in out and "(SIGINT)" in out
     saved = (tmp_path / "run/checkpoints/latest").read_text()
+    assert int(saved.removeprefix("step")) == max(logged(tmp_path / "run"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_to_the_nproc_launcher_reaches_every_rank_which_saves_however_long_that_takes(
+        sig, shards, tmp_path):
+    """SLURM's preemption and `kill` signal the launcher. torchrun passed SIGTERM on, then killed the ranks
+    30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; 0 here: a save that takes longer) and ended 143; SIGUSR1
+    killed the launcher and left the ranks training on their own."""
+    proc = _start_training(shards, tmp_path / "run", "--nproc", "2", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"})
+    proc.send_signal(sig)  # the launcher alone: torchrun starts each rank in a session of its own
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]  # as a run of one process
+    assert "signal received: saved update" in out and f"({sig.name})" in out
+    saved = (tmp_path / "run/checkpoints/latest").read_text()
+    assert (tmp_path / f"run/checkpoints/{saved}/complete").exists()
     assert int(saved.removeprefix("step")) == max(logged(tmp_path / "run"))
 
 

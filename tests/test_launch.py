@@ -1,11 +1,15 @@
 """Launch helpers: DeepSpeed hostfiles, the DeepSpeed JSON printed from a config, the GLUE array
-script's refusal until GLUE exists, and shellcheck on every script in slurm/ and benchmarks/."""
+script, shellcheck on every script in slurm/ and benchmarks/, the DeepSpeed launcher, and machines that
+meet at a rendezvous (`megamlm train --nodes`)."""
 
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.launch import hostfile_text
 from megamlm.train.engine import deepspeed_config
-from tests.multiproc import free_port
+from tests.multiproc import free_port, shell_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,3 +134,51 @@ def test_deepspeed_launcher_runs_the_tiny_job_from_a_generated_hostfile(tmp_path
         f"data.shards={shards} holds a build of other choices than the config's: valid_fraction 0.1 (asked: 0.05), "
         f"inputs ['corpus.txt'] (asked: ['valid.txt', 'test.txt']); the run uses it as it is (to build anew, point "
         f"data.shards at a new folder)"]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+def test_machines_meeting_at_a_rendezvous_train_the_run_that_nproc_trains_on_one(tmp_path):
+    """`megamlm train --nodes 2 --rendezvous HOST:PORT` on two "machines" (two launchers here, one rank
+    each; slurm/pretrain.sbatch runs one a node) is one DP=2 run: the losses of `--nproc 2` on one."""
+    text = tmp_path / "corpus.txt"
+    text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:200_000])
+    shards = tmp_path / "shards"
+    build_shards(BuildOptions([str(text)], str(shards), seq_length=64, long_docs="split", valid_fraction=0.1),
+                 Tokenizer.gpt2(), progress=False)
+    env = shell_environment(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+    def train(run_dir, *launch):
+        return subprocess.Popen(
+            [sys.executable, "-m", "megamlm", "train", *launch, "--config", str(ROOT / "configs/demo.yaml"),
+             "model.num_layers=2", "train.steps=4", "train.log_interval=1", "train.eval_interval=1000",
+             "train.eval_batches=1", "train.micro_batch_size=4", "data.seq_length=64", f"data.shards={shards}",
+             f"train.run_dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+
+    def losses(run_dir):
+        log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+        return [(e["step"], e["loss"]) for e in log if e["event"] == "train"]
+
+    meeting = ["--nodes", "2", "--rendezvous", f"127.0.0.1:{free_port()}", "--rendezvous-id", "test"]
+    # one machine alone waits for the other; a stop signal then ends it (no rank to pass it on to)
+    alone = train(tmp_path / "alone", "--nproc", "1", *meeting)
+    deadline = time.time() + 120
+    while time.time() < deadline and not _listening(int(meeting[3].rsplit(":", 1)[1])):
+        time.sleep(0.2)
+    alone.send_signal(signal.SIGTERM)
+    out, err = alone.communicate(timeout=60)
+    assert (alone.returncode, err) == (128 + signal.SIGTERM, "megamlm: train: stopped: SIGTERM before the ranks "
+                                                             "started\n"), err[-3000:]
+    machines = [train(tmp_path / "nodes", "--nproc", "1", *meeting) for _ in range(2)]
+    outputs = [machine.communicate(timeout=300) for machine in machines]
+    assert [m.returncode for m in machines] == [0, 0], [err[-3000:] for _, err in outputs]
+    assert sum("TP=1 DP=2" in out for out, _ in outputs) == 1  # rank 0 prints, on whichever machine it is
+    one = train(tmp_path / "nproc", "--nproc", "2")
+    out, err = one.communicate(timeout=300)
+    assert one.returncode == 0, err[-3000:]
+    assert losses(tmp_path / "nodes") == losses(tmp_path / "nproc") and len(losses(tmp_path / "nproc")) == 4

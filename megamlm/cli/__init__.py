@@ -14,7 +14,7 @@ from pathlib import Path
 from megamlm.cli.arguments import integer_list
 from megamlm.cli.glue import add_glue_args, cmd_glue
 from megamlm.cli.shards import add_shards_args, cmd_shards
-from megamlm.cli.torchrun import PEER_GONE_EXIT, failed, relaunch_with_torchrun
+from megamlm.cli.torchrun import INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, launch_problem, relaunch_with_torchrun
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line, peer_gone
@@ -66,7 +66,7 @@ def cmd_train(cfg: Config, args) -> int:
             print_fill_mask(summary["model_dir"], args.fill_mask, topk=3)
     finally:
         destroy_distributed()
-    return 130 if summary.get("signal") == "SIGINT" else 0  # Ctrl-C: saved, but not finished
+    return INTERRUPTED_EXIT if summary.get("signal") == "SIGINT" else 0  # Ctrl-C: saved, but not finished
 
 
 def print_fill_mask(model_dir: str, text: str, topk: int) -> None:
@@ -177,7 +177,16 @@ def _add_eval_args(parser: argparse.ArgumentParser) -> None:
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="processes on this machine (relaunches under torchrun); the layout is "
-                             "parallel.tensor_parallel x data parallel")
+                             "parallel.tensor_parallel x data parallel over --nproc x --nodes")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="machines of the run, each running this command with the same --nproc and "
+                             "--rendezvous (slurm/pretrain.sbatch does)")
+    parser.add_argument("--rendezvous", default=None, metavar="HOST:PORT",
+                        help="with --nodes > 1: where the machines meet (one of them: torchrun's c10d "
+                             "rendezvous)")
+    parser.add_argument("--rendezvous-id", default="megamlm", metavar="ID",
+                        help="the run's name at the rendezvous, unique among runs that share HOST:PORT "
+                             "(SLURM: the job id)")
     parser.add_argument("--resume", default=None, metavar="auto|TAG",
                         help="auto: continue from the newest complete, verified checkpoint of "
                              "train.run_dir (if any); TAG: that checkpoint (stepNNNNNNNN). The layout "
@@ -299,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get("MEGAMLM_DEBUG", "") not in ("", "0")
-    if getattr(args, "nproc", 1) < 1:
-        parser.error(f"train: --nproc {args.nproc} must be >= 1")
+    if args.verb == "train" and (problem := launch_problem(args)):
+        parser.error(f"train: {problem}")
     if args.verb == "glue" and not args.merge and not (args.checkpoint and args.data_dir):
         parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
     # one error path for every verb: a user's mistake is one line and exit 2, a bug one line and
@@ -309,12 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in COMMANDS:
             return COMMANDS[args.verb](args)
         cfg = load_config(args.config, args.overrides)
-        if getattr(args, "nproc", 1) > 1 and "LOCAL_RANK" not in os.environ:
+        if args.verb == "train" and (args.nproc > 1 or args.nodes > 1) and "LOCAL_RANK" not in os.environ:
             return relaunch_with_torchrun(cfg, args, argv)
         return VERBS[args.verb][0](cfg, args)
     except KeyboardInterrupt:
         print(f"megamlm: {args.verb}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
     except (MegamlmError, OSError) as err:
         if debug:
             traceback.print_exc()

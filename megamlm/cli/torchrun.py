@@ -14,10 +14,13 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 from megamlm.config import Config
+from megamlm.train.signals import STOP_SIGNALS
 
 PEER_GONE_EXIT = 3
 """A rank's exit code when a collective failed because another rank's process ended (errors.peer_gone)."""
@@ -56,33 +59,126 @@ def first_failure(failures: dict) -> tuple[int, int]:
     return rank, recorded(failure)[0]
 
 
+INTERRUPTED_EXIT = 130
+"""A rank's exit code after Ctrl-C (saved, or aborted by a second one): the run's, without a line of ours."""
+
+
+def children() -> list[int]:
+    """The processes this one started (torchrun's ranks), from /proc."""
+    me, pids = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a process that ended meanwhile
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:  # "pid (name) state ppid ..."
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+class StopForwarding:
+    """While the ranks run: a stop signal (SIGTERM, SIGUSR1, Ctrl-C) to this process goes on to every rank,
+    which finishes its update, saves and exits as a run of one process does; this process waits for them
+    however long the save takes, and ends with their code. torchrun's own handling sent SIGTERM and
+    SIGINT on too, but then killed the ranks 30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT: a save of a large
+    model on shared storage takes longer) and ended with 128 + the signal; SIGUSR1 killed this process and
+    left the ranks without it. A second Ctrl-C goes on as well: the ranks stop at once. Before any rank
+    started, a stop signal ends the launch. Without /proc (not Linux) torchrun keeps its handling."""
+
+    TORCHRUN_KEEPS = "SIGHUP,SIGQUIT"
+    """torchrun's default signals to handle, less the stop signals."""
+
+    def __init__(self):
+        self.active = Path("/proc/self/stat").exists()
+        self.received: int | None = None
+
+    def _forward(self, signum, frame):
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self.received = self.received or signum
+        ranks = children()
+        if not ranks:  # none started yet (the machines still meet): the launch ends, as under torchrun
+            raise SignalException(f"{signal.Signals(signum).name} before the ranks started", signum)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self._forward) for sig in STOP_SIGNALS} if self.active else {}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def torchrun_arguments(self) -> list[str]:
+        return [f"--signals-to-handle={self.TORCHRUN_KEEPS}"] if self.active else []
+
+
+LAUNCH_OPTIONS = ("--nproc", "--nodes", "--rendezvous", "--rendezvous-id")
+"""`megamlm train`'s options for this process, which the ranks' command line does not repeat."""
+
+
+def launch_problem(args) -> str | None:
+    """What is wrong with --nproc, --nodes and --rendezvous, in a line, or None."""
+    for option, value in (("--nproc", args.nproc), ("--nodes", args.nodes)):
+        if value < 1:
+            return f"{option} {value} must be >= 1"
+    if args.nodes > 1 and args.rendezvous is None:
+        return f"--nodes {args.nodes} needs --rendezvous HOST:PORT (where the machines meet)"
+    if args.rendezvous is not None:
+        host, _, port = args.rendezvous.rpartition(":")
+        if not host or not port.isdigit():
+            return f"--rendezvous {args.rendezvous}: expected HOST:PORT"
+    return None
+
+
+def ranks_argv(argv: list[str]) -> list[str]:
+    """The ranks' command line: this one less LAUNCH_OPTIONS (as "--option value" or "--option=value")."""
+    kept = []
+    for i, arg in enumerate(argv):
+        if arg.split("=", 1)[0] not in LAUNCH_OPTIONS and not (i and argv[i - 1] in LAUNCH_OPTIONS):
+            kept.append(arg)
+    return kept
+
+
+def torchrun_layout(args) -> list[str]:
+    """torchrun's options for --nproc on this machine and, with --rendezvous, the run's --nodes."""
+    layout = [f"--nproc-per-node={args.nproc}"]
+    if args.rendezvous is None:
+        return ["--standalone", *layout]
+    return [f"--nnodes={args.nodes}", *layout, "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rendezvous}",
+            f"--rdzv-id={args.rendezvous_id}"]
+
+
 def relaunch_with_torchrun(cfg: Config, args, argv: list[str]) -> int:
-    """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...`, in this
-    process, once what every rank would refuse first is checked here (one line, no ranks started). Ranks
-    that fail have printed their own line; one more says which failed first, in place of torchrun's
-    traceback and log lines. Returns the exit code a run of one process gives: the first failed rank's, or
-    128 + the signal that stopped the run (130 for Ctrl-C)."""
+    """`megamlm train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m megamlm train ...` (with
+    --nodes and --rendezvous: torchrun's c10d rendezvous), in this process, once what every rank would
+    refuse first is checked here (one line, no ranks started). Ranks that fail have printed their own
+    line; one more says which failed first, in place of torchrun's traceback and log lines. Returns the
+    exit code a run of one process gives: the first failed rank's (130 after Ctrl-C, 0 after SIGTERM or
+    SIGUSR1: see StopForwarding), or 128 + a signal torchrun handled."""
     from torch.distributed.elastic.multiprocessing import errors
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import parse_args, run
 
     from megamlm.train.preflight import check_before_launch
 
-    check_before_launch(cfg, args.nproc, args.resume, args.overwrite)
-    argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
-            and not a.startswith("--nproc=")]
+    check_before_launch(cfg, args.nproc, args.nodes, args.resume, args.overwrite)
     # torchrun's own lines (its OMP_NUM_THREADS banner: it sets 1 a rank; "closing signal"; "failed
     # (exitcode ...)") say again what the ranks' lines and the one below say; this process logs nothing else
     logging.disable(logging.ERROR)
     try:
-        run(parse_args(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "megamlm", *argv]))
+        with StopForwarding() as stops:
+            run(parse_args([*torchrun_layout(args), *stops.torchrun_arguments(), "-m", "megamlm", *ranks_argv(argv)]))
     except errors.ChildFailedError as err:
         rank, code = first_failure(err.failures)
+        if stops.received and code == INTERRUPTED_EXIT:  # Ctrl-C: each rank said what it saved
+            return code
         how = f"signal {err.failures[rank].signal_name()}" if code < 0 else f"exit code {code}"
-        print(f"megamlm: train: {len(err.failures)} of {args.nproc} ranks failed, rank {rank} first ({how}); "
+        here = " on this machine" if args.nodes > 1 else ""
+        print(f"megamlm: train: {len(err.failures)} of {args.nproc} ranks{here} failed, rank {rank} first ({how}); "
               f"what each said is above", file=sys.stderr)
         return code if code > 0 else 1
-    except SignalException as err:  # Ctrl-C, SIGTERM: torchrun passed it on, the ranks saved and said so
+    except SignalException as err:  # before the ranks started, one torchrun kept (SIGHUP, SIGQUIT), or no /proc
+        print(f"megamlm: train: stopped: {err}", file=sys.stderr)
         return 128 + err.sigval
     finally:
         logging.disable(logging.NOTSET)

@@ -25,12 +25,12 @@ from megamlm.parallel import check_gpus, check_world_size, process_backend
 from megamlm.train.checkpoint import RunDirError, complete_tags, require_complete
 
 
-def check_before_launch(cfg: Config, world: int, resume: str | None, overwrite: bool) -> None:
-    """What each of `world` ranks on this machine would refuse first (the layout, the GPUs,
-    `check_before_work`, `check_run_dir`, a --resume TAG that is no complete checkpoint, the tokenizer, the
-    shards or what builds them), checked once, by the process that would start them."""
-    check_world_size(cfg.parallel, world)
-    check_gpus(process_backend(cfg.parallel), world)
+def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | None, overwrite: bool) -> None:
+    """What each of `processes` ranks on this machine (of `nodes` machines alike) would refuse first (the
+    layout, the GPUs, `check_before_work`, `check_run_dir`, a --resume TAG that is no complete checkpoint,
+    the tokenizer, the shards or what builds them), checked once, by the process that would start them."""
+    check_world_size(cfg.parallel, processes * nodes)
+    check_gpus(process_backend(cfg.parallel), processes)
     check_before_work(cfg, get_objective(cfg))
     check_run_dir(Path(cfg.train.run_dir), resume, overwrite)
     if resume not in (None, "auto"):
