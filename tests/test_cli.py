@@ -181,6 +181,20 @@ def test_what_every_rank_would_refuse_is_one_line_before_nproc_starts_any(overri
     assert not (tmp_path / "run").exists()
 
 
+def test_a_launchers_variables_left_in_the_environment_are_refused_not_a_run_of_each_machine(tmp_path):
+    """LOCAL_RANK makes `megamlm train` a rank; with WORLD_SIZE=1 each machine of --nodes 2 trained alone
+    (two DP=1 runs wrote one run dir: a checkpoint's sha256 damaged)."""
+    env = shell_environment(PYTHONPATH=str(ROOT), LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    run = subprocess.run([sys.executable, "-m", "megamlm", "train", "--nproc", "1", "--nodes", "2", "--rendezvous",
+                          "127.0.0.1:9", "--config", "configs/demo.yaml", f"train.run_dir={tmp_path / 'run'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stderr) == (2, "megamlm: train: --nproc 1 --nodes 2 asks for 2 processes, but this "
+                                               "process has a launcher's LOCAL_RANK=0 and WORLD_SIZE=1; unset the "
+                                               "launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK) or leave out "
+                                               "--nproc and --nodes under a launcher\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_run_ends_with_the_first_rank_that_failed_on_its_own(tmp_path, monkeypatch, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

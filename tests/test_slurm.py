@@ -16,6 +16,7 @@ import pytest
 
 from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.data.tokenizer import Tokenizer
+from tests.multiproc import shell_environment
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ def cluster():
     if reason:
         print(f"\nSKIP slurm tests: {reason}")
         pytest.skip(reason)
-    env = dict(os.environ, MEGAMLM_SLURM_DIR=STATE)
+    env = shell_environment(MEGAMLM_SLURM_DIR=STATE)  # a user's (no LOCAL_RANK of an earlier test's ranks)
     start = subprocess.run([str(CLUSTER), "start"], env=env, capture_output=True, text=True, timeout=600)
     if start.returncode != 0:
         subprocess.run([str(CLUSTER), "stop"], env=env, timeout=60)

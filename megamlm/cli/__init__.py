@@ -14,7 +14,8 @@ from pathlib import Path
 from megamlm.cli.arguments import integer_list
 from megamlm.cli.glue import add_glue_args, cmd_glue
 from megamlm.cli.shards import add_shards_args, cmd_shards
-from megamlm.cli.torchrun import INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, launch_problem, relaunch_with_torchrun
+from megamlm.cli.torchrun import (INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, launch_problem, launches_ranks,
+                                  relaunch_with_torchrun)
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line, peer_gone
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get("MEGAMLM_DEBUG", "") not in ("", "0")
-    if args.verb == "train" and (problem := launch_problem(args)):
+    if hasattr(args, "nproc") and (problem := launch_problem(args)):
         parser.error(f"train: {problem}")
     if args.verb == "glue" and not args.merge and not (args.checkpoint and args.data_dir):
         parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in COMMANDS:
             return COMMANDS[args.verb](args)
         cfg = load_config(args.config, args.overrides)
-        if args.verb == "train" and (args.nproc > 1 or args.nodes > 1) and "LOCAL_RANK" not in os.environ:
+        if hasattr(args, "nproc") and launches_ranks(args):
             return relaunch_with_torchrun(cfg, args, argv)
         return VERBS[args.verb][0](cfg, args)
     except KeyboardInterrupt:

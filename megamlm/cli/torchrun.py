@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from megamlm.config import Config
+from megamlm.errors import MegamlmError
 from megamlm.train.signals import STOP_SIGNALS
 
 PEER_GONE_EXIT = 3
@@ -128,6 +129,21 @@ def launch_problem(args) -> str | None:
         if not host or not port.isdigit():
             return f"--rendezvous {args.rendezvous}: expected HOST:PORT"
     return None
+
+
+def launches_ranks(args) -> bool:
+    """Whether this process starts the ranks (--nproc or --nodes > 1), or is one: started by a launcher
+    (torchrun's LOCAL_RANK, in a world of --nproc x --nodes). A launcher's variables left in the environment
+    would make each machine a run of its own (two runs writing one run dir): refused."""
+    processes = args.nproc * args.nodes
+    if "LOCAL_RANK" not in os.environ:
+        return processes > 1
+    if processes > 1 and os.environ.get("WORLD_SIZE") != str(processes):
+        raise MegamlmError(f"--nproc {args.nproc} --nodes {args.nodes} asks for {processes} processes, but this "
+                          f"process has a launcher's LOCAL_RANK={os.environ['LOCAL_RANK']} and WORLD_SIZE="
+                          f"{os.environ.get('WORLD_SIZE', '(unset)')}; unset the launcher's variables (RANK, "
+                          f"WORLD_SIZE, LOCAL_RANK) or leave out --nproc and --nodes under a launcher")
+    return False
 
 
 def ranks_argv(argv: list[str]) -> list[str]:
