@@ -145,7 +145,12 @@ class Checkpoints:
             if (folder / COMPLETE_FILE).exists():
                 raise
             mark = peer_gone(err)  # another rank's writing failed first, and its process ended
-            failure = f"another rank's process ended: {mark}" if mark else f"{type(err).__name__}: {error_line(err)}"
+            if mark:
+                failure = f"another rank's process ended: {mark}"
+            elif not folder.exists():  # ... and it removed the folder this rank was still writing into
+                failure = "another rank's writing failed first and removed the unfinished folder"
+            else:
+                failure = f"{type(err).__name__}: {error_line(err)}"
         if failure is not None:  # out of the except block: its traceback held the writer's open file
             raise self._failed_save(tag, failure)
         if self.rank == 0:
