@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from megamlm.config import Config
-from megamlm.errors import MegamlmError
+from megamlm.errors import MegamlmError, check_ranges
 from megamlm.train.signals import STOP_SIGNALS
 
 PEER_GONE_EXIT = 3
@@ -119,9 +119,10 @@ LAUNCH_OPTIONS = ("--nproc", "--nodes", "--rendezvous", "--rendezvous-id")
 
 def launch_problem(args) -> str | None:
     """What is wrong with --nproc, --nodes and --rendezvous, in a line, or None."""
-    for option, value in (("--nproc", args.nproc), ("--nodes", args.nodes)):
-        if value < 1:
-            return f"{option} {value} must be >= 1"
+    try:
+        check_ranges([(f"--nproc {args.nproc}", args.nproc, ">= 1"), (f"--nodes {args.nodes}", args.nodes, ">= 1")])
+    except MegamlmError as err:
+        return str(err)
     if args.nodes > 1 and args.rendezvous is None:
         return f"--nodes {args.nodes} needs --rendezvous HOST:PORT (where the machines meet)"
     if args.rendezvous is not None:
