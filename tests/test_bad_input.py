@@ -105,6 +105,63 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
     assert fixed.returncode == 0 and "done: " in fixed.stdout, fixed.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_what_resuming_would_refuse_is_one_line_before_nproc_starts_any_rank(shards, run, tmp_path, capsys):
+    """A checkpoint of another model or global batch, a global batch the new layout cannot split, train.steps
+    behind the run: each rank refused it after it had imported torch and DeepSpeed and built its model
+    (~50 s and a line per rank under --nproc 2 on 2 cores); the launching process now refuses it first.
+    `--check` says the same line, or what the run would do, and starts and writes nothing."""
+    batch_line = (f"{run}/checkpoints/step00000004 was written with a global batch of 4 sequences (TP=1 DP=1 ZeRO-0, "
+                  f"micro 4 x accumulation 1), this run's is 8: set train.global_batch_size=4 to continue the run, "
+                  f"or pass --allow-batch-change to convert the data position in samples")
+    cases = {  # overrides of the finished 4-update run's config -> (exit code, the one line)
+        ("train.steps=6", "train.global_batch_size=8"): (2, "megamlm: config error: " + batch_line),
+        ("train.steps=6", "train.micro_batch_size=2", "train.global_batch_size=6"): (
+            2, "megamlm: config error: train.global_batch_size=6 is not divisible by train.micro_batch_size × "
+               "data-parallel size = 2 × 2; choose a multiple of 4"),
+        ("train.steps=6", "model.ffn_hidden_size=256"): (
+            2, f"megamlm: train: {run}/checkpoints/step00000004 holds another model (model.ffn_hidden_size: "
+               f"checkpoint 128 vs run 256); resume with the run's config (--config {run}/config.yaml) or start a "
+               f"new run with train.init_from"),
+        ("train.steps=3", "train.micro_batch_size=2"): (
+            2, "megamlm: config error: train.steps=3 but step00000004 is at update 4: raise train.steps to continue "
+               "the run"),
+    }
+    before = snapshot(run)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    launched = {overrides: subprocess.Popen(
+        [sys.executable, "-m", "megamlm", "train", "--nproc", "2", "--resume", "auto", *tiny(shards, run, *overrides)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for overrides in cases}
+    for overrides, proc in launched.items():
+        out, err = proc.communicate(timeout=300)
+        assert (proc.returncode, out, one_line(err)) == (cases[overrides][0], "", cases[overrides][1]), overrides
+        capsys.readouterr()
+        assert cli(["train", "--check", "--nproc", "2", "--resume", "auto", *tiny(shards, run, *overrides)]) == 2
+        assert one_line(capsys.readouterr().err) == cases[overrides][1], overrides
+    # what the run would do: 2 ranks take the 4-sequence batch in micro-batches of 2, or accumulate 2 at --nodes 2
+    would = {("--nproc", "2", "--resume", "auto", "train.micro_batch_size=2"):
+             f"2 ranks: tensor parallel 1 x data parallel 2, accumulation 1; train.run_dir={run} resumes from "
+             f"step00000004; data.shards={shards}",
+             ("--nproc", "1", "--nodes", "2", "--rendezvous", "127.0.0.1:9", "--resume", "step00000002",
+              "train.micro_batch_size=1", "train.global_batch_size=4"):
+             f"2 ranks (2 machines x 1): tensor parallel 1 x data parallel 2, accumulation 2; train.run_dir={run} "
+             f"resumes from step00000002; data.shards={shards}",
+             ("--overwrite",): f"1 rank: tensor parallel 1 x data parallel 1, accumulation 1; train.run_dir={run} "
+                               f"starts over (its run at update 4 is moved aside); data.shards={shards}",
+             ("--resume", "auto", f"train.run_dir={tmp_path / 'new'}", f"data.shards={tmp_path / 'shards'}",
+              f"data.build_from=[{WIKITEXT}/valid.txt]"):
+             f"1 rank: tensor parallel 1 x data parallel 1, accumulation 1; train.run_dir={tmp_path / 'new'} starts "
+             f"at update 0 (no checkpoint to resume); data.shards={tmp_path / 'shards'} (built first from "
+             f"data.build_from)"}
+    for args, line in would.items():
+        options = [a for a in args if "=" not in a]
+        capsys.readouterr()
+        code = cli(["train", "--check", *options, *tiny(shards, run, "train.steps=6", *(a for a in args if "=" in a))])
+        assert (code, capsys.readouterr().out) == (0, f"megamlm: train --check: nothing refused: {line}\n"), args
+    assert snapshot(run) == before
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
     binary = tmp_path / "binary.bin"
     binary.write_bytes(bytes(range(256)) * 4)

@@ -172,7 +172,9 @@ def test_ranks_that_fail_under_nproc_end_with_their_lines_and_one_more_not_torch
     (["--resume", "step00000009"], "train: no complete checkpoint step00000009 in TMP/run/checkpoints (complete ones: "
                                    "none; or --resume auto)"),
     (["parallel.tensor_parallel=2", "--nproc", "1", "--nodes", "3", "--rendezvous", "127.0.0.1:9"],
-     "config error: parallel.tensor_parallel=2 does not divide the world size 3; launch a multiple of 2 processes")])
+     "config error: parallel.tensor_parallel=2 does not divide the world size 3; launch a multiple of 2 processes"),
+    (["train.global_batch_size=48"], "config error: train.global_batch_size=48 is not divisible by "
+                                     "train.micro_batch_size × data-parallel size = 16 × 2; choose a multiple of 32")])
 def test_what_every_rank_would_refuse_is_one_line_before_nproc_starts_any(overrides, message, tmp_path):
     overrides, message = [o.replace("TMP", str(tmp_path)) for o in overrides], message.replace("TMP", str(tmp_path))
     run = megamlm("train", "--nproc", "2", "--config", "configs/demo.yaml", f"train.run_dir={tmp_path / 'run'}",

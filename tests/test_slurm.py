@@ -113,6 +113,12 @@ def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
     assert len({line.split("rendezvous ")[1].split(",")[0] for line in output.splitlines()
                 if line.startswith("job ") and "rendezvous " in line}) == 1
     assert "TP=1 DP=2" in output
+    # the batch step's check, once a start: what the run would do
+    checks = [line.split("nothing refused: ")[1] for line in output.splitlines()
+              if line.startswith("megamlm: train --check")]
+    assert len(checks) == 2 and all(c.startswith("2 ranks (2 machines x 1): tensor parallel 1 x data parallel 2, "
+                                                 "accumulation 1; ") for c in checks), checks
+    assert "starts at update 0 (no checkpoint to resume)" in checks[0] and "resumes from step" in checks[1], checks
     # preempted once, requeued, resumed from the checkpoint (not from scratch)
     assert "USR1: time limit near" in output and f"requeueing job {job}" in output
     assert "(restart 1)" in output
@@ -154,3 +160,18 @@ def test_a_job_requeued_onto_fewer_nodes_resumes_resharded(cluster, tmp_path):
     assert resumed["message"].startswith(f"resumed update {resumed['step']} written at TP=1 DP=2 ZeRO-1 into "
                                          f"TP=1 DP=1 ZeRO-0"), resumed
     assert [e["step"] for e in _events(log, "train")] == list(range(1, 25))  # every update exactly once
+
+
+def test_what_every_node_would_refuse_ends_the_job_in_one_line_before_any_node_starts(cluster, tmp_path):
+    """A global batch of 24 does not split over 2 nodes' micro-batches of 8: each node's launcher refused it
+    (the same line from every node); the batch step's `megamlm train --check` now does, once."""
+    env, job, out, _ = _submit(cluster, tmp_path, "2", "train.global_batch_size=24")
+    _wait(lambda: not subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                                     text=True).stdout.strip(), 120, lambda: f"job {job} did not leave the queue")
+    output = out.read_text()
+    refused = ("megamlm: config error: train.global_batch_size=24 is not divisible by train.micro_batch_size × "
+               "data-parallel size = 8 × 2; choose a multiple of 16")
+    assert output.splitlines().count(refused) == 1 and "node n1" not in output, output
+    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    assert "JobState=FAILED" in shown and "ExitCode=2:0" in shown, shown  # ended, not requeued
+    assert not (tmp_path / "run").exists()

@@ -70,6 +70,16 @@ def cmd_train(cfg: Config, args) -> int:
     return INTERRUPTED_EXIT if summary.get("signal") == "SIGINT" else 0  # Ctrl-C: saved, but not finished
 
 
+def cmd_train_check(cfg: Config, args) -> int:
+    """`megamlm train --check`: one line for the first thing the run would refuse (exit 2), else one that
+    says what it would do (exit 0); no rank starts, nothing is written."""
+    from megamlm.train.preflight import check_before_launch
+
+    would = check_before_launch(cfg, args.nproc, args.nodes, args.resume, args.overwrite, args.allow_batch_change)
+    print(f"megamlm: train --check: nothing refused: {would}")
+    return 0
+
+
 def print_fill_mask(model_dir: str, text: str, topk: int) -> None:
     """Top-k fills on every rank's process group (a TP=1 copy of the model on each; rank 0 prints)."""
     from megamlm.data.tokenizer import Tokenizer
@@ -199,6 +209,10 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="train.run_dir holds a run: start over, moving the old run aside "
                              "(to <run_dir>.replaced-<time>)")
+    parser.add_argument("--check", action="store_true",
+                        help="check what the run would refuse before its first update (the layout, the batch, "
+                             "the GPUs, the run dir, the checkpoint to resume, the tokenizer, the shards), say "
+                             "what it would do, and start nothing (slurm/pretrain.sbatch does, once per job)")
     parser.add_argument("--fill-mask", default=None, metavar="TEXT",
                         help="after training, print the top-3 fills of TEXT's <mask>")
 
@@ -319,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in COMMANDS:
             return COMMANDS[args.verb](args)
         cfg = load_config(args.config, args.overrides)
+        if getattr(args, "check", False):
+            return cmd_train_check(cfg, args)
         if hasattr(args, "nproc") and launches_ranks(args):
             return relaunch_with_torchrun(cfg, args, argv)
         return VERBS[args.verb][0](cfg, args)

@@ -178,7 +178,7 @@ def relaunch_with_torchrun(cfg: Config, args, argv: list[str]) -> int:
 
     from megamlm.train.preflight import check_before_launch
 
-    check_before_launch(cfg, args.nproc, args.nodes, args.resume, args.overwrite)
+    check_before_launch(cfg, args.nproc, args.nodes, args.resume, args.overwrite, args.allow_batch_change)
     # torchrun's own lines (its OMP_NUM_THREADS banner: it sets 1 a rank; "closing signal"; "failed
     # (exitcode ...)") say again what the ranks' lines and the one below say; this process logs nothing else
     logging.disable(logging.ERROR)

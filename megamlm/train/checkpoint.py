@@ -252,36 +252,16 @@ class Checkpoints:
         return complete_tags(self.root)
 
     def newest(self) -> str | None:
-        """The `latest` checkpoint if complete, else the newest complete one, else None."""
-        pointer = self.root / "latest"
-        if pointer.exists():
-            tag = pointer.read_text().strip()
-            if (self.root / tag / "complete").exists():
-                return tag
-        complete = self.complete_tags()
-        return complete[-1] if complete else None
+        return newest_complete(self.root)
 
     def require_complete(self, tag: str) -> Path:
         return require_complete(self.root, tag)
 
     def meta(self, tag: str) -> dict:
-        return json.loads((self.require_complete(tag) / META_FILE).read_text())
+        return read_meta(self.root, tag)
 
     def resume_stage(self, tag: str, cfg: Config, dp: int) -> int:
-        """The ZeRO stage to resume checkpoint `tag` at: the stage of the engine that wrote it when
-        the run keeps its layout and configured stage (e.g. ZeRO-1 at DP=1 from before the stage-0
-        rule: DeepSpeed's own loader, bit-exact), else the stage this layout gets (resharded).
-        Refuses, before any engine exists, a checkpoint of another model or global batch."""
-        folder, meta = self.root / tag, self.meta(tag)
-        _check_same_model(folder, meta, cfg)
-        written = written_layout(meta, written_zero_stage(meta))
-        stage = cfg.train.engine_zero_stage(dp)
-        if ((written.tp, written.dp, written.engine) == (cfg.parallel.tensor_parallel, dp, cfg.train.engine)
-                and meta["config"]["train"]["zero_stage"] == cfg.train.zero_stage):
-            stage = written.zero_stage
-        convert_position(StreamPosition(**meta["position"]), written, Layout.of(cfg, dp, stage),
-                         self.allow_batch_change, source=str(folder))
-        return stage
+        return resume_stage(self.root, tag, cfg, dp, self.allow_batch_change)
 
     def load(self, engine, schedule, tag: str, cfg: Config, ctx: ParallelContext) -> TrainState:
         """Collective: restore the engine and the loop state (RNG states included, applied by
@@ -337,6 +317,39 @@ def reseeded_rng(seed: int, ctx: ParallelContext) -> dict:
 def written_zero_stage(meta: dict) -> int:
     """The ZeRO stage of the engine that wrote a checkpoint (older ones record only the config's)."""
     return meta.get("zero_stage", meta["config"]["train"]["zero_stage"])
+
+
+def newest_complete(root: Path) -> str | None:
+    """The `latest` checkpoint under `root` if complete, else the newest complete one, else None."""
+    pointer = root / "latest"
+    if pointer.exists():
+        tag = pointer.read_text().strip()
+        if (root / tag / "complete").exists():
+            return tag
+    complete = complete_tags(root)
+    return complete[-1] if complete else None
+
+
+def read_meta(root: Path, tag: str) -> dict:
+    return json.loads((require_complete(root, tag) / META_FILE).read_text())
+
+
+def resume_stage(root: Path, tag: str, cfg: Config, dp: int, allow_batch_change: bool) -> int:
+    """The ZeRO stage to resume checkpoint `tag` at: the stage of the engine that wrote it when
+    the run keeps its layout and configured stage (e.g. ZeRO-1 at DP=1 from before the stage-0
+    rule: DeepSpeed's own loader, bit-exact), else the stage this layout gets (resharded).
+    Refuses, before any engine exists (and before the ranks start: train/preflight.py), a checkpoint
+    of another model or global batch."""
+    folder, meta = root / tag, read_meta(root, tag)
+    _check_same_model(folder, meta, cfg)
+    written = written_layout(meta, written_zero_stage(meta))
+    stage = cfg.train.engine_zero_stage(dp)
+    if ((written.tp, written.dp, written.engine) == (cfg.parallel.tensor_parallel, dp, cfg.train.engine)
+            and meta["config"]["train"]["zero_stage"] == cfg.train.zero_stage):
+        stage = written.zero_stage
+    convert_position(StreamPosition(**meta["position"]), written, Layout.of(cfg, dp, stage),
+                     allow_batch_change, source=str(folder))
+    return stage
 
 
 def require_complete(root: Path, tag: str) -> Path:

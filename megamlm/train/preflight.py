@@ -1,9 +1,11 @@
-"""What a run refuses before any work: a layout its world cannot hold, more NCCL processes on a machine
-than it has GPUs, an objective this machine cannot train, a train.init_from that is no model folder, a
-run directory that holds another run or a user's files, or cannot be written, a tokenizer of another
-vocabulary size, shards that are neither built nor buildable. Every rank checks as it starts
-(`loop.train`); `megamlm train --nproc N` checks once before it starts the ranks (`check_before_launch`),
-so a mistake is one line in a second, not one a rank after each imported torch and DeepSpeed.
+"""What a run refuses before any work: a layout its world cannot hold or a global batch it cannot split,
+more NCCL processes on a machine than it has GPUs, an objective this machine cannot train, a
+train.init_from that is no model folder, a run directory that holds another run or a user's files, or
+cannot be written, a checkpoint to resume that is unfinished, of another model or global batch, or past
+train.steps, a tokenizer of another vocabulary size, shards that are neither built nor buildable. Every
+rank checks as it starts (`loop.train`); `megamlm train --nproc N` (and `--check`) checks once before it
+starts the ranks (`check_before_launch`), so a mistake is one line in a second, not one a rank after each
+imported torch and DeepSpeed (and built its model, for a checkpoint's refusal).
 
 The run directory belongs to one run: a new run never starts over an old one (unless asked to move it
 aside) and never touches files it did not write.
@@ -22,21 +24,41 @@ from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
 from megamlm.objectives import Objective, get_objective
 from megamlm.parallel import check_gpus, check_world_size, process_backend
-from megamlm.train.checkpoint import RunDirError, complete_tags, require_complete
+from megamlm.train.checkpoint import RunDirError, complete_tags, newest_complete, read_meta, resume_stage
+from megamlm.train.restart import check_steps_reach
 
 
-def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | None, overwrite: bool) -> None:
+def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | None, overwrite: bool,
+                        allow_batch_change: bool) -> str:
     """What each of `processes` ranks on this machine (of `nodes` machines alike) would refuse first (the
-    layout, the GPUs, `check_before_work`, `check_run_dir`, a --resume TAG that is no complete checkpoint,
-    the tokenizer, the shards or what builds them), checked once, by the process that would start them."""
-    check_world_size(cfg.parallel, processes * nodes)
+    layout, the global batch's split over it, the GPUs, `check_before_work`, `check_run_dir`, a checkpoint
+    to resume that is not complete or of another model or global batch, the tokenizer, the shards or what
+    builds them), checked once, by the process that would start them. Nothing is written. Returns what
+    the run would do, in a line (`megamlm train --check` prints it)."""
+    world = processes * nodes
+    check_world_size(cfg.parallel, world)
+    tp = cfg.parallel.tensor_parallel
+    accumulation = cfg.train.accumulation_steps(world // tp)
     check_gpus(process_backend(cfg.parallel), processes)
     check_before_work(cfg, get_objective(cfg))
-    check_run_dir(Path(cfg.train.run_dir), resume, overwrite)
-    if resume not in (None, "auto"):
-        require_complete(Path(cfg.train.run_dir) / RUN_CHECKPOINTS, resume)
+    run_dir = Path(cfg.train.run_dir)
+    step = check_run_dir(run_dir, resume, overwrite)
+    tag = newest_complete(run_dir / RUN_CHECKPOINTS) if resume == "auto" else resume
+    if tag is not None:
+        resume_stage(run_dir / RUN_CHECKPOINTS, tag, cfg, world // tp, allow_batch_change)
+        check_steps_reach(cfg, tag, read_meta(run_dir / RUN_CHECKPOINTS, tag)["step"])
     load_tokenizer(cfg)
-    planned_build(cfg.data)
+    build = planned_build(cfg.data)
+    machines = f" ({nodes} machines x {processes})" if nodes > 1 else ""
+    if tag is not None:
+        start = f"resumes from {tag}"
+    elif step is not None:  # --overwrite
+        start = f"starts over (its run at update {step} is moved aside)"
+    else:
+        start = "starts at update 0" + (" (no checkpoint to resume)" if resume == "auto" else "")
+    return (f"{world} rank{'s' * (world > 1)}{machines}: tensor parallel {tp} x data parallel {world // tp}, "
+            f"accumulation {accumulation}; train.run_dir={run_dir} {start}; data.shards={cfg.data.shards}"
+            + (" (built first from data.build_from)" if build is not None else ""))
 
 
 def load_tokenizer(cfg: Config) -> Tokenizer:
