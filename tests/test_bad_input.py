@@ -108,7 +108,8 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
 @pytest.mark.slow
 def test_what_resuming_would_refuse_is_one_line_before_nproc_starts_any_rank(shards, run, tmp_path, capsys):
     """A checkpoint of another model or global batch, a global batch the new layout cannot split, train.steps
-    behind the run: each rank refused it after it had imported torch and DeepSpeed and built its model
+    behind the run, a train.init_from of another architecture: each rank refused it after it had imported
+    torch and DeepSpeed and built its model (and read the folder's weights)
     (~50 s and a line per rank under --nproc 2 on 2 cores); the launching process now refuses it first.
     `--check` says the same line, or what the run would do, and starts and writes nothing."""
     batch_line = (f"{run}/checkpoints/step00000004 was written with a global batch of 4 sequences (TP=1 DP=1 ZeRO-0, "
@@ -123,6 +124,10 @@ def test_what_resuming_would_refuse_is_one_line_before_nproc_starts_any_rank(sha
             2, f"megamlm: train: {run}/checkpoints/step00000004 holds another model (model.ffn_hidden_size: "
                f"checkpoint 128 vs run 256); resume with the run's config (--config {run}/config.yaml) or start a "
                f"new run with train.init_from"),
+        ("train.micro_batch_size=2", f"train.init_from={run}/final", "model.ffn_hidden_size=256",
+         f"train.run_dir={tmp_path / 'from'}"): (
+            2, f"megamlm: config error: train.init_from={run}/final holds a different architecture: "
+               f"model.ffn_hidden_size: run 256 vs 128 (start from its config.yaml: --config {run}/final/config.yaml)"),
         ("train.steps=3", "train.micro_batch_size=2"): (
             2, "megamlm: config error: train.steps=3 but step00000004 is at update 4: raise train.steps to continue "
                "the run"),

@@ -111,7 +111,7 @@ def read_model_folder(folder: str | Path) -> ModelFolder:
                                     f"found {[p.name for p in shards]}")
         full = merge_shards([_load_tensors(p) for p in expected], cfg.model)
     else:
-        raise FileNotFoundError(f"{folder}: neither {MODEL_FILE} nor {SHARD_FILE.format(rank=0, tp=2)}...")
+        raise _no_weights(folder)
     if full.get(names.CLAP_BETA, torch.ones(1)).dim() == 0:  # CLAP beta was 0-dim in session-1 folders
         full[names.CLAP_BETA] = full[names.CLAP_BETA].reshape(1)
     heads = _load_tensors(folder / HEADS_FILE) if (folder / HEADS_FILE).is_file() else {}
@@ -119,9 +119,23 @@ def read_model_folder(folder: str | Path) -> ModelFolder:
     return ModelFolder(cfg, full, heads, source)
 
 
-def _load_tensors(path: Path) -> dict:
+def saved_names(folder: str | Path) -> set[str]:
+    """The parameter names a model folder's weights hold (its model file's, or its first TP shard's: every
+    shard holds every name), the tensors left unread (memory-mapped)."""
+    folder = Path(folder)
+    files = [folder / MODEL_FILE] if (folder / MODEL_FILE).is_file() else sorted(folder.glob("model-tp00-of-*.pt"))
+    if not files:
+        raise _no_weights(folder)
+    return set(_load_tensors(files[0], mmap=True))
+
+
+def _no_weights(folder: Path) -> FileNotFoundError:
+    return FileNotFoundError(f"{folder}: neither {MODEL_FILE} nor {SHARD_FILE.format(rank=0, tp=2)}...")
+
+
+def _load_tensors(path: Path, mmap: bool = False) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises several types on damaged zip archives
         raise CorruptFileError(f"{path} cannot be read ({str(err).splitlines()[0]})") from None
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamlm.config import Config, ConfigError, ModelConfig
+from megamlm.config import Config
 from megamlm.data.shards import ShardError, ensure_shards, other_build
 from megamlm.data.stream import MaskedBatches, ShardSet, advance, loader_deaths_explained, make_loader
 from megamlm.data.tokenizer import Tokenizer
@@ -36,7 +36,7 @@ from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_head, compile_layers, records_cuda_graphs
 from megamlm.train.log import Log, train_line
-from megamlm.train.preflight import check_before_work, load_tokenizer, prepare_run_dir
+from megamlm.train.preflight import check_before_work, check_same_architecture, load_tokenizer, prepare_run_dir
 from megamlm.train.profiling import UpdateProfiler, phase
 from megamlm.train.restart import load_resumed, resume_tag, roll_back
 from megamlm.train.signals import Preemption, ignore_stop_signals
@@ -120,12 +120,7 @@ def init_from_folder(model, cfg: Config, folder: str, objective: Objective) -> l
     (`Objective.heads_from_folder`: BERT's NSP head), and those it lacks (`Objective.fresh_head`, and the MLM
     head of a folder without one) keep their initialization. Returns what the run's log should warn about."""
     source = read_model_folder(folder)
-    differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.cfg.model, k)}"
-              for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.cfg.model, k)]
-    differ += objective.architecture_differences(source.cfg, set(source.full))
-    if differ:
-        raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
-                          f"(start from its config.yaml: --config {folder}/config.yaml)")
+    check_same_architecture(cfg, objective, Path(folder), source.cfg, set(source.full))
     full = {**objective.heads_from_folder(source.heads), **source.full}
     lm_head = {n for n, _ in model.named_parameters() if n.startswith(names.LM_HEAD_PREFIX)}
     new_head = lm_head.isdisjoint(full)  # a classifier's or a bare encoder's folder

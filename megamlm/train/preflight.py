@@ -1,11 +1,12 @@
 """What a run refuses before any work: a layout its world cannot hold or a global batch it cannot split,
 more NCCL processes on a machine than it has GPUs, an objective this machine cannot train, a
-train.init_from that is no model folder, a run directory that holds another run or a user's files, or
-cannot be written, a checkpoint to resume that is unfinished, of another model or global batch, or past
-train.steps, a tokenizer of another vocabulary size, shards that are neither built nor buildable. Every
-rank checks as it starts (`loop.train`); `megamlm train --nproc N` (and `--check`) checks once before it
-starts the ranks (`check_before_launch`), so a mistake is one line in a second, not one a rank after each
-imported torch and DeepSpeed (and built its model, for a checkpoint's refusal).
+train.init_from that is no model folder or of another architecture, a run directory that holds another
+run or a user's files, or cannot be written, a checkpoint to resume that is unfinished, of another model
+or global batch, or past train.steps, a tokenizer of another vocabulary size, shards that are neither
+built nor buildable. Every rank checks as it starts (`loop.train`); `megamlm train --nproc N` (and
+`--check`) checks once before it starts the ranks (`check_before_launch`), so a mistake is one line in a
+second, not one a rank after each imported torch and DeepSpeed (and built its model, for a checkpoint's
+or train.init_from's refusal).
 
 The run directory belongs to one run: a new run never starts over an old one (unless asked to move it
 aside) and never touches files it did not write.
@@ -18,10 +19,11 @@ import os
 import time
 from pathlib import Path
 
-from megamlm.config import Config, ConfigError
+from megamlm.config import Config, ConfigError, ModelConfig, load_config
 from megamlm.data.shards import planned_build
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
+from megamlm.model.folder import saved_names
 from megamlm.objectives import Objective, get_objective
 from megamlm.parallel import check_gpus, check_world_size, process_backend
 from megamlm.train.checkpoint import RunDirError, complete_tags, newest_complete, read_meta, resume_stage
@@ -76,8 +78,21 @@ def check_before_work(cfg: Config, objective: Objective) -> None:
     """What would otherwise fail minutes in (or with a confusing message): one line now."""
     if (problem := objective.unsupported_here()) is not None:
         raise ConfigError(problem)
-    if cfg.train.init_from and not (Path(cfg.train.init_from) / "config.yaml").is_file():
-        raise ConfigError(f"train.init_from={cfg.train.init_from}: not a model folder (no config.yaml)")
+    if cfg.train.init_from:
+        folder = Path(cfg.train.init_from)
+        if not (folder / "config.yaml").is_file():
+            raise ConfigError(f"train.init_from={folder}: not a model folder (no config.yaml)")
+        check_same_architecture(cfg, objective, folder, load_config([folder / "config.yaml"]), saved_names(folder))
+
+
+def check_same_architecture(cfg: Config, objective: Objective, folder: Path, source: Config, saved: set[str]) -> None:
+    """train.init_from: the folder's model (config `source`, parameters `saved`) is the run's."""
+    differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.model, k)}"
+              for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.model, k)]
+    differ += objective.architecture_differences(source, saved)
+    if differ:
+        raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "
+                          f"(start from its config.yaml: --config {folder}/config.yaml)")
 
 
 def run_at(run_dir: Path) -> int | None:
