@@ -17,6 +17,7 @@ from megamlm.train.flops import mfu
 from tests.fairseq_fixtures import fairseq_checkpoint
 from tests.faults_common import (ROOT, WIKITEXT, fault_shards, finished_run, flip_byte, one_line,
                                  run_cli, snapshot, tiny)
+from tests.multiproc import shell_environment
 
 pytestmark = pytest.mark.faults
 
@@ -133,7 +134,7 @@ def test_what_resuming_would_refuse_is_one_line_before_nproc_starts_any_rank(sha
                "the run"),
     }
     before = snapshot(run)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = shell_environment(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # no LOCAL_RANK of an earlier test's
     launched = {overrides: subprocess.Popen(
         [sys.executable, "-m", "megamlm", "train", "--nproc", "2", "--resume", "auto", *tiny(shards, run, *overrides)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for overrides in cases}
@@ -163,6 +164,12 @@ def test_what_resuming_would_refuse_is_one_line_before_nproc_starts_any_rank(sha
         capsys.readouterr()
         code = cli(["train", "--check", *options, *tiny(shards, run, "train.steps=6", *(a for a in args if "=" in a))])
         assert (code, capsys.readouterr().out) == (0, f"megamlm: train --check: nothing refused: {line}\n"), args
+    # and what the run would warn of: shards of another build than data.build_from asks for
+    assert cli(["train", "--check", *tiny(shards, tmp_path / "r", f"data.build_from=[{WIKITEXT}/valid.txt]")]) == 0
+    warning = capsys.readouterr().out.splitlines()[1]
+    head = f"megamlm: train --check: warning: data.shards={shards} holds a build of other choices than the config's: "
+    tail = "; the run uses it as it is (to build anew, point data.shards at a new folder)"
+    assert warning.startswith(head) and warning.endswith(tail), warning
     assert snapshot(run) == before
     assert list(tmp_path.iterdir()) == []
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 
 import pytest
@@ -121,3 +122,29 @@ def test_a_save_that_one_rank_cannot_write_ends_every_rank_with_its_line_and_no_
         assert line.endswith("; no complete checkpoint yet: a new run starts over"), line
     left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert not any(name.startswith("step") or name == "latest" for name in left), left  # DeepSpeed's scripts stay
+
+
+def test_a_rank_whose_folder_the_failing_rank_removed_says_so_not_no_such_file(world, tmp_path):
+    """The race that the two-rank test above can lose either way, made to happen: while this rank writes its
+    files, the rank whose writing failed removes the unfinished folder (`_failed_save`); this rank's next open
+    fails with ENOENT, which said "RuntimeError: ... open file failed: No such file or directory"."""
+    from megamlm.config import load_config
+    from megamlm.train.checkpoint import Checkpoints, TrainState
+
+    class EngineOfALaterRank:
+        def save_checkpoint(self, root, tag, save_latest):
+            folder = os.path.join(root, tag)
+            os.makedirs(folder)  # as DeepSpeed does, then writes its first file ...
+            with open(os.path.join(folder, "mp_rank_00_model_states.pt"), "wb") as out:
+                out.write(b"weights")
+            shutil.rmtree(folder)  # ... when the failing rank removes the folder
+            with open(os.path.join(folder, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), "wb"):
+                pass
+
+    with pytest.raises(SaveError) as raised:
+        Checkpoints(tmp_path, keep_last=2).save(EngineOfALaterRank(), TrainState(step=4), load_config([]))
+    assert re.fullmatch(re.escape(
+        f"saving checkpoint step00000004 failed (another rank's writing failed first and removed the unfinished "
+        f"folder); its unfinished folder is removed, {tmp_path}/checkpoints has ") + r"[0-9.]+" + re.escape(
+        " GiB free; no complete checkpoint yet: a new run starts over"), str(raised.value)), str(raised.value)
+    assert list((tmp_path / "checkpoints").iterdir()) == []

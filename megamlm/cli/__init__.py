@@ -72,11 +72,15 @@ def cmd_train(cfg: Config, args) -> int:
 
 def cmd_train_check(cfg: Config, args) -> int:
     """`megamlm train --check`: one line for the first thing the run would refuse (exit 2), else one that
-    says what it would do (exit 0); no rank starts, nothing is written."""
+    says what it would do, and what the run would warn of in its log before its first update (exit 0); no
+    rank starts, nothing is written."""
+    from megamlm.data.shards import other_build
     from megamlm.train.preflight import check_before_launch
 
     would = check_before_launch(cfg, args.nproc, args.nodes, args.resume, args.overwrite, args.allow_batch_change)
     print(f"megamlm: train --check: nothing refused: {would}")
+    if warning := other_build(cfg.data):
+        print(f"megamlm: train --check: warning: {warning}")
     return 0
 
 
