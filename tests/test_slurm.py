@@ -115,7 +115,10 @@ def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
     assert "TP=1 DP=2" in output
     # the batch step's check, once a start: what the run would do
     checks = [line.split("nothing refused: ")[1] for line in output.splitlines()
-              if line.startswith("megamlm: train --check")]
+              if line.startswith("megamlm: train --check: nothing refused: ")]
+    # and what the run would warn of: the test's shards are not a build of the demo config's data.build_from
+    warned = [line for line in output.splitlines() if line.startswith("megamlm: train --check: warning: ")]
+    assert len(warned) == 2 and all("holds a build of other choices than the config's: inputs" in w for w in warned)
     assert len(checks) == 2 and all(c.startswith("2 ranks (2 machines x 1): tensor parallel 1 x data parallel 2, "
                                                  "accumulation 1; ") for c in checks), checks
     assert "starts at update 0 (no checkpoint to resume)" in checks[0] and "resumes from step" in checks[1], checks
