@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamlm.config import Config, ModelConfig
+from megamlm.config import Config, ConfigError, ModelConfig
 from megamlm.data.stream import StreamPosition
 from megamlm.errors import CorruptFileError, MegamlmError, error_line, peer_gone
 from megamlm.files import RUN_CHECKPOINTS, describe_files, verify_files
@@ -339,7 +339,7 @@ def resume_stage(root: Path, tag: str, cfg: Config, dp: int, allow_batch_change:
     the run keeps its layout and configured stage (e.g. ZeRO-1 at DP=1 from before the stage-0
     rule: DeepSpeed's own loader, bit-exact), else the stage this layout gets (resharded).
     Refuses, before any engine exists (and before the ranks start: train/preflight.py), a checkpoint
-    of another model or global batch."""
+    of another model or global batch, or past train.steps."""
     folder, meta = root / tag, read_meta(root, tag)
     _check_same_model(folder, meta, cfg)
     written = written_layout(meta, written_zero_stage(meta))
@@ -349,6 +349,9 @@ def resume_stage(root: Path, tag: str, cfg: Config, dp: int, allow_batch_change:
         stage = written.zero_stage
     convert_position(StreamPosition(**meta["position"]), written, Layout.of(cfg, dp, stage),
                      allow_batch_change, source=str(folder))
+    if meta["step"] > cfg.train.steps:
+        raise ConfigError(f"train.steps={cfg.train.steps} but {tag} is at update {meta['step']}: raise "
+                          f"train.steps to continue the run")
     return stage
 
 

@@ -26,8 +26,7 @@ from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
 from megamlm.model.folder import saved_names
 from megamlm.objectives import Objective, get_objective
 from megamlm.parallel import check_gpus, check_world_size, process_backend
-from megamlm.train.checkpoint import RunDirError, complete_tags, newest_complete, read_meta, resume_stage
-from megamlm.train.restart import check_steps_reach
+from megamlm.train.checkpoint import RunDirError, complete_tags, newest_complete, resume_stage
 
 
 def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | None, overwrite: bool,
@@ -40,15 +39,15 @@ def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | N
     world = processes * nodes
     check_world_size(cfg.parallel, world)
     tp = cfg.parallel.tensor_parallel
-    accumulation = cfg.train.accumulation_steps(world // tp)
+    dp = world // tp
+    accumulation = cfg.train.accumulation_steps(dp)
     check_gpus(process_backend(cfg.parallel), processes)
     check_before_work(cfg, get_objective(cfg))
     run_dir = Path(cfg.train.run_dir)
     step = check_run_dir(run_dir, resume, overwrite)
     tag = newest_complete(run_dir / RUN_CHECKPOINTS) if resume == "auto" else resume
     if tag is not None:
-        resume_stage(run_dir / RUN_CHECKPOINTS, tag, cfg, world // tp, allow_batch_change)
-        check_steps_reach(cfg, tag, read_meta(run_dir / RUN_CHECKPOINTS, tag)["step"])
+        resume_stage(run_dir / RUN_CHECKPOINTS, tag, cfg, dp, allow_batch_change)
     load_tokenizer(cfg)
     build = planned_build(cfg.data)
     machines = f" ({nodes} machines x {processes})" if nodes > 1 else ""
@@ -58,7 +57,7 @@ def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | N
         start = f"starts over (its run at update {step} is moved aside)"
     else:
         start = "starts at update 0" + (" (no checkpoint to resume)" if resume == "auto" else "")
-    return (f"{world} rank{'s' * (world > 1)}{machines}: tensor parallel {tp} x data parallel {world // tp}, "
+    return (f"{world} rank{'s' * (world > 1)}{machines}: tensor parallel {tp} x data parallel {dp}, "
             f"accumulation {accumulation}; train.run_dir={run_dir} {start}; data.shards={cfg.data.shards}"
             + (" (built first from data.build_from)" if build is not None else ""))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megamlm.config import Config, ConfigError
+from megamlm.config import Config
 from megamlm.errors import CorruptFileError
 from megamlm.parallel import ParallelContext
 from megamlm.train.checkpoint import Checkpoints, TrainState
@@ -35,18 +35,11 @@ CHANGE_NOTES = {
 """What a config change on resume does that its new value alone does not say."""
 
 
-def check_steps_reach(cfg: Config, tag: str, step: int) -> None:
-    """Refuse to resume checkpoint `tag` (at update `step`) with fewer train.steps than it has done."""
-    if step > cfg.train.steps:
-        raise ConfigError(f"train.steps={cfg.train.steps} but {tag} is at update {step}: raise "
-                          f"train.steps to continue the run")
-
-
 def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, engine, schedule, tag: str,
                  log: Log) -> TrainState:
-    """Load checkpoint `tag`; checkpoints newer than it are set aside, log lines after it dropped."""
+    """Load checkpoint `tag` (checked by `Checkpoints.resume_stage`); checkpoints newer than it are set aside,
+    log lines after it dropped."""
     state = checkpoints.load(engine, schedule, tag, cfg, ctx)
-    check_steps_reach(cfg, tag, state.step)
     moved = checkpoints.set_aside_after(tag)
     log.drop_after(state.step)
     if moved is not None:
