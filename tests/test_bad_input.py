@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from megamlm.cli import main as cli
+from megamlm.data.stream import ShardSet
+from megamlm.data.tokenizer import Tokenizer
 from megamlm.train.flops import mfu
 from tests.fairseq_fixtures import fairseq_checkpoint
 from tests.faults_common import (ROOT, WIKITEXT, fault_shards, finished_run, flip_byte, one_line,
@@ -107,12 +110,19 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
 
 
 @pytest.mark.slow
-def test_what_resuming_would_refuse_is_one_line_before_nproc_starts_any_rank(shards, run, tmp_path, capsys):
+def test_what_resuming_would_refuse_is_one_line_before_nproc_starts_any_rank(shards, run, tmp_path, capsys,
+                                                                            tmp_path_factory):
     """A checkpoint of another model or global batch, a global batch the new layout cannot split, train.steps
-    behind the run, a train.init_from of another architecture: each rank refused it after it had imported
-    torch and DeepSpeed and built its model (and read the folder's weights)
-    (~50 s and a line per rank under --nproc 2 on 2 cores); the launching process now refuses it first.
+    behind the run, a train.init_from of another architecture, shards of another dictionary or too small for
+    one update: each rank refused it after it had imported torch and DeepSpeed and built its model (and read
+    the folder's weights) (~50 s and a line per rank under --nproc 2 on 2 cores); the launching process now
+    refuses it first (the shards' line is the one a rank's stream gives, tests/test_stream.py).
     `--check` says the same line, or what the run would do, and starts and writes nothing."""
+    samples = int(ShardSet(shards).block_counts(64, "complete").sum())
+    foreign = tmp_path_factory.mktemp("foreign") / "tokenizer"  # GPT-2's BPE, its dictionary's first two ids swapped
+    shutil.copytree(ROOT / "megamlm/data/assets/gpt2", foreign)
+    lines = (foreign / "dict.txt").read_text().splitlines(keepends=True)
+    (foreign / "dict.txt").write_text("".join([lines[1], lines[0], *lines[2:]]))
     batch_line = (f"{run}/checkpoints/step00000004 was written with a global batch of 4 sequences (TP=1 DP=1 ZeRO-0, "
                   f"micro 4 x accumulation 1), this run's is 8: set train.global_batch_size=4 to continue the run, "
                   f"or pass --allow-batch-change to convert the data position in samples")
@@ -132,6 +142,14 @@ def test_what_resuming_would_refuse_is_one_line_before_nproc_starts_any_rank(sha
         ("train.steps=3", "train.micro_batch_size=2"): (
             2, "megamlm: config error: train.steps=3 but step00000004 is at update 4: raise train.steps to continue "
                "the run"),
+        ("train.global_batch_size=2048", f"train.run_dir={tmp_path / 'small'}"): (
+            2, f"megamlm: train: {shards}: {samples} samples of length 64 do not fill one update of 2048 sequences "
+               f"(micro 4 x accumulation 256 x DP 2)"),
+        (f"data.tokenizer={foreign}", f"train.run_dir={tmp_path / 'foreign'}"): (
+            2, f"megamlm: train: {shards} was built with another dictionary (50265 symbols, sha256 "
+               f"{json.loads((shards / 'manifest.json').read_text())['dictionary_sha256'][:12]}) than this model's "
+               f"(sha256 {Tokenizer.load(str(foreign)).dictionary.sha256[:12]}); rebuild the shards with the "
+               f"model's tokenizer"),
     }
     before = snapshot(run)
     env = shell_environment(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # no LOCAL_RANK of an earlier test's

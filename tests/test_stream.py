@@ -266,3 +266,23 @@ def test_foreign_dictionary_and_unfinished_builds_are_refused(shard_dir, tmp_pat
         ShardSet(tmp_path)
     with pytest.raises(ShardError, match="has no 'valid' split; it has: train"):
         ShardSet(shard_dir, "valid")
+
+
+def test_shards_too_small_for_one_update_are_refused_in_the_streams_unit(shard_dir):
+    """An epoch must hold one whole update: of samples (padded), or of packed rows, which are fewer."""
+    samples = int(ShardSet(shard_dir).block_counts(128, "complete").sum())
+    fits = samples // 8  # micro-batches of 8 samples: this many updates' worth at DP 1, accumulation 1
+    assert stream(shard_dir, accumulation=fits).batches_per_epoch() == fits
+    accumulation = fits // 2 + 1  # at DP 2: an update of more samples than the epoch holds
+    with pytest.raises(ShardError) as refused:
+        stream(shard_dir, accumulation=accumulation, dp_size=2)
+    assert str(refused.value) == (f"{shard_dir}: {samples} samples of length 128 do not fill one update of "
+                                  f"{8 * accumulation * 2} sequences (micro 8 x accumulation {accumulation} x DP 2)")
+    rows = len(stream(shard_dir, packing="packed").bins(0))
+    assert rows < samples  # two samples or more in most rows of 8 x 128 tokens
+    assert stream(shard_dir, packing="packed", accumulation=rows).batches_per_epoch() == rows
+    with pytest.raises(ShardError) as refused:  # enough samples, too few rows
+        stream(shard_dir, packing="packed", accumulation=rows + 1)
+    assert str(refused.value) == (f"{shard_dir}: {samples} samples of length 128 do not fill one update of "
+                                  f"{rows + 1} packed micro-batches of 1024 tokens (micro 1 x accumulation {rows + 1} "
+                                  f"x DP 1)")

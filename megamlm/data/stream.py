@@ -44,6 +44,7 @@ from megamlm.data.packing import plan_bins
 from megamlm.data.pairs import Pairing
 from megamlm.data.shards import ShardError
 from megamlm.data.tokenizer import BOS
+from megamlm.data.updates import UpdateShape
 from megamlm.errors import MegamlmError
 
 
@@ -228,18 +229,13 @@ class MaskedBatches(IterableDataset):
         self.accumulation, self.seed, self.dp_rank, self.dp_size = accumulation, seed, dp_rank, dp_size
         self.shuffle_window, self.pad_id, self.epochs = shuffle_window, pad_id, epochs
         self.position = position or StreamPosition()
-        self.packed = packing == "packed"
-        self.budget = tokens_per_micro_batch or micro_batch * seq_length
+        shape = UpdateShape(packing == "packed", micro_batch, seq_length, accumulation, dp_size, tokens_per_micro_batch)
+        self.packed, self.budget = shape.packed, shape.budget
+        self.units_per_micro, self.global_batch = shape.units_per_micro, shape.global_batch  # bins or samples
         self.counts = shards.block_counts(seq_length, block_mode)
-        self.units_per_micro = 1 if self.packed else micro_batch  # bins or samples
-        self.global_batch = self.units_per_micro * accumulation * dp_size
         self._bounds: dict[int, np.ndarray] = {}
         self._bins: tuple[int, list[np.ndarray]] | None = None  # (epoch, its bins)
-        if self.batches_per_epoch() == 0:
-            unit = f"packed micro-batches of {self.budget} tokens" if self.packed else "sequences"
-            raise ShardError(f"{shards.folder}: {int(self.counts.sum())} samples of length "
-                             f"{seq_length} do not fill one update of {self.global_batch} {unit} "
-                             f"(micro {self.units_per_micro} x accumulation {accumulation} x DP {dp_size})")
+        shape.refuse_unfilled(shards.folder, int(self.counts.sum()), self._units(0))
 
     def _units(self, epoch: int) -> int:
         return len(self.bins(epoch)) if self.packed else int(self.counts.sum())

@@ -3,10 +3,11 @@ more NCCL processes on a machine than it has GPUs, an objective this machine can
 train.init_from that is no model folder or of another architecture, a run directory that holds another
 run or a user's files, or cannot be written, a checkpoint to resume that is unfinished, of another model
 or global batch, or past train.steps, a tokenizer of another vocabulary size, shards that are neither
-built nor buildable. Every rank checks as it starts (`loop.train`); `megamlm train --nproc N` (and
-`--check`) checks once before it starts the ranks (`check_before_launch`), so a mistake is one line in a
-second, not one a rank after each imported torch and DeepSpeed (and built its model, for a checkpoint's
-or train.init_from's refusal).
+built nor buildable. Every rank checks as it starts (`loop.train`), and its data stream refuses shards
+of another dictionary or too small for one update; `megamlm train --nproc N` (and `--check`) checks all
+of it once before it starts the ranks (`check_before_launch`), so a mistake is one line in a second,
+not one a rank after each imported torch and DeepSpeed (and built its model, for a checkpoint's or
+train.init_from's refusal).
 
 The run directory belongs to one run: a new run never starts over an old one (unless asked to move it
 aside) and never touches files it did not write.
@@ -17,11 +18,14 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 from megamlm.config import Config, ConfigError, ModelConfig, load_config
 from megamlm.data.shards import planned_build
+from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import Tokenizer
+from megamlm.data.updates import UpdateShape
 from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
 from megamlm.model.folder import saved_names
 from megamlm.objectives import Objective, get_objective
@@ -33,9 +37,9 @@ def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | N
                         allow_batch_change: bool) -> str:
     """What each of `processes` ranks on this machine (of `nodes` machines alike) would refuse first (the
     layout, the global batch's split over it, the GPUs, `check_before_work`, `check_run_dir`, a checkpoint
-    to resume that is not complete or of another model or global batch, the tokenizer, the shards or what
-    builds them), checked once, by the process that would start them. Nothing is written. Returns what
-    the run would do, in a line (`megamlm train --check` prints it)."""
+    to resume that is not complete or of another model or global batch, the tokenizer, the shards
+    (`check_train_shards`) or what builds them), checked once, by the process that would start them.
+    Nothing is written. Returns what the run would do, in a line (`megamlm train --check` prints it)."""
     world = processes * nodes
     check_world_size(cfg.parallel, world)
     tp = cfg.parallel.tensor_parallel
@@ -48,8 +52,10 @@ def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | N
     tag = newest_complete(run_dir / RUN_CHECKPOINTS) if resume == "auto" else resume
     if tag is not None:
         resume_stage(run_dir / RUN_CHECKPOINTS, tag, cfg, dp, allow_batch_change)
-    load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg)
     build = planned_build(cfg.data)
+    if build is None:
+        check_train_shards(cfg, tokenizer, dp)
     machines = f" ({nodes} machines x {processes})" if nodes > 1 else ""
     if tag is not None:
         start = f"resumes from {tag}"
@@ -71,6 +77,22 @@ def load_tokenizer(cfg: Config) -> Tokenizer:
             f"{cfg.data.tokenizer} ({len(tokenizer.dictionary)} symbols); set model.vocab_size="
             f"{len(tokenizer.dictionary)}")
     return tokenizer
+
+
+def check_train_shards(cfg: Config, tokenizer: Tokenizer, dp: int) -> None:
+    """What the ranks' train streams would refuse of a finished build before they read a token: shards of
+    another dictionary, no train split or no readable shard (`ShardSet`), fewer samples than one update
+    takes. The samples are counted where the manifest has them, at the build's seq_length (a packed row
+    holds one sample or more, so fewer samples are fewer rows too); at another length each shard's index
+    would be read: the ranks count them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a shard left out as damaged: each rank names it
+        shards = ShardSet(cfg.data.shards, "train", tokenizer.dictionary.sha256)
+    if cfg.data.seq_length == shards.manifest["seq_length"]:
+        samples = int(shards.block_counts(cfg.data.seq_length, cfg.data.block_mode).sum())
+        shape = UpdateShape(cfg.data.packing == "packed", cfg.train.micro_batch_size, cfg.data.seq_length,
+                            cfg.train.accumulation_steps(dp), dp, cfg.data.tokens_per_micro_batch)
+        shape.refuse_unfilled(shards.folder, samples, samples)
 
 
 def check_before_work(cfg: Config, objective: Objective) -> None:
