@@ -36,7 +36,8 @@ from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_head, compile_layers, records_cuda_graphs
 from megamlm.train.log import Log, train_line
-from megamlm.train.preflight import check_before_work, check_same_architecture, load_tokenizer, prepare_run_dir
+from megamlm.train.preflight import (check_before_work, check_same_architecture, check_train_shards, load_tokenizer,
+                                     prepare_run_dir)
 from megamlm.train.profiling import UpdateProfiler, phase
 from megamlm.train.restart import load_resumed, resume_tag, roll_back
 from megamlm.train.signals import Preemption, ignore_stop_signals
@@ -54,6 +55,7 @@ def prepare_data(cfg: Config, ctx: ParallelContext, objective: Objective) -> Dat
     if dist.get_rank() == 0:
         ensure_shards(cfg.data, tokenizer)
     dist.barrier()
+    check_train_shards(cfg, tokenizer, ctx.dp_size)  # before the model is built (the stream comes after it)
     return Data(tokenizer, Path(cfg.data.shards), objective)
 
 
