@@ -48,6 +48,7 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
     users.mkdir()
     (users / "config.yaml").write_text("mine: true\n")
     samples = int(ShardSet(shards).block_counts(64, "complete").sum())
+    assert samples >= 512  # "packed rows too few" below: more samples than its update takes
     cases = {
         "run dir under a file": (tiny(shards, blocker / "run"),
                                  f"cannot create train.run_dir {blocker}/run: {blocker} is a file, not a folder"),
@@ -66,6 +67,11 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
         "shards too small": (tiny(shards, tmp_path / "r4", "train.global_batch_size=4096"),
                              f"{shards}: {samples} samples of length 64 do not fill one update of 4096 sequences "
                              f"(micro 4 x accumulation 1024 x DP 1)"),
+        # enough samples for the launcher's count, too few packed rows: the rank's stream refuses it, after it
+        # built its model and engine (train.run_dir/checkpoints was made then, and the fixed command refused)
+        "packed rows too few": (tiny(shards, tmp_path / "r5", "data.packing=packed", "train.global_batch_size=2048"),
+                                f"{shards}: {samples} samples of length 64 do not fill one update of 512 packed "
+                                f"micro-batches of 256 tokens (micro 1 x accumulation 512 x DP 1)"),
         "flex on CPU": (tiny(shards, tmp_path / "r2", "model.attention_backend=flex", "model.attention_dropout=0"),
                         "model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
                         "backward on CPU); use model.attention_backend=sdpa"),
@@ -98,7 +104,8 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
         assert proc.returncode == 2, (name, err[-2000:])
         prefix = "megamlm: train: " if name in ("run dir under a file", "user's config.yaml in the run dir",
                                                 "missing checkpoint", "resume another model",
-                                                "missing build_from input", "shards too small") \
+                                                "missing build_from input", "shards too small",
+                                                "packed rows too few") \
             else "megamlm: config error: "
         assert one_line(err) == prefix + cases[name][1], name
     ours = ("log.jsonl", "tensorboard/")  # each attempt appends its own (megamlm's) log files
@@ -107,7 +114,7 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
     assert (users / "config.yaml").read_text() == "mine: true\n"
     # a run that failed before its first log line (here: in the data and in train.init_from) left no files,
     # so the same command runs once its input is fixed, without --resume or --overwrite
-    assert not any((tmp_path / r).exists() for r in ("r1", "r3", "r4"))
+    assert not any((tmp_path / r).exists() for r in ("r1", "r3", "r4", "r5"))
     fixed = subprocess.run([sys.executable, "-m", "megamlm", "train", *tiny(shards, tmp_path / "r1", "train.steps=1")],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert fixed.returncode == 0 and "done: " in fixed.stdout, fixed.stderr[-2000:]

@@ -115,7 +115,8 @@ class Checkpoints:
         self.allow_batch_change = allow_batch_change
         """A checkpoint of another global batch may be resumed (its data position converted in samples)."""
         self.rank = dist.get_rank()
-        self.root.mkdir(parents=True, exist_ok=True)
+        # the folder is made by the first save: a run that fails before it leaves nothing in train.run_dir
+        # that would make the same command, its input fixed, refuse the folder as a user's (preflight.py)
 
     def save(self, engine, state: TrainState, cfg: Config) -> Path:
         """Collective: every rank calls it. A rank whose writing fails (a full disk, a quota) removes the
@@ -123,6 +124,7 @@ class Checkpoints:
         rank's process."""
         tag = f"step{state.step:08d}"
         folder = self.root / tag
+        self.root.mkdir(parents=True, exist_ok=True)
         if self.rank == 0 and folder.exists():  # a leftover of an interrupted save of this step
             shutil.rmtree(folder)
         dist.barrier()
@@ -177,7 +179,8 @@ class Checkpoints:
         peak, less what complete ones here take already: train.keep_last complete ones and the one
         being written (the oldest is deleted after a save completes). `each`: `checkpoint_bytes`."""
         taken = sum(map(self._bytes, self.complete_tags()))
-        needed, free = (self.keep_last + 1) * each - taken, shutil.disk_usage(self.root).free
+        on_disk = next(p for p in (self.root, *self.root.parents) if p.exists())  # before the first save: its parent
+        needed, free = (self.keep_last + 1) * each - taken, shutil.disk_usage(on_disk).free
         if free >= needed:
             return None
         return (f"{self.root} has {free / 2**30:.1f} GiB free; the run's checkpoints need {needed / 2**30:.1f} "
