@@ -280,6 +280,13 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
          f"fill-mask: {unfinished} is a training run's folder, not a model folder: the run has not finished (no "
          f"{unfinished}/final); `megamlm convert --from zero {unfinished} --to megamlm OUT` makes a model folder of "
          f"its latest checkpoint"),
+        (["train", "--check", *tiny(shards, out, f"train.init_from={transformers_folder}")],
+         f"config error: train.init_from={transformers_folder}: not a model folder (no config.yaml); it holds a "
+         f"config.json: a transformers folder? `megamlm convert --from hf {transformers_folder} --to megamlm OUT` "
+         f"reads it"),
+        (["train", "--check", *tiny(shards, out, f"train.init_from={run}")],
+         f"config error: train.init_from={run}: {run} is a training run's folder, not a model folder: its model "
+         f"folder is {final}"),
         (["shards", "build", tmp_path, "--out", out], f"shards: input {tmp_path} is a directory; pass the files in it"),
         (["shards", "build", text, "--out", blocker], f"shards: output {blocker} is a file, not a folder"),
     ]

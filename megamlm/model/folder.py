@@ -82,17 +82,31 @@ def check_model_folder(folder: str | Path) -> Path:
     """`folder` as a Path if it holds a model folder's config.yaml; else FileNotFoundError, saying what it is."""
     folder = Path(folder)
     if not (folder / "config.yaml").is_file():
-        hint = (f"; it holds a config.json: a transformers folder? `megamlm convert --from hf {folder} --to megamlm "
-                f"OUT` reads it" if (folder / "config.json").is_file() else "")
-        raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder "
-                                f"(training writes one to <run_dir>/final; `megamlm convert` writes others){hint}")
-    if (folder / RUN_CHECKPOINTS).is_dir() and not (folder / MODEL_FILE).is_file():  # its config.yaml is a run's
-        final = folder / RUN_FINAL
-        raise FileNotFoundError(f"{folder} is a training run's folder, not a model folder: " + (
-            f"its model folder is {final}" if (final / "config.yaml").is_file() else
-            f"the run has not finished (no {final}); `megamlm convert --from zero {folder} --to megamlm OUT` "
-            f"makes a model folder of its latest checkpoint"))
+        raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder (training writes "
+                                f"one to <run_dir>/final; `megamlm convert` writes others){transformers_hint(folder)}")
+    if (problem := run_folder_problem(folder)) is not None:
+        raise FileNotFoundError(problem)
     return folder
+
+
+def transformers_hint(folder: Path) -> str:
+    """What to add where a folder without a config.yaml holds a transformers config.json ("" where not)."""
+    if not (folder / "config.json").is_file():
+        return ""
+    return (f"; it holds a config.json: a transformers folder? `megamlm convert --from hf {folder} --to megamlm OUT` "
+            f"reads it")
+
+
+def run_folder_problem(folder: Path) -> str | None:
+    """Where a folder with a config.yaml is a training run's (its config.yaml the run's, no weights beside it):
+    the line that names its model folder, or how to make one. None for any other folder."""
+    if not (folder / RUN_CHECKPOINTS).is_dir() or (folder / MODEL_FILE).is_file():
+        return None
+    final = folder / RUN_FINAL
+    return f"{folder} is a training run's folder, not a model folder: " + (
+        f"its model folder is {final}" if (final / "config.yaml").is_file() else
+        f"the run has not finished (no {final}); `megamlm convert --from zero {folder} --to megamlm OUT` "
+        f"makes a model folder of its latest checkpoint")
 
 
 def read_model_folder(folder: str | Path) -> ModelFolder:
