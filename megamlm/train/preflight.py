@@ -3,11 +3,11 @@ more NCCL processes on a machine than it has GPUs, an objective this machine can
 train.init_from that is no model folder or of another architecture, a run directory that holds another
 run or a user's files, or cannot be written, a checkpoint to resume that is unfinished, of another model
 or global batch, or past train.steps, a tokenizer of another vocabulary size, shards that are neither
-built nor buildable. Every rank checks as it starts (`loop.train`), and its data stream refuses shards
-of another dictionary or too small for one update; `megamlm train --nproc N` (and `--check`) checks all
-of it once before it starts the ranks (`check_before_launch`), so a mistake is one line in a second,
-not one a rank after each imported torch and DeepSpeed (and built its model, for a checkpoint's or
-train.init_from's refusal).
+built nor buildable, or built with another dictionary or too small for one update. Every rank checks as
+it starts (`loop.train`; the shards once they are built, before it builds its model); `megamlm train
+--nproc N` (and `--check`) checks all of it once before it starts the ranks (`check_before_launch`), so
+a mistake is one line in a second, not one a rank after each imported torch and DeepSpeed (and built its
+model, for a checkpoint's or train.init_from's refusal).
 
 The run directory belongs to one run: a new run never starts over an old one (unless asked to move it
 aside) and never touches files it did not write.
