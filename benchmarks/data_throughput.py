@@ -21,7 +21,8 @@ import torch
 from megamlm.config import load_config
 from megamlm.data.masking import Masker
 from megamlm.data.shards import BuildOptions, build_shards
-from megamlm.data.stream import MaskedBatches, ShardSet, make_loader
+from megamlm.data.loader import make_loader
+from megamlm.data.stream import MaskedBatches, ShardSet
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.objectives import MaskedLM
 from megamlm.parallel import init_distributed, seed_everything

@@ -18,7 +18,8 @@ import pytest
 from megamlm.cli import main as cli
 from megamlm.data.masking import Masker
 from megamlm.data.shards import ensure_shards
-from megamlm.data.stream import CorruptShardError, MaskedBatches, ShardSet, make_loader
+from megamlm.data.loader import make_loader
+from megamlm.data.stream import CorruptShardError, MaskedBatches, ShardSet
 from megamlm.data.tokenizer import Tokenizer
 from tests.faults_common import (ROOT, WIKITEXT, fault_shards, finished_run, flip_byte, megamlm, one_line,
                                  run_cli, snapshot, tiny, user_environment, users_folder)

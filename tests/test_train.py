@@ -350,7 +350,7 @@ def test_interrupted_checkpoint_is_never_chosen(world, tmp_path):
     ckpts = Checkpoints(tmp_path, keep_last=2)
     for step, complete in ((100, True), (200, True), (300, False)):
         folder = ckpts.root / f"step{step:08d}"
-        folder.mkdir()
+        folder.mkdir(parents=True)  # the first makes the checkpoint folder, as a save does
         if complete:
             (folder / "complete").write_text("")
     (ckpts.root / "latest").write_text("step00000300")  # pointer to a half-written one

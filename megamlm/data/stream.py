@@ -21,22 +21,18 @@ independent of ranks, workers and restarts.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import io
 import json
 import math
-import signal
-import sys
 import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from megamlm.data.batch import Batch, Corruption, collate
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
@@ -45,7 +41,6 @@ from megamlm.data.pairs import Pairing
 from megamlm.data.shards import ShardError
 from megamlm.data.tokenizer import BOS
 from megamlm.data.updates import UpdateShape
-from megamlm.errors import MegamlmError
 
 
 class CorruptShardError(ShardError):
@@ -329,62 +324,6 @@ class MaskedBatches(IterableDataset):
             return int(self.counts.sum()) % self.global_batch
         bins = self.bins(0)
         return sum(len(b) for b in bins[len(bins) // self.global_batch * self.global_batch:])
-
-
-def make_loader(stream: MaskedBatches, workers: int = 0, worker_init_fn=None) -> DataLoader:
-    """A DataLoader that yields the stream's batches in order (batching happens in the stream);
-    `worker_init_fn(worker_id)` runs first in each worker process."""
-    # its own generator: creating an iterator must not advance the default RNG (dropout, resume)
-    return DataLoader(stream, batch_size=None, num_workers=workers, generator=torch.Generator(),
-                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
-                      worker_init_fn=functools.partial(_start_worker, worker_init_fn))
-
-
-def _start_worker(worker_init_fn, worker_id: int) -> None:
-    sys.excepthook = _quiet_when_the_trainer_hangs_up
-    if worker_init_fn is not None:
-        worker_init_fn(worker_id)
-
-
-def _quiet_when_the_trainer_hangs_up(kind, value, tb) -> None:
-    """A worker's sys.excepthook. A worker hands each batch's tensors over as file descriptors from a
-    background thread (multiprocessing's resource sharer), which prints its errors through sys.excepthook.
-    When the trainer stops in the middle of such a handover (a sibling worker died: torch raises from its
-    SIGCHLD handler wherever the trainer is), that thread's ConnectionResetError / BrokenPipeError traceback
-    came after the trainer's one-line explanation (loader_deaths_explained); the trainer's line says why."""
-    if not issubclass(kind, ConnectionError):
-        sys.__excepthook__(kind, value, tb)
-
-
-class LoaderWorkerError(MegamlmError):
-    """A data-loader worker process died (data.loader_workers > 0)."""
-
-
-@contextlib.contextmanager
-def loader_deaths_explained(workers: int):
-    """torch's "DataLoader worker (pid N) is killed by signal: Killed." as one line that says what to do.
-    torch raises it from its SIGCHLD handler, wherever the trainer is at that moment (a forward, a save);
-    when the trainer was waiting for a batch instead, the same death reads "DataLoader worker (pid(s) N)
-    exited unexpectedly" (its queue's read failed first: which one comes is a race)."""
-    try:
-        yield
-    except RuntimeError as err:
-        if workers == 0 or not str(err).startswith("DataLoader worker"):
-            raise
-        # torch's SIGCHLD handler raises this death again at every later SIGCHLD (it checks every worker it
-        # knows of); one while this line is formed would replace it (a suite run's "internal error", session
-        # 38; not reproduced). The process is failing: its loaders' own checks find dead workers from here
-        with contextlib.suppress(ValueError):  # (outside the main thread there is no handler to reset)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        advice = (f"the kernel's out-of-memory killer: lower data.loader_workers (now {workers}) or give the job "
-                  f"more host memory.")
-        cause = ""
-        if "signal: Killed" in str(err):
-            cause = f" SIGKILL mostly comes from {advice}"
-        elif "exited unexpectedly" in str(err):
-            cause = f" A worker that exits without a Python error was most likely killed, mostly by {advice}"
-        raise LoaderWorkerError(f"a data loader worker died: {err}{cause} Continue from the last checkpoint "
-                                f"with --resume auto") from err
 
 
 def advance(position: StreamPosition, batch: Batch, batches_per_epoch: int) -> StreamPosition:

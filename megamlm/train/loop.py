@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from megamlm.config import Config
 from megamlm.data.shards import ShardError, ensure_shards, other_build
-from megamlm.data.stream import MaskedBatches, ShardSet, advance, loader_deaths_explained, make_loader
+from megamlm.data.loader import loader_deaths_explained, start_batches
+from megamlm.data.stream import MaskedBatches, ShardSet, advance
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import RUN_FINAL
 from megamlm.model import names
@@ -184,7 +185,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
         state = load_resumed(cfg, ctx, checkpoints, engine, schedule, tag, log)
 
     stream = train_stream(cfg, ctx, data, state)
-    batches = iter(make_loader(stream, cfg.data.loader_workers, ignore_stop_signals))
+    batches = start_batches(stream, cfg.data.loader_workers, ignore_stop_signals)
     valid = valid_stream(cfg, ctx, data)
     guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_patience, cfg.train.spike_window)
     preemption = Preemption()
@@ -277,7 +278,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
             if reason is not None:  # the update after it (in flight) is discarded with the rest
                 state = roll_back(cfg, ctx, engine, schedule, checkpoints, state, update.step, log, reason)
                 stream = train_stream(cfg, ctx, data, state)
-                batches = iter(make_loader(stream, cfg.data.loader_workers, ignore_stop_signals))
+                batches = start_batches(stream, cfg.data.loader_workers, ignore_stop_signals)
                 guard.reset()
                 rolled_back = True
                 break
