@@ -106,7 +106,6 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
     dp = gpus // tp
     train, s = cfg.train, cfg.data.seq_length
     accumulation = train.accumulation_steps(dp)
-    global_batch = train.micro_batch_size * accumulation * dp
     # token slots of one micro-batch: micro rows of s, or one packed row of its budget
     micro_tokens = train.micro_batch_size * s
     if cfg.data.packing == "packed":
@@ -130,7 +129,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
     tokens = micro_tokens * accumulation * dp
     fill = FILL[cfg.data.packing] if fill is None else fill
     seconds = get_objective(cfg).flops_per_token(s) * tokens * train.steps / (gpus * peak * mfu)
-    return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, global_batch, tokens, fill,
+    return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, train.global_batch(dp), tokens, fill,
                 train.steps, memory, seconds / 3600, reduction(cfg, dp), checkpoint_bytes(cfg, params, dp),
                 train.keep_last)
 

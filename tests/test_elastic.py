@@ -8,6 +8,7 @@ import torch
 
 from megamlm.config import ConfigError
 from megamlm.data.stream import MaskedBatches, ShardSet, StreamPosition
+from megamlm.data.updates import UpdateShape
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.objectives import get_objective
 from megamlm.train.elastic import Layout, convert_position
@@ -21,7 +22,7 @@ def shards(tmp_path_factory):
 
 
 def _layout(tp=1, dp=1, stage=1, micro=4, accumulation=1, packed=False):
-    return Layout(tp, dp, stage, micro, accumulation, packed)
+    return Layout(tp, stage, UpdateShape(packed, micro, 64, accumulation, dp, 256))
 
 
 def _update_ids(shards, layout: Layout, position: StreamPosition, updates: int, packing="padded"):
@@ -30,13 +31,13 @@ def _update_ids(shards, layout: Layout, position: StreamPosition, updates: int, 
     tokenizer = Tokenizer.load(cfg.data.tokenizer)
     corruption = get_objective(cfg).corruption(tokenizer, 1)
     streams = [iter(MaskedBatches(ShardSet(shards, "train"), corruption, seq_length=64,
-                                  micro_batch=layout.micro_batch, accumulation=layout.accumulation,
+                                  micro_batch=layout.update.micro_batch, accumulation=layout.update.accumulation,
                                   dp_rank=rank, dp_size=layout.dp, position=position, packing=packing,
                                   tokens_per_micro_batch=256, shuffle_window=64))
                for rank in range(layout.dp)]
     out = []
     for _ in range(updates):
-        ids = [next(s).sample_ids for s in streams for _ in range(layout.accumulation)]
+        ids = [next(s).sample_ids for s in streams for _ in range(layout.update.accumulation)]
         out.append(sorted(torch.cat(ids).tolist()))
     return out
 
@@ -45,7 +46,7 @@ def _update_ids(shards, layout: Layout, position: StreamPosition, updates: int, 
 def test_converted_position_gives_the_next_updates_the_uninterrupted_samples(shards, packing):
     packed = packing == "packed"
     written = _layout(dp=2, accumulation=1 if not packed else 2, packed=packed)
-    at = StreamPosition(0, 3 * written.accumulation)  # after update 3
+    at = StreamPosition(0, 3 * written.update.accumulation)  # after update 3
     expected = _update_ids(shards, written, at, 2, packing)
     runnings = [_layout(dp=1, accumulation=2 if not packed else 4, packed=packed),
                 _layout(dp=4, accumulation=1, packed=packed) if packed else _layout(dp=1, micro=8, packed=packed)]

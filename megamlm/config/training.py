@@ -176,3 +176,8 @@ class TrainConfig:
                 f"train.micro_batch_size × data-parallel size = {self.micro_batch_size} × {dp_size}; "
                 f"choose a multiple of {per_step}")
         return self.global_batch_size // per_step
+
+    def global_batch(self, dp_size: int) -> int:
+        """Micro-batches' sequences (slots of seq_length tokens) per update over `dp_size` ranks: DeepSpeed's
+        train_batch_size. The stream's own unit (samples, or packed rows) is data/updates.py's."""
+        return self.micro_batch_size * self.accumulation_steps(dp_size) * dp_size

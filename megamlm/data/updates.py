@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megamlm.config import Config
 from megamlm.data.shards import ShardError
 
 
@@ -23,6 +24,12 @@ class UpdateShape:
     dp_size: int
     tokens_per_micro_batch: int | None = None
     """A packed row's tokens; None: micro_batch x seq_length, the padded micro-batch's slots."""
+
+    @classmethod
+    def of(cls, cfg: Config, dp_size: int) -> UpdateShape:
+        """A run's update at `dp_size` data-parallel ranks (the accumulation checked against them)."""
+        return cls(cfg.data.packing == "packed", cfg.train.micro_batch_size, cfg.data.seq_length,
+                   cfg.train.accumulation_steps(dp_size), dp_size, cfg.data.tokens_per_micro_batch)
 
     @property
     def budget(self) -> int:

@@ -39,6 +39,7 @@ from torch import nn
 
 from megamlm.config import Config, ConfigError, ModelConfig, config_from_dict
 from megamlm.data.stream import StreamPosition
+from megamlm.data.updates import UpdateShape
 from megamlm.model.reshard import from_full
 from megamlm.model.tp import merge_shards, shard_rule
 from megamlm.train.flat import FlatEngine
@@ -53,22 +54,19 @@ class Layout:
     is what must stay the same for the next update to take the samples it would have taken."""
 
     tp: int
-    dp: int
     zero_stage: int
-    micro_batch: int
-    accumulation: int
-    packed: bool
+    update: UpdateShape
+    """What one update takes from the stream (micro-batch, accumulation, DP size, packing)."""
     engine: str = "deepspeed"
     """train.engine (the flat engine writes stage-0 files but is not DeepSpeed's stage-0 engine)."""
 
     @classmethod
     def of(cls, cfg: Config, dp: int, zero_stage: int) -> Layout:
-        return cls(cfg.parallel.tensor_parallel, dp, zero_stage, cfg.train.micro_batch_size,
-                   cfg.train.accumulation_steps(dp), cfg.data.packing == "packed", cfg.train.engine)
+        return cls(cfg.parallel.tensor_parallel, zero_stage, UpdateShape.of(cfg, dp), cfg.train.engine)
 
     @property
-    def global_batch(self) -> int:
-        return (1 if self.packed else self.micro_batch) * self.accumulation * self.dp
+    def dp(self) -> int:
+        return self.update.dp_size
 
     def same_shards(self, other: Layout) -> bool:
         """The engine's own cut of the files fits (micro-batch and accumulation may differ)."""
@@ -93,28 +91,29 @@ def convert_position(position: StreamPosition, written: Layout, running: Layout,
     """The stream position at `running` of the one saved at `written` (a checkpoint is always taken
     between updates, so the position counts whole updates); with another global batch (only when
     allowed) the samples consumed are carried over, rounded down to whole updates: (position, note)."""
-    if written.packed != running.packed:
-        raise ConfigError(f"{source} was written with data.packing={'packed' if written.packed else 'padded'}; "
+    w, r = written.update, running.update
+    if w.packed != r.packed:
+        raise ConfigError(f"{source} was written with data.packing={'packed' if w.packed else 'padded'}; "
                           f"resume with the same data.packing")
-    updates, rest = divmod(position.batch, written.accumulation)
+    updates, rest = divmod(position.batch, w.accumulation)
     if rest:
         raise ConfigError(f"{source}: stream position {position.batch} is not at an update boundary "
-                          f"(accumulation {written.accumulation})")
-    if written.global_batch == running.global_batch:
-        return StreamPosition(position.epoch, updates * running.accumulation), None
-    unit = "packed rows" if written.packed else "sequences"
+                          f"(accumulation {w.accumulation})")
+    if w.global_batch == r.global_batch:
+        return StreamPosition(position.epoch, updates * r.accumulation), None
+    unit = "packed rows" if w.packed else "sequences"
     if not allow_batch_change:
-        raise ConfigError(f"{source} was written with a global batch of {written.global_batch} {unit} "
-                          f"({written}, micro {written.micro_batch} x accumulation {written.accumulation}), "
-                          f"this run's is {running.global_batch}: set train.global_batch_size={written.global_batch}"
+        raise ConfigError(f"{source} was written with a global batch of {w.global_batch} {unit} "
+                          f"({written}, micro {w.micro_batch} x accumulation {w.accumulation}), "
+                          f"this run's is {r.global_batch}: set train.global_batch_size={w.global_batch}"
                           f" to continue the run, or pass --allow-batch-change to convert the data position in samples")
-    consumed = updates * written.global_batch
-    new_updates = consumed // running.global_batch
-    repeated = consumed - new_updates * running.global_batch
-    note = (f"global batch {written.global_batch} -> {running.global_batch} {unit}: data position "
+    consumed = updates * w.global_batch
+    new_updates = consumed // r.global_batch
+    repeated = consumed - new_updates * r.global_batch
+    note = (f"global batch {w.global_batch} -> {r.global_batch} {unit}: data position "
             f"{consumed} {unit} into epoch {position.epoch} = update {new_updates} of the new batch"
             + (f" ({repeated} {unit} are seen again)" if repeated else ""))
-    return StreamPosition(position.epoch, new_updates * running.accumulation), note
+    return StreamPosition(position.epoch, new_updates * r.accumulation), note
 
 
 # ---- reading: DeepSpeed files -> full tensors ---------------------------------------------------------

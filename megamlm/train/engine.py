@@ -62,7 +62,7 @@ def deepspeed_config(cfg: Config, dp_size: int, stage: int | None = None) -> dic
         raise ConfigError("train.engine=flat runs without DeepSpeed: there is no DeepSpeed JSON to generate")
     stage = train.engine_zero_stage(dp_size) if stage is None else stage
     accumulation = train.accumulation_steps(dp_size)
-    global_batch = train.micro_batch_size * accumulation * dp_size
+    global_batch = train.global_batch(dp_size)
     if train.deepspeed_config:
         path = Path(train.deepspeed_config)
         try:

@@ -102,7 +102,7 @@ class FlatEngine:
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext):
         self.module, self.ctx = model.to(ctx.device).train(), ctx  # built on the CPU, as DeepSpeed moves it
         self.accumulation = cfg.train.accumulation_steps(ctx.dp_size)
-        self.samples_per_update = cfg.train.micro_batch_size * self.accumulation * ctx.dp_size
+        self.samples_per_update = cfg.train.global_batch(ctx.dp_size)
         self.clip = cfg.optim.clip_grad
         # fp16: the loss is scaled (on the device) and an overflow always skips its update
         self.scaler = DynamicLossScale.from_settings(ctx.device) if cfg.train.precision == "fp16" else None

@@ -90,9 +90,7 @@ def check_train_shards(cfg: Config, tokenizer: Tokenizer, dp: int) -> None:
         shards = ShardSet(cfg.data.shards, "train", tokenizer.dictionary.sha256)
     if cfg.data.seq_length == shards.manifest["seq_length"]:
         samples = int(shards.block_counts(cfg.data.seq_length, cfg.data.block_mode).sum())
-        shape = UpdateShape(cfg.data.packing == "packed", cfg.train.micro_batch_size, cfg.data.seq_length,
-                            cfg.train.accumulation_steps(dp), dp, cfg.data.tokens_per_micro_batch)
-        shape.refuse_unfilled(shards.folder, samples, samples)
+        UpdateShape.of(cfg, dp).refuse_unfilled(shards.folder, samples, samples)
 
 
 def check_before_work(cfg: Config, objective: Objective) -> None:
