@@ -53,12 +53,13 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def check_world_size(cfg: ParallelConfig, world: int) -> None:
-    """The layout's rule for a world of `world` processes (TP x DP, DP >= 1)."""
+def check_world_size(cfg: ParallelConfig, world: int, made_of: str = "") -> None:
+    """The layout's rule for a world of `world` processes (TP x DP, DP >= 1); `made_of` says where the
+    number comes from (e.g. "2 nodes x 8 GPUs")."""
     if world % cfg.tensor_parallel:
         raise ConfigError(
             f"parallel.tensor_parallel={cfg.tensor_parallel} does not divide the world size "
-            f"{world}; launch a multiple of {cfg.tensor_parallel} processes"
+            f"{world}{f' ({made_of})' if made_of else ''}; launch a multiple of {cfg.tensor_parallel} processes"
         )
 
 

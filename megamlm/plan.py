@@ -33,6 +33,7 @@ from megamlm.errors import check_ranges
 from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
+from megamlm.parallel import check_world_size
 from megamlm.train.checkpoint import checkpoint_bytes
 from megamlm.train.engine import deepspeed_config
 from megamlm.train.flops import GPU_PEAKS
@@ -100,9 +101,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
                   (f"--mfu {mfu}", mfu, "(0, 1]"), (f"--fill {fill}", fill, "(0, 1]")], ConfigError)
     gpus = nodes * gpus_per_node
     tp = cfg.parallel.tensor_parallel
-    if gpus % tp:
-        raise ConfigError(f"parallel.tensor_parallel={tp} does not divide {nodes} nodes x "
-                          f"{gpus_per_node} GPUs = {gpus}")
+    check_world_size(cfg.parallel, gpus, f"{nodes} node{'s' * (nodes > 1)} x {gpus_per_node} GPUs")
     dp = gpus // tp
     train, s = cfg.train, cfg.data.seq_length
     accumulation = train.accumulation_steps(dp)

@@ -22,6 +22,8 @@ def test_impossible_plans_are_refused_with_the_reason():
     cfg = load_config([CONFIGS / "pile/base-alibi.yaml"])
     with pytest.raises(ConfigError, match="not divisible by .* 4 × 6"):
         make_plan(cfg, 1, 6, "A100", 0.35)
+    with pytest.raises(ConfigError, match=r"tensor_parallel=4 does not divide the world size 6 \(1 node x 6 GPUs\)"):
+        make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"], ["parallel.tensor_parallel=4"]), 1, 6, "A100", 0.35)
     with pytest.raises(ConfigError, match="tensor_parallel=5 does not divide model.num_attention_heads=12"):
         load_config([CONFIGS / "pile/base-alibi.yaml"], ["parallel.tensor_parallel=5"])
     big = make_plan(load_config([CONFIGS / "pile/large-alibi.yaml"], ["train.micro_batch_size=32"]),
