@@ -10,7 +10,7 @@ import pytest
 import webdataset as wds
 
 from megamlm.cli import main as cli
-from megamlm.data.shards import BuildOptions, ShardError, build_shards
+from megamlm.data.shards import BuildOptions, ShardError, build_shards, summary_table
 from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import EOS, Tokenizer
 
@@ -122,6 +122,15 @@ def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2):
         f.write(good.encode() + b"\n")
     manifest = build_shards(BuildOptions([str(src)], str(tmp_path / "out"), valid_fraction=0.0), gpt2, progress=False)
     assert manifest["skipped"] == {"malformed_json": 1, "missing_text": 1, "empty": 1, "invalid_utf8": 1}
+    # the first line of each kind, named: a corpus whose text is under another key says so at once
+    assert manifest["first_skipped"] == {
+        "malformed_json": f"{src}:2: malformed JSON (Invalid control character at, column 23)",
+        "missing_text": f"{src}:3: no string 'text' field (keys: meta)", "empty": f"{src}:4: blank 'text'",
+        "invalid_utf8": f"{src}:5: invalid UTF-8 (invalid start byte at byte 14)"}
+    assert summary_table(manifest).endswith(
+        f"skipped inputs: empty 1 (first at {src}:4: blank 'text'), invalid_utf8 1 (first at {src}:5: invalid "
+        f"UTF-8 (invalid start byte at byte 14)), malformed_json 1 (first at {src}:2: malformed JSON (Invalid "
+        f"control character at, column 23)), missing_text 1 (first at {src}:3: no string 'text' field (keys: meta))")
     assert manifest["splits"]["train"]["documents"] == 2
     with pytest.raises(ShardError, match=rf"{src}:2: malformed JSON"):
         build_shards(BuildOptions([str(src)], str(tmp_path / "strict"), strict=True, valid_fraction=0.0),

@@ -1,7 +1,8 @@
 """Documents from the corpus files `megamlm shards build` reads: jsonl (the Pile's layout: "text"
 and "meta.pile_set_name"), jsonl.zst (any number of zstd frames) and plain text (one document per
 blank-line-separated paragraph, or per line). Problems in a line (malformed JSON, no "text", empty,
-invalid UTF-8) are counted in `BuildStats.skipped`, or fatal with `strict`; a damaged file (a
+invalid UTF-8) are counted in `BuildStats.skipped`, the first of each kind kept with its file, line and
+what is wrong (the build's summary and manifest show it), or fatal with `strict`; a damaged file (a
 truncated or corrupt zstd stream) is always an error naming it."""
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ class BuildStats:
     tokens: Counter = field(default_factory=Counter)     # per split
     per_subset: dict = field(default_factory=lambda: defaultdict(Counter))
     skipped: Counter = field(default_factory=Counter)    # malformed_json, missing_text, empty, invalid_utf8
+    first_skipped: dict = field(default_factory=dict)    # kind -> "file:line: what", the first of each kind
+
+    def skip(self, kind: str, source: Path, line: int, detail: str) -> str:
+        """Count a skipped line; its "file:line: what" (kept for the first of its kind)."""
+        where = f"{source}:{line}: {detail}"
+        self.skipped[kind] += 1
+        self.first_skipped.setdefault(kind, where)
+        return where
+
+
+def skipped_summary(counts: dict, first: dict) -> str:
+    """Each kind's count and first line, "missing_text 2 (first at bad.jsonl:2: no string 'text' field
+    (keys: content)), ...", or "none" (a manifest from before `first_skipped` has the counts only)."""
+    return ", ".join(f"{kind} {n}" + (f" (first at {first[kind]})" if kind in first else "")
+                     for kind, n in sorted(counts.items())) or "none"
 
 
 def _zstd_lines(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
@@ -76,9 +92,9 @@ def read_documents(path: Path, text_mode: str, stats: BuildStats, strict: bool) 
     """Documents of one input file; problems are counted (or fatal with strict)."""
 
     def problem(kind: str, line: int, detail: str) -> None:
-        stats.skipped[kind] += 1
+        where = stats.skip(kind, path, line, detail)
         if strict:
-            raise ShardError(f"{path}:{line}: {detail}")
+            raise ShardError(where)
 
     is_json = ".jsonl" in path.name or ".json" in path.suffixes
     paragraph: list[str] = []
@@ -98,10 +114,13 @@ def read_documents(path: Path, text_mode: str, stats: BuildStats, strict: bool) 
                 problem("malformed_json", number, f"malformed JSON ({err.msg}, column {err.colno})")
                 continue
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                problem("missing_text", number, "no string 'text' field")
+                # what the record holds instead: a corpus whose text is under another key shows it at once
+                holds = (f"keys: {', '.join(list(record)[:8]) or 'none'}" if isinstance(record, dict)
+                         else f"a JSON {type(record).__name__}, not an object")
+                problem("missing_text", number, f"no string 'text' field ({holds})")
                 continue
             if not record["text"].strip():
-                stats.skipped["empty"] += 1
+                stats.skip("empty", path, number, "blank 'text'")  # not an error, even with strict
                 continue
             meta = record.get("meta") or {}
             subset = meta.get("pile_set_name", "unknown") if isinstance(meta, dict) else "unknown"

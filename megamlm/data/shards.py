@@ -41,7 +41,7 @@ import numpy as np
 
 from megamlm.config import DataConfig
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
-from megamlm.data.documents import BuildStats, Document, ShardError, read_documents
+from megamlm.data.documents import BuildStats, Document, ShardError, read_documents, skipped_summary
 from megamlm.data.tokenizer import EOS, Tokenizer
 from megamlm.errors import check_ranges
 from megamlm.files import check_writable, staging_sibling
@@ -259,9 +259,8 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
     for writer in writers.values():
         writer.close()
     if not sum(stats.documents.values()):
-        skipped = ", ".join(f"{k} {v}" for k, v in sorted(stats.skipped.items())) or "none"
-        raise ShardError(f"no documents in {', '.join(options.inputs)} (skipped lines: {skipped}); "
-                         f"nothing to write")
+        skipped = skipped_summary(stats.skipped, stats.first_skipped)
+        raise ShardError(f"no documents in {', '.join(options.inputs)} (skipped lines: {skipped}); nothing to write")
     manifest = _manifest(options, tokenizer, writers, stats, out)
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
@@ -291,6 +290,7 @@ def _manifest(options: BuildOptions, tokenizer: Tokenizer, writers: dict, stats:
         "splits": splits,
         "per_subset": {k: dict(v) for k, v in sorted(stats.per_subset.items())},
         "skipped": dict(stats.skipped),
+        "first_skipped": dict(sorted(stats.first_skipped.items())),
     }
 
 
@@ -306,9 +306,7 @@ def summary_table(manifest: dict, splits: bool = True) -> str:
     for split, info in manifest["splits"].items() if splits else ():
         rows.append(f"{split}: {len(info['shards'])} shards, {info['documents']:,} stored documents, "
                     f"{info['tokens']:,} tokens")
-    skipped = manifest["skipped"]
-    rows.append("skipped inputs: " + (", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
-                                      if skipped else "none"))
+    rows.append("skipped inputs: " + skipped_summary(manifest["skipped"], manifest.get("first_skipped", {})))
     return "\n".join(rows)
 
 
