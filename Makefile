@@ -32,7 +32,7 @@ demo: install
 # two workers 34 (session 37), 30.6 with one OpenMP thread per worker (tests/conftest.py; session 41;
 # 27.7 on session 42's Intel Xeon, 26.6 with 853 tests on session 43's, 24.7 with 860 on session 44's,
 # 25.6 with 871 on session 45's, 24.4 with 879 on session 46's, 25.2 with 883 on session 47's, 27.7 with 885
-# on session 48's; the checkout holds no test output afterwards). The longest files start first
+# on session 48's, 28.1 on session 49's; the checkout holds no test output afterwards). The longest files start first
 # (tests/conftest.py: LONGEST_FIRST; --no-loadscope-reorder keeps that order), so the workers end together.
 # Temp files peak at ~2 GB: a passing test's folders are removed as it ends (pyproject, tests/conftest.py).
 # TEST_WORKERS=0 runs it in this process, one test at a time.
