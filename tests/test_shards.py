@@ -110,7 +110,7 @@ def test_output_is_deterministic_for_any_worker_count(tmp_path, gpt2):
             assert (other / name).read_bytes() == (folders[0] / name).read_bytes(), name
 
 
-def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2):
+def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2, capsys):
     src = tmp_path / "bad.jsonl"
     good = json.dumps({"text": "fine document", "meta": {"pile_set_name": "Wikipedia (en)"}})
     with open(src, "wb") as f:
@@ -135,6 +135,11 @@ def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2):
     with pytest.raises(ShardError, match=rf"{src}:2: malformed JSON"):
         build_shards(BuildOptions([str(src)], str(tmp_path / "strict"), strict=True, valid_fraction=0.0),
             gpt2, progress=False)
+    # a long build shows each kind as it meets its first line, not only at the end
+    assert cli(["shards", "build", str(src), "--out", str(tmp_path / "shown"), "--valid-fraction", "0"]) == 0
+    shown = re.findall(r"skipping (\w+) lines, the first at (\S+):", capsys.readouterr().err)
+    assert sorted(shown) == [("empty", f"{src}:4"), ("invalid_utf8", f"{src}:5"), ("malformed_json", f"{src}:2"),
+                             ("missing_text", f"{src}:3")], shown
 
 
 def test_zstd_jsonl_and_line_mode_text(tmp_path, gpt2):

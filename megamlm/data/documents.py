@@ -115,8 +115,9 @@ def read_documents(path: Path, text_mode: str, stats: BuildStats, strict: bool) 
                 continue
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 # what the record holds instead: a corpus whose text is under another key shows it at once
-                holds = (f"keys: {', '.join(list(record)[:8]) or 'none'}" if isinstance(record, dict)
-                         else f"a JSON {type(record).__name__}, not an object")
+                holds = (f"a JSON {type(record).__name__}, not an object" if not isinstance(record, dict)
+                         else f"its 'text' is {json.dumps(record['text'])[:40]}" if "text" in record
+                         else f"keys: {', '.join(list(record)[:8]) or 'none'}")
                 problem("missing_text", number, f"no string 'text' field ({holds})")
                 continue
             if not record["text"].strip():

@@ -227,6 +227,7 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
     bar = tqdm(desc="tokenizing", unit=" docs", disable=not progress, file=sys.stderr)
     ordinal = 0
     queue: deque[list[Document]] = deque()  # chunks in flight, in input order
+    told: set[str] = set()  # kinds of skipped line already shown
 
     def texts() -> Iterator[list[str]]:
         for chunk in _chunks(docs, 256):
@@ -252,6 +253,9 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
                     stats.tokens[split] += len(piece)
                     subset["tokens"] += len(piece)
             bar.update(len(chunk))
+            for kind in sorted(stats.first_skipped.keys() - told) if progress else ():  # as a long build meets it
+                told.add(kind)
+                bar.write(f"skipping {kind} lines, the first at {stats.first_skipped[kind]}", file=sys.stderr)
     finally:
         bar.close()
         if pool is not None:
