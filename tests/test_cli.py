@@ -61,7 +61,8 @@ def test_config_error_is_one_line_without_traceback():
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "megamlm: config error: command line: parallel.tensor_parallel=3 does not divide "
-        "model.num_attention_heads=4; allowed: 1, 2, 4"]
+        f"model.num_attention_heads=4; allowed: 1, 2, 4 (model.num_attention_heads set in "
+        f"{ROOT}/configs/model/tiny.yaml)"]
 
 
 def test_config_prints_the_resolved_yaml():

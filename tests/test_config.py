@@ -136,6 +136,20 @@ def test_errors_name_the_file_that_set_the_value(tmp_path):
         load_config([], ["model.num_layers=0"])
 
 
+def test_a_check_across_keys_names_where_each_was_set(tmp_path):
+    """model/base.yaml sets hidden_size=768 and the command line 5 heads: the file alone would send the user
+    to a file they did not change; a key set where the first was (or left at its default) is not repeated."""
+    base = CONFIGS / "model/base.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config([base], ["model.num_attention_heads=5"])
+    assert str(err.value) == (f"{base}: model.hidden_size=768 is not divisible by model.num_attention_heads=5; "
+                              "allowed head counts: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64 "
+                              "(model.num_attention_heads set on the command line)")
+    with pytest.raises(ConfigError) as err:
+        load_config([base], ["model.num_attention_heads=5", "model.hidden_size=102"])
+    assert str(err.value).startswith("command line: model.hidden_size=102 is not") and "set " not in str(err.value)
+
+
 def test_file_problems_are_reported_with_the_path(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config([tmp_path / "missing.yaml"])

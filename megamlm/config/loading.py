@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -116,12 +117,25 @@ def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
 
 
 def _with_origin(err: ConfigError, flat: dict[str, tuple[Any, str]]) -> str:
-    """Prefix the message with where its first-named key was set."""
+    """The message, prefixed with where its first-named key was set; where another key it names was set
+    elsewhere, that too (a check across keys of two files, or of a file and the command line, would
+    otherwise send the user to the file that did not change)."""
     message = str(err)
-    key = message.split("=", 1)[0].strip()
-    if key in flat:
-        return f"{flat[key][1]}: {message}"
-    return message
+    named = dict.fromkeys(key for key in _CONFIG_KEY.findall(message) if key in flat)
+    if not named:
+        return message
+    first, *others = named
+    origin = flat[first][1]
+    elsewhere = [f"{key} set {_where(flat[key][1])}" for key in others if flat[key][1] != origin]
+    return f"{origin}: {message}" + (f" ({'; '.join(elsewhere)})" if elsewhere else "")
+
+
+_CONFIG_KEY = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
+"""A dotted name in a message: a config key where the flattened config has it."""
+
+
+def _where(origin: str) -> str:
+    return "on the command line" if origin == "command line" else f"in {origin}"
 
 
 def load_config(paths: str | Path | list = (), overrides: list[str] = ()) -> Config:
