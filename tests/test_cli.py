@@ -65,6 +65,32 @@ def test_config_error_is_one_line_without_traceback():
         f"{ROOT}/configs/model/tiny.yaml)"]
 
 
+def test_megamlms_warnings_are_one_line_and_other_packages_keep_pythons_format():
+    """A warning megamlm raises is printed as its errors are (Python's format: the file, line and category,
+    and a second line quoting the warn call); --debug shows where it came from."""
+    option = 'model.flex_kernel_options="BLOCK_M=64"'
+    run = megamlm("params", "--config", "configs/demo.yaml", option)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "megamlm: params: warning: model.flex_kernel_options='BLOCK_M=64' applies to model.attention_backend=flex "
+        "only; the sdpa backend ignores it"]
+    assert "total" in run.stdout
+    debug = megamlm("params", "--debug", "--config", "configs/demo.yaml", option)
+    assert "megamlm/model/attention.py:" in debug.stderr and "UserWarning: model.flex_kernel_options" in debug.stderr
+
+    import warnings
+
+    from megamlm.cli import warnings_as_lines
+
+    with warnings_as_lines("train"):
+        theirs = warnings.formatwarning("deprecated", FutureWarning, "/usr/lib/python3/site-packages/x.py", 7)
+        ours = warnings.formatwarning("no validation:\n  one line", UserWarning, str(ROOT / "megamlm/train/loop.py"), 9)
+    assert theirs.startswith("/usr/lib/python3/site-packages/x.py:7: FutureWarning: deprecated")
+    assert ours == "megamlm: train: warning: no validation: one line\n"
+    cli = ROOT / "megamlm/cli/__init__.py"
+    assert warnings.formatwarning("m", UserWarning, str(cli), 1, "") == f"{cli}:1: UserWarning: m\n"  # restored
+
+
 def test_config_prints_the_resolved_yaml():
     run = megamlm("config", "--config", "configs/model/base.yaml", "--config",
                   "configs/variants/zero-clap.yaml")

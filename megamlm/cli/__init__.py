@@ -5,10 +5,12 @@ deepspeed-config) take `--config FILE` (repeatable, merged in order) and dotted 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 from megamlm.cli.arguments import integer_list
@@ -322,6 +324,28 @@ COMMANDS = {"shards": cmd_shards, "hostfile": cmd_hostfile, "fill-mask": cmd_fil
 """Verbs with their own arguments; the VERBS above read a config first."""
 
 
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def warnings_as_lines(verb: str):
+    """megamlm's own warnings as one line, `megamlm: <verb>: warning: <message>`, as its errors are: Python's
+    format adds the file, line and category and a second line quoting the `warnings.warn` call, which tells
+    a user nothing. Other packages' warnings keep that format (their file and line help a report to them)."""
+    python_format = warnings.formatwarning
+
+    def one_line(message, category, filename, lineno, line=None):
+        if Path(filename).resolve().is_relative_to(PACKAGE):
+            return f"megamlm: {verb}: warning: {' '.join(str(message).split())}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = python_format
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -333,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
     # one error path for every verb: a user's mistake is one line and exit 2, a bug one line and
     # exit 1 (tracebacks with --debug), Ctrl-C outside training exit 130
+    with contextlib.nullcontext() if debug else warnings_as_lines(args.verb):  # --debug: where each came from
+        return _run(parser, args, argv, debug)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str], debug: bool) -> int:
     try:
         if args.verb in COMMANDS:
             return COMMANDS[args.verb](args)
