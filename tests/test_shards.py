@@ -142,6 +142,22 @@ def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2, capsy
                              ("missing_text", f"{src}:3")], shown
 
 
+def test_progress_into_a_file_or_pipe_is_lines_not_a_redrawn_bar(tmp_path, gpt2, capsys, monkeypatch):
+    """stderr is not a terminal here (capsys), as in a SLURM job's log: no `\r`, each redraw a line of its
+    own, one a minute at most (here: the first and the last of a short build); at no interval, one a chunk of
+    256 documents, counting up."""
+    from megamlm.data import progress
+
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"document {i}"} for i in range(600)])
+    assert build_shards(BuildOptions([str(src)], str(tmp_path / "a"), valid_fraction=0.0), gpt2)
+    err = capsys.readouterr().err
+    assert "\r" not in err and re.findall(r"^tokenizing: (\d+) docs", err, re.M) == ["0", "600"], err
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
+    assert build_shards(BuildOptions([str(src)], str(tmp_path / "b"), valid_fraction=0.0), gpt2)
+    err = capsys.readouterr().err
+    assert "\r" not in err and re.findall(r"^tokenizing: (\d+) docs", err, re.M) == ["0", "256", "512", "600"], err
+
+
 def test_zstd_jsonl_and_line_mode_text(tmp_path, gpt2):
     import zstandard
 

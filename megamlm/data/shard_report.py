@@ -9,16 +9,14 @@ training would skip and count, listed before a run instead of during it.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from megamlm.data.shards import summary_table
 from megamlm.data.blocks import BLOCK_MODES
 from megamlm.data.documents import ShardError
+from megamlm.data.progress import progress_bar
 from megamlm.data.stream import CorruptShardError, ShardSet
 
 SHOWN = 5
@@ -88,7 +86,7 @@ def verify(folder: str | Path, progress: bool = True) -> dict[str, SplitCheck]:
             check.excluded.append(shards)
             continue
         check.excluded += shards.excluded
-        bar = tqdm(shards.shards, desc=f"verifying {split}", unit=" shards", disable=not progress, file=sys.stderr)
+        bar = progress_bar(shards.shards, desc=f"verifying {split}", unit=" shards", enabled=progress)
         for i, shard in enumerate(bar):
             name = shard["path"].name
             try:

@@ -42,6 +42,7 @@ import numpy as np
 from megamlm.config import DataConfig
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
 from megamlm.data.documents import BuildStats, Document, ShardError, read_documents, skipped_summary
+from megamlm.data.progress import progress_bar
 from megamlm.data.tokenizer import EOS, Tokenizer
 from megamlm.errors import check_ranges
 from megamlm.files import check_writable, staging_sibling
@@ -211,8 +212,6 @@ def _check_shard_folder(folder: Path) -> None:
 
 def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: bool) -> dict:
     """Tokenize and write every shard and the manifest into `out`."""
-    from tqdm import tqdm
-
     dtype = np.uint16 if len(tokenizer.dictionary) <= np.iinfo(np.uint16).max + 1 else np.int32
     writers = {s: ShardWriter(out, s, options.shard_tokens, dtype) for s in ("train", "valid")}
     stats = BuildStats()
@@ -224,7 +223,7 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
             if options.workers > 1 else None)
     if pool is None:
         _init_worker(tokenizer)
-    bar = tqdm(desc="tokenizing", unit=" docs", disable=not progress, file=sys.stderr)
+    bar = progress_bar(desc="tokenizing", unit=" docs", enabled=progress)
     ordinal = 0
     queue: deque[list[Document]] = deque()  # chunks in flight, in input order
     told: set[str] = set()  # kinds of skipped line already shown
