@@ -8,6 +8,10 @@ lower layer never needs to know the CLI exists.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from pathlib import Path
+
 
 class MegamlmError(ValueError):
     """Bad input or a refused action; the message names the file, line or key and what to do."""
@@ -60,3 +64,26 @@ def peer_gone(err: BaseException) -> str | None:
     if isinstance(err, RuntimeError):
         return next((mark for mark in PEER_GONE_MARKS if mark in str(err)), None)
     return None
+
+
+_PACKAGE = Path(__file__).resolve().parent
+"""megamlm's source: a warning raised in it is megamlm's own."""
+
+
+@contextlib.contextmanager
+def warnings_as_lines(verb: str):
+    """megamlm's own warnings as one line, `megamlm: <verb>: warning: <message>`, as its errors are: Python's
+    format adds the file, line and category and a second line quoting the `warnings.warn` call, which tells
+    a user nothing. Other packages' warnings keep that format (their file and line help a report to them)."""
+    python_format = warnings.formatwarning
+
+    def one_line(message, category, filename, lineno, line=None):
+        if Path(filename).resolve().is_relative_to(_PACKAGE):
+            return f"megamlm: {verb}: warning: {' '.join(str(message).split())}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = python_format

@@ -80,7 +80,7 @@ def test_megamlms_warnings_are_one_line_and_other_packages_keep_pythons_format()
 
     import warnings
 
-    from megamlm.cli import warnings_as_lines
+    from megamlm.errors import warnings_as_lines
 
     with warnings_as_lines("train"):
         theirs = warnings.formatwarning("deprecated", FutureWarning, "/usr/lib/python3/site-packages/x.py", 7)

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import traceback
-import warnings
 from pathlib import Path
 
 from megamlm.cli.arguments import integer_list
@@ -20,7 +19,7 @@ from megamlm.cli.torchrun import (INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, laun
                                   relaunch_with_torchrun)
 from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert.pipeline import SOURCES, TARGETS
-from megamlm.errors import MegamlmError, error_line, peer_gone
+from megamlm.errors import MegamlmError, error_line, peer_gone, warnings_as_lines
 from megamlm.files import RUN_FINAL, check_writable
 
 
@@ -322,28 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"shards": cmd_shards, "hostfile": cmd_hostfile, "fill-mask": cmd_fill_mask,
             "convert": cmd_convert, "glue": cmd_glue, "eval": cmd_eval}
 """Verbs with their own arguments; the VERBS above read a config first."""
-
-
-PACKAGE = Path(__file__).resolve().parents[1]
-
-
-@contextlib.contextmanager
-def warnings_as_lines(verb: str):
-    """megamlm's own warnings as one line, `megamlm: <verb>: warning: <message>`, as its errors are: Python's
-    format adds the file, line and category and a second line quoting the `warnings.warn` call, which tells
-    a user nothing. Other packages' warnings keep that format (their file and line help a report to them)."""
-    python_format = warnings.formatwarning
-
-    def one_line(message, category, filename, lineno, line=None):
-        if Path(filename).resolve().is_relative_to(PACKAGE):
-            return f"megamlm: {verb}: warning: {' '.join(str(message).split())}\n"
-        return python_format(message, category, filename, lineno, line)
-
-    warnings.formatwarning = one_line
-    try:
-        yield
-    finally:
-        warnings.formatwarning = python_format
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megamlm.config import Config, ParallelConfig
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.errors import check_ranges
+from megamlm.errors import check_ranges, warnings_as_lines
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.submission import prediction_lines, write_submission
 from megamlm.glue.tasks import (TASKS, GlueDataError, read_examples, read_test_examples, task_extra_dev_files,
@@ -114,7 +114,8 @@ def folder_tensors(saved: ModelFolder) -> dict:
 
 def _spawned(args) -> dict:
     torch.set_num_threads(1)
-    return run_task(*args, log=lambda text: print(text, flush=True))
+    with warnings_as_lines("glue"):  # as in the parent process (cli)
+        return run_task(*args, log=lambda text: print(text, flush=True))
 
 
 def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int], out: str,
