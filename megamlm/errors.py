@@ -3,7 +3,7 @@
 The CLI prints such an error as one line (`megamlm: <verb>: <message>`) and exits 2; anything else
 is a bug and is reported as one line too, with the traceback under `--debug` / `MEGAMLM_DEBUG=1`.
 Each layer subclasses it (ConfigError, ShardError, TokenizerError, ConversionError, ...), so a
-lower layer never needs to know the CLI exists.
+lower layer never needs to know the CLI exists. megamlm's warnings are one line too (`warnings_as_lines`).
 """
 
 from __future__ import annotations
