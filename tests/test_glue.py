@@ -132,9 +132,18 @@ def test_fine_tuning_learns_a_learnable_task(tiny_folder, tmp_path, packing):
 
 
 def test_glue_command_reports_a_missing_data_dir_without_traceback(capsys, tmp_path, tiny_folder):
+    """A wrong --data-dir, or one that holds none of the tasks asked for, is one line (exit 2) before any
+    work; a task missing beside others that run is skipped and reported (the previous test)."""
     assert cli(["glue", "--checkpoint", str(tiny_folder), "--data-dir", str(tmp_path / "none"), "--tasks", "RTE",
-                "--out", str(tmp_path / "out")]) == 1
-    assert "RTE | skipped | missing" in capsys.readouterr().out
+                "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"megamlm: glue: GLUE data dir {tmp_path / 'none'}: not a folder (it holds " \
+        "<TASK>/train.tsv and dev.tsv)\n"
+    assert cli(["glue", "--checkpoint", str(tiny_folder), "--data-dir", str(GLUE), "--tasks", "MNLI,QQP",
+                "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megamlm: glue: GLUE data dir {GLUE} holds the files of none of the tasks asked for: "
+                          f"MNLI: missing {GLUE}/MNLI/train.tsv") and "; QQP: missing " in err, err
+    assert not (tmp_path / "out/results.json").exists()
     assert cli(["glue", "--checkpoint", str(tiny_folder), "--data-dir", str(GLUE), "--tasks", "WNLI"]) == 2
     assert "unknown GLUE task(s) ['WNLI']" in capsys.readouterr().err
     # a wrong --checkpoint is said first, whatever the data dir holds

@@ -24,11 +24,10 @@ def cmd_glue(args) -> int:
     check_writable(args.out, "--out")  # before hours of fine-tuning
     for task in args.tasks.split(",") if args.save else ():
         check_output_folder(Path(args.out) / "models" / task, overwrite=True, what="--save folder")
-    report = run_glue(args.checkpoint, args.data_dir, args.tasks.split(","),
-                      args.seeds, args.out, options, args.max_train_samples,
-                      args.max_eval_samples, args.parallel, args.ppl)
+    run_glue(args.checkpoint, args.data_dir, args.tasks.split(","), args.seeds, args.out, options,
+             args.max_train_samples, args.max_eval_samples, args.parallel, args.ppl)  # some task ran, or it raised
     print((Path(args.out) / "results.md").read_text())
-    return 0 if any("summary" in r for r in report["tasks"].values()) else 1
+    return 0
 
 
 def add_glue_args(parser: argparse.ArgumentParser) -> None:

@@ -128,6 +128,13 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
                   (f"--max-eval-samples {max_eval}", max_eval, ">= 1"), (f"--parallel {parallel}", parallel, ">= 1"),
                   *((f"seed {seed}", seed, ">= 0") for seed in seeds)], GlueDataError)
     check_model_folder(checkpoint)  # before the tasks' files: a wrong path is said first, not after them
+    if not Path(data_dir).is_dir():
+        raise GlueDataError(f"GLUE data dir {data_dir}: not a folder (it holds <TASK>/train.tsv and dev.tsv)")
+    # a task whose files are missing is skipped (a partial download); none found is a wrong folder
+    missing = {t: reason for t in tasks if isinstance(reason := task_files(TASKS[t], data_dir), str)}
+    if len(missing) == len(tasks):
+        raise GlueDataError(f"GLUE data dir {data_dir} holds the files of none of the tasks asked for: "
+                            + "; ".join(f"{t}: {reason}" for t, reason in missing.items()))
     jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval, out) for t in tasks]
     if parallel > 1:
         with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
