@@ -9,6 +9,7 @@ vocabulary; only when they agree is the output moved into place, so a failed con
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -148,6 +149,28 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
     if not tolerance >= 0:
         raise fs.ConversionError(f"--tolerance {tolerance:g} must be >= 0 (the largest |Δ| allowed per unit of logit)")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
+    with _without_transformers_bars() if "hf" in (source, target) else contextlib.nullcontext():
+        return _read_and_convert(source, target, src, Path(out), dict_path, tp, tolerance, log, overwrite, classifier,
+                                 generator)
+
+
+@contextlib.contextmanager
+def _without_transformers_bars():
+    """transformers (5.x) draws a bar over the tensors it loads and the shards it writes, each a second long: a
+    flash on a terminal, and in a log `\r`-joined lines in the middle of the conversion's report."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
+def _read_and_convert(source: str, target: str, src, out: Path, dict_path, tp: int, tolerance: float, log,
+                      overwrite: bool, classifier: SequenceClassifier | None, generator) -> dict:
     model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
              "zero": lambda: read_zero(src),
              "hf": lambda: read_hugging_face(src, generator, classifier if target == "megamlm" else None)}[source]()
@@ -157,8 +180,7 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
             for name, text in model.tokenizer_files.items():
                 (Path(shipped) / name).write_text(text, encoding="utf-8")
             model.cfg = config_from_dict(model.cfg.to_dict(), [f"data.tokenizer={shipped}"])
-        return _convert(model, source, target, src, Path(out), tp, tolerance, log, overwrite, classifier,
-                        generator_out)
+        return _convert(model, source, target, src, out, tp, tolerance, log, overwrite, classifier, generator_out)
 
 
 def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
