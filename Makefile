@@ -28,14 +28,12 @@ demo: install
 	$(BIN)/megamlm train --config configs/demo.yaml --resume auto --fill-mask "The capital of France is <mask>."
 
 # Two pytest workers (pytest-xdist), a test file each at a time (module fixtures built once): on 2 cores
-# the serial suite left ~30% of the CPU idle (one-thread tests, processes starting) and took 49 minutes,
-# two workers 34 (session 37), 30.6 with one OpenMP thread per worker (tests/conftest.py; session 41;
-# 27.7 on session 42's Intel Xeon, 26.6 with 853 tests on session 43's, 24.7 with 860 on session 44's,
-# 25.6 with 871 on session 45's, 24.4 with 879 on session 46's, 25.2 with 883 on session 47's, 27.7 with 885
-# on session 48's, 28.1 on session 49's; the checkout holds no test output afterwards). The longest files start first
-# (tests/conftest.py: LONGEST_FIRST; --no-loadscope-reorder keeps that order), so the workers end together.
-# Temp files peak at ~2 GB: a passing test's folders are removed as it ends (pyproject, tests/conftest.py).
-# TEST_WORKERS=0 runs it in this process, one test at a time.
+# the serial suite left ~30% of the CPU idle (one-thread tests, processes starting); two workers at one
+# OpenMP thread each (tests/conftest.py) take ~20-28 minutes (BENCHMARKS.md, "The test suite's wall time",
+# has every measured run). The longest files start first (tests/conftest.py: LONGEST_FIRST;
+# --no-loadscope-reorder keeps that order), so the workers end together. Temp files peak at ~2 GB: a
+# passing test's folders are removed as it ends (pyproject, tests/conftest.py); the checkout holds no test
+# output afterwards. TEST_WORKERS=0 runs it in this process, one test at a time.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
