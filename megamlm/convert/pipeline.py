@@ -157,7 +157,7 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
 @contextlib.contextmanager
 def _without_transformers_bars():
     """transformers (5.x) draws a bar over the tensors it loads and the shards it writes, each a second long: a
-    flash on a terminal, and in a log `\r`-joined lines in the middle of the conversion's report."""
+    flash on a terminal, and in a log `\\r`-joined lines in the middle of the conversion's report."""
     from transformers.utils import logging
 
     shown = logging.is_progress_bar_enabled()
