@@ -143,7 +143,7 @@ def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2, capsy
 
 
 def test_progress_into_a_file_or_pipe_is_lines_not_a_redrawn_bar(tmp_path, gpt2, capsys, monkeypatch):
-    """stderr is not a terminal here (capsys), as in a SLURM job's log: no `\r`, each redraw a line of its
+    """stderr is not a terminal here (capsys), as in a SLURM job's log: no `\\r`, each redraw a line of its
     own, one a minute at most (here: the first and the last of a short build); at no interval, one a chunk of
     256 documents, counting up."""
     from megamlm.data import progress
