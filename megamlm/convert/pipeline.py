@@ -149,9 +149,18 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
     if not tolerance >= 0:
         raise fs.ConversionError(f"--tolerance {tolerance:g} must be >= 0 (the largest |Δ| allowed per unit of logit)")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
-    with _without_transformers_bars() if "hf" in (source, target) else contextlib.nullcontext():
-        return _read_and_convert(source, target, src, Path(out), dict_path, tp, tolerance, log, overwrite, classifier,
-                                 generator)
+    bars_off = _without_transformers_bars() if "hf" in (source, target) else contextlib.nullcontext()
+    with bars_off, tempfile.TemporaryDirectory() as shipped:
+        model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
+                 "zero": lambda: read_zero(src),
+                 "hf": lambda: read_hugging_face(src, generator, classifier if target == "megamlm" else None)}[source]()
+        generator_out = None if generator is None or target != "hf" else Path(generator)
+        if model.tokenizer_files is not None:  # the targets read the tokenizer from data.tokenizer
+            for name, text in model.tokenizer_files.items():
+                (Path(shipped) / name).write_text(text, encoding="utf-8")
+            model.cfg = config_from_dict(model.cfg.to_dict(), [f"data.tokenizer={shipped}"])
+        return _convert(model, source, target, src, Path(out), tp, tolerance, log, overwrite, classifier,
+                        generator_out)
 
 
 @contextlib.contextmanager
@@ -167,20 +176,6 @@ def _without_transformers_bars():
     finally:
         if shown:
             logging.enable_progress_bar()
-
-
-def _read_and_convert(source: str, target: str, src, out: Path, dict_path, tp: int, tolerance: float, log,
-                      overwrite: bool, classifier: SequenceClassifier | None, generator) -> dict:
-    model = {"fairseq": lambda: read_fairseq(src, dict_path), "megamlm": lambda: read_megamlm(src),
-             "zero": lambda: read_zero(src),
-             "hf": lambda: read_hugging_face(src, generator, classifier if target == "megamlm" else None)}[source]()
-    generator_out = None if generator is None or target != "hf" else Path(generator)
-    with tempfile.TemporaryDirectory() as shipped:
-        if model.tokenizer_files is not None:  # the targets read the tokenizer from data.tokenizer
-            for name, text in model.tokenizer_files.items():
-                (Path(shipped) / name).write_text(text, encoding="utf-8")
-            model.cfg = config_from_dict(model.cfg.to_dict(), [f"data.tokenizer={shipped}"])
-        return _convert(model, source, target, src, out, tp, tolerance, log, overwrite, classifier, generator_out)
 
 
 def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, tolerance: float, log,
