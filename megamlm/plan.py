@@ -13,7 +13,9 @@ Memory per GPU (bytes; P = parameters, TP/DP the parallel degrees, w = 2 for bf1
   attention bias  sdpa's (and eager's) additive bias, built once per forward and attention pattern and shared by
                its layers: b · s² · w per pattern with a window or model.document_mask, b · a/TP · s² · w
                with a score term (ALiBi); at most that for packed rows (one [L, L] block per sample)
-Wall time = flops/token (the objective's) · token slots · updates / (GPUs · peak · MFU). Of the slots,
+Wall time = flops/token (the objective's) · token slots · updates / (GPUs · peak · MFU), with the MFU
+megamlm's loop measured for the run's train.engine and train.compile (train.flops.LOOP_MFU) unless --mfu
+gives one; the line says which it assumed, on which GPU. Of the slots,
 the fill (real tokens / slots) trains: measured 0.99 for data.packing=packed (best fit) and 0.745 padded
 (the reference's `complete` samples of Pile-like documents at 2048; BENCHMARKS.md); the training log's
 `fill` column gives a run's own.
@@ -36,7 +38,7 @@ from megamlm.objectives import get_objective
 from megamlm.parallel import check_world_size
 from megamlm.train.checkpoint import checkpoint_bytes
 from megamlm.train.engine import deepspeed_config
-from megamlm.train.flops import GPU_PEAKS
+from megamlm.train.flops import GPU_PEAKS, LOOP_MFU, LOOP_MFU_MEASURED_ON
 
 FILL = {"packed": 0.99, "padded": 0.745}
 """Default fill by data.packing (see the module docstring)."""
@@ -69,6 +71,11 @@ class Plan:
     updates: int
     memory: dict  # name -> bytes per GPU
     hours: float
+    gpu: str
+    """The --gpu whose peak the wall time divides by."""
+    mfu: float
+    assumed: str
+    """Where `mfu` comes from, as the wall-time line says it."""
     reduction: str
     """The dtype the gradients are summed in over DP, and whose rule that is (`reduction`)."""
     checkpoint: int
@@ -91,12 +98,21 @@ class Plan:
             f"checkpoints   {self.checkpoint / 2**30:.2f} GiB each, up to {self.keep_last + 1} at once "
             f"(train.keep_last {self.keep_last} + 1 being written): "
             f"{(self.keep_last + 1) * self.checkpoint / 2**30:.2f} GiB in the run's checkpoints/",
-            f"wall time     {self.hours:.1f} h ({self.hours / 24:.1f} days)",
+            f"wall time     {_duration(self.hours)}: {self.gpus} {self.gpu} at MFU {self.mfu * 100:.3g}% "
+            f"({self.assumed})",
         ]
         return "\n".join(rows)
 
 
-def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float, fill: float | None = None) -> Plan:
+def _duration(hours: float) -> str:
+    if hours < 1:
+        return f"{hours * 3600:.0f} s" if hours < 1 / 60 else f"{hours * 60:.0f} min"
+    return f"{hours:.1f} h ({hours / 24:.1f} days)"
+
+
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float | None = None,
+              fill: float | None = None) -> Plan:
+    """`mfu` None: the loop's measured MFU for the run's engine (LOOP_MFU)."""
     check_ranges([(f"--nodes {nodes}", nodes, ">= 1"), (f"--gpus-per-node {gpus_per_node}", gpus_per_node, ">= 1"),
                   (f"--mfu {mfu}", mfu, "(0, 1]"), (f"--fill {fill}", fill, "(0, 1]")], ConfigError)
     gpus = nodes * gpus_per_node
@@ -127,10 +143,18 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
     peak = GPU_PEAKS[gpu][train.precision]
     tokens = micro_tokens * accumulation * dp
     fill = FILL[cfg.data.packing] if fill is None else fill
+    mfu, assumed = (mfu, "--mfu") if mfu is not None else _measured_mfu(cfg)
     seconds = get_objective(cfg).flops_per_token(s) * tokens * train.steps / (gpus * peak * mfu)
     return Plan(gpus, tp, dp, train.micro_batch_size, accumulation, train.global_batch(dp), tokens, fill,
-                train.steps, memory, seconds / 3600, reduction(cfg, dp), checkpoint_bytes(cfg, params, dp),
-                train.keep_last)
+                train.steps, memory, seconds / 3600, gpu, mfu, assumed, reduction(cfg, dp),
+                checkpoint_bytes(cfg, params, dp), train.keep_last)
+
+
+def _measured_mfu(cfg: Config) -> tuple[float, str]:
+    """The loop's measured MFU for this run's engine and compilation, and the words that say so."""
+    train = cfg.train
+    how = f"train.engine={train.engine}, {'compiled' if train.compile else 'eager'}"
+    return LOOP_MFU[train.engine, train.compile], f"megamlm's loop as measured for {how}, {LOOP_MFU_MEASURED_ON}; --mfu"
 
 
 def reduction(cfg: Config, dp: int) -> str:

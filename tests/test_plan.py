@@ -87,6 +87,35 @@ def test_the_plan_counts_real_tokens_at_the_layouts_fill():
         make_plan(load_config([CONFIGS / "pile/base-alibi.yaml"]), 1, 8, "A100", 0.35, fill=1.5)
 
 
+@pytest.mark.parametrize("engine,compiled", [("deepspeed", False), ("deepspeed", True), ("flat", False),
+                                             ("flat", True)])
+def test_the_wall_time_assumes_the_loops_measured_mfu_and_says_so(engine, compiled):
+    """Without --mfu the plan divides by the MFU megamlm's loop measured for the run's engine (it assumed 35%,
+    which no GPU row in BENCHMARKS.md reached, and said neither that nor the GPU); the line names both."""
+    from megamlm.objectives import get_objective
+    from megamlm.train.flops import LOOP_MFU
+
+    cfg = load_config([CONFIGS / "pile/base-zero-clap.yaml"], [f"train.engine={engine}", f"train.compile={compiled}",
+                                                                 "train.precision=bf16"])
+    measured = make_plan(cfg, 1, 8, "H100")
+    given = make_plan(cfg, 1, 8, "H100", 0.35)
+    assert measured.mfu == LOOP_MFU[engine, compiled] and 0.1 < measured.mfu < 0.35
+    assert measured.hours == pytest.approx(given.hours * 0.35 / measured.mfu)
+    how = f"train.engine={engine}, {'compiled' if compiled else 'eager'}"
+    assert (f"days): 8 H100 at MFU {measured.mfu * 100:.3g}% (megamlm's loop as measured for {how}, roberta.base at "
+            "2048 on an H200; --mfu)") in measured.table(80)
+    assert given.table(80).splitlines()[-1].endswith(": 8 H100 at MFU 35% (--mfu)")
+    # base zero-clap's 133,082 updates of 512 x 2048 slots at 35% of 8 x 989 TFLOP/s: 10.8 h
+    flops = get_objective(cfg).flops_per_token(2048) * 512 * 2048 * 133082
+    assert given.hours == pytest.approx(flops / (0.35 * 8 * 989e12) / 3600) == pytest.approx(10.79, abs=0.01)
+
+
+def test_the_wall_time_of_a_short_run_is_in_minutes_or_seconds():
+    cfg = load_config([CONFIGS / "demo.yaml"])
+    assert make_plan(cfg, 1, 1, "H100", 0.35).table(80).splitlines()[-1].startswith("wall time     1 s: ")
+    assert make_plan(cfg, 1, 1, "V100", 0.001).table(80).splitlines()[-1].startswith("wall time     28 min: ")
+
+
 def test_activation_memory_counts_the_scores_only_where_a_backend_keeps_them():
     """modernbert-base at 8192 × 2 rows, bf16: 34·h bytes per token per layer (Korthikanti et al.);
     eager also keeps the scores [b, a, s, s] (5·a·s per token); sdpa and eager build a bias per

@@ -235,8 +235,12 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB")
-    parser.add_argument("--gpu", default="A100", help="peak FLOP/s table entry: A100, H100, H200, V100")
-    parser.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilization to assume")
+    parser.add_argument("--gpu", default="H100",
+                        help="whose datasheet peak FLOP/s the wall time divides by: A100, H100, H200, V100 "
+                             "(default: %(default)s)")
+    parser.add_argument("--mfu", type=float, default=None,
+                        help="model FLOPs utilization to assume (default: what megamlm's loop measured for the "
+                             "config's train.engine and train.compile on an H200; the wall-time line says which)")
     parser.add_argument("--fill", type=float, default=None,
                         help="real tokens / token slots to assume (default: 0.99 packed, 0.745 padded, "
                              "measured; a run's own: the `fill` column of its log; its shards' padded: "

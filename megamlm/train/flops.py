@@ -19,6 +19,15 @@ GPU_PEAKS = {
     "V100": {"bf16": 125e12, "fp16": 125e12, "fp32": 15.7e12},
 }
 
+LOOP_MFU = {("deepspeed", False): 0.12, ("deepspeed", True): 0.13, ("flat", False): 0.16, ("flat", True): 0.20}
+"""MFU of megamlm's training loop as measured, by (train.engine, train.compile): roberta.base zero-clap at
+2048, bf16, micro-batch 8, one H200 (BENCHMARKS.md, GPU: NVIDIA H200: `loop-2048` 11.8-12.9%,
+`loop-2048-compiled` 12.7-14.5%, `loop-2048-flat` 15.3-17.0%, `loop-2048-flat-compiled` 19.8-20.4%).
+`megamlm plan` assumes it where --mfu is not given; roberta.large measured higher (18% and 25%). A lease that
+measures a faster loop updates it."""
+LOOP_MFU_MEASURED_ON = "roberta.base at 2048 on an H200"
+"""What LOOP_MFU was measured on, in the words `megamlm plan` prints."""
+
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float, devices: int) -> float | None:
     """Model FLOPs utilization, or None where it cannot be true: above 1 means the peak was measured
