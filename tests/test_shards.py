@@ -110,6 +110,34 @@ def test_output_is_deterministic_for_any_worker_count(tmp_path, gpt2):
             assert (other / name).read_bytes() == (folders[0] / name).read_bytes(), name
 
 
+def test_a_tokenizer_worker_that_dies_ends_the_build_with_one_line_and_leaves_nothing(tmp_path, gpt2, monkeypatch):
+    """A worker killed mid-build (the out-of-memory killer): multiprocessing.Pool replaced it and waited for
+    its chunk forever (a --workers 2 build hung at 0% CPU, nothing said); now the build stops with a line."""
+    import multiprocessing
+    import signal
+
+    from megamlm.data import shards
+
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": a_tokens(20 + i % 7)} for i in range(3000)])
+    read = shards.read_documents
+
+    def killing_one_worker(*args):
+        for i, doc in enumerate(read(*args)):
+            if i == 600:  # two chunks submitted: the workers run
+                worker = next(p for p in multiprocessing.active_children() if "Process" in type(p).__name__)
+                worker.kill()
+                worker.join()
+                assert worker.exitcode == -signal.SIGKILL
+            yield doc
+
+    monkeypatch.setattr(shards, "read_documents", killing_one_worker)
+    out = tmp_path / "out"
+    with pytest.raises(ShardError, match=r"^a tokenizer worker process \(--workers 2\) ended abruptly after "
+                                         r"[\d,]+ documents \(killed: .*run it again, with fewer --workers"):
+        build_shards(BuildOptions([str(src)], str(out), valid_fraction=0.0, workers=2), gpt2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # no output, no staging folder
+
+
 def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2, capsys):
     src = tmp_path / "bad.jsonl"
     good = json.dumps({"text": "fine document", "meta": {"pile_set_name": "Wikipedia (en)"}})

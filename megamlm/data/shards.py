@@ -31,19 +31,17 @@ import sys
 import tarfile
 import typing
 import zlib
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
 from megamlm.config import DataConfig
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
-from megamlm.data.documents import BuildStats, Document, ShardError, read_documents, skipped_summary
+from megamlm.data.documents import BuildStats, ShardError, read_documents, skipped_summary
 from megamlm.data.progress import progress_bar
 from megamlm.data.tokenizer import EOS, Tokenizer
+from megamlm.data.tokenizing import encoded_chunks
 from megamlm.errors import check_ranges
 from megamlm.files import check_writable, staging_sibling
 
@@ -53,33 +51,6 @@ LONG_DOC_POLICIES = typing.get_args(typing.get_type_hints(DataConfig)["long_docs
 TEXT_MODES = typing.get_args(typing.get_type_hints(DataConfig)["text_mode"])
 FORMAT_VERSION = 2
 STAGING_MARKER = ".megamlm-building"  # in a staging folder: "<host> <pid>" of the builder
-
-
-# ------------------------------------------------------------------------------------------------
-# Tokenizing (optionally in worker processes; results keep input order)
-# ------------------------------------------------------------------------------------------------
-
-_WORKER_TOKENIZER: Tokenizer | None = None
-
-
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = tokenizer
-
-
-def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
-    return _WORKER_TOKENIZER.encode_batch(texts)
-
-
-def _chunks(docs: Iterator[Document], size: int) -> Iterator[list[Document]]:
-    chunk = []
-    for doc in docs:
-        chunk.append(doc)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 def apply_long_policy(ids: np.ndarray, capacity: int, policy: str) -> tuple[list[np.ndarray], str]:
@@ -219,23 +190,11 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
     split_rng = np.random.default_rng(options.seed)
     docs = (d for path in options.inputs
             for d in read_documents(Path(path), options.text_mode, stats, options.strict))
-    pool = (get_context("spawn").Pool(options.workers, _init_worker, (tokenizer,))
-            if options.workers > 1 else None)
-    if pool is None:
-        _init_worker(tokenizer)
     bar = progress_bar(desc="tokenizing", unit=" docs", enabled=progress)
     ordinal = 0
-    queue: deque[list[Document]] = deque()  # chunks in flight, in input order
     told: set[str] = set()  # kinds of skipped line already shown
-
-    def texts() -> Iterator[list[str]]:
-        for chunk in _chunks(docs, 256):
-            queue.append(chunk)
-            yield [d.text for d in chunk]
-
     try:
-        for encoded in (pool.imap if pool is not None else map)(_encode_chunk, texts()):
-            chunk = queue.popleft()
+        for chunk, encoded in encoded_chunks(docs, tokenizer, options.workers):
             for doc, ids in zip(chunk, encoded):
                 ids = np.append(ids, EOS)
                 pieces, action = apply_long_policy(ids, capacity, options.long_docs)
@@ -257,8 +216,6 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
                 bar.write(f"skipping {kind} lines, the first at {stats.first_skipped[kind]}", file=sys.stderr)
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
     for writer in writers.values():
         writer.close()
     if not sum(stats.documents.values()):

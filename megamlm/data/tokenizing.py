@@ -1,0 +1,83 @@
+"""The shard build's tokenizing: documents in chunks, encoded in this process or in `workers` processes,
+handed back in input order (so that shards are byte-identical for any worker count).
+
+Worker processes run under concurrent.futures' ProcessPoolExecutor, which notices a worker that dies (the
+out-of-memory killer, a signal): multiprocessing.Pool replaces such a worker and waits for the chunk it
+held forever, and a Pile build then hung at 0% CPU with nothing said. Here that is a ShardError, and the
+build's staging folder is removed as for any failed build (shards.build_shards)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+
+import numpy as np
+
+from megamlm.data.documents import Document, ShardError
+from megamlm.data.tokenizer import Tokenizer
+
+CHUNK_DOCUMENTS = 256
+"""Documents per encode_batch call (and per task of a worker)."""
+IN_FLIGHT_PER_WORKER = 2
+"""Chunks submitted ahead per worker: each has one queued behind the one it encodes, and the documents
+read ahead stay bounded (a chunk's texts are held until its ids come back)."""
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
+    return _WORKER_TOKENIZER.encode_batch(texts)
+
+
+def _chunks(docs: Iterable[Document], size: int) -> Iterator[list[Document]]:
+    chunk = []
+    for doc in docs:
+        chunk.append(doc)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer,
+                   workers: int = 1) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
+    """(chunk of documents, their token ids without </s>) in input order."""
+    if workers == 1:
+        for chunk in _chunks(docs, CHUNK_DOCUMENTS):
+            yield chunk, tokenizer.encode_batch([d.text for d in chunk])
+        return
+    pending: deque[tuple[list[Document], Future]] = deque()
+    done = 0  # documents handed back, for the error line
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                               initargs=(tokenizer,))
+
+    def submit(chunk: list[Document] | None) -> None:
+        if chunk is not None:
+            pending.append((chunk, pool.submit(_encode_chunk, [d.text for d in chunk])))
+
+    try:
+        chunks = _chunks(docs, CHUNK_DOCUMENTS)
+        for _ in range(workers * IN_FLIGHT_PER_WORKER):
+            submit(next(chunks, None))
+        while pending:
+            chunk, future = pending.popleft()
+            ids = future.result()
+            done += len(chunk)
+            yield chunk, ids
+            submit(next(chunks, None))
+    except BrokenProcessPool:  # from a result or a submit: a worker is gone
+        raise ShardError(
+            f"a tokenizer worker process (--workers {workers}) ended abruptly after {done:,} documents "
+            f"(killed: the out-of-memory killer, or a signal); nothing of the build is kept; run it "
+            f"again, with fewer --workers if memory ran out") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
