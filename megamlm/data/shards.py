@@ -73,6 +73,7 @@ _USTAR_TAIL = b"0" + bytes(100) + b"ustar\x0000" + bytes(32 + 32 + 8 + 8 + 155 +
 """A member header after its name, mode, ids, size, mtime and checksum: a regular file, no link, ustar
 magic, no owner names, no device numbers (empty, as tarfile leaves them for a file), no name prefix, the
 block's padding."""
+_USTAR_TAIL_SUM = sum(_USTAR_TAIL) + 8 * ord(" ")  # the checksum field counts as 8 spaces
 _USTAR_MODE_IDS = b"0000644\x00" + b"0000000\x00" * 2  # mode 0o644, uid 0, gid 0
 _NO_MTIME = b"00000000000\x00"
 _NPY_MAGIC = b"\x93NUMPY\x01\x00"
@@ -86,7 +87,7 @@ def ustar_header(name: str, size: int) -> bytes:
     if len(encoded) > 100:
         raise ValueError(f"tar member name over 100 bytes: {name}")
     head = encoded + bytes(100 - len(encoded)) + _USTAR_MODE_IDS + b"%011o\x00" % size + _NO_MTIME
-    checksum = sum(head) + sum(_USTAR_TAIL) + 8 * ord(" ")  # the checksum field counts as 8 spaces
+    checksum = sum(head) + _USTAR_TAIL_SUM
     return head + b"%06o\x00 " % checksum + _USTAR_TAIL
 
 
