@@ -8,6 +8,7 @@ build's staging folder is removed as for any failed build (shards.build_shards).
 
 from __future__ import annotations
 
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -61,8 +62,15 @@ def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer,
                                initargs=(tokenizer,))
 
     def submit(chunk: list[Document] | None) -> None:
-        if chunk is not None:
+        if chunk is None:
+            return
+        # a submit may start a worker: with SIGINT blocked it starts blocked, so a Ctrl-C reaches this
+        # process alone (workers printed their KeyboardInterrupt tracebacks), which stops the build
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
             pending.append((chunk, pool.submit(_encode_chunk, [d.text for d in chunk])))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     try:
         chunks = _chunks(docs, CHUNK_DOCUMENTS)
