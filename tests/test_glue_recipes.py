@@ -12,7 +12,8 @@ import torch
 from megamlm.config import OptimConfig
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune, param_groups
-from megamlm.glue.recipes import RECIPES, AdamWeightDecay
+from megamlm.glue.optimizer import AdamWeightDecay
+from megamlm.glue.recipes import RECIPES
 from megamlm.glue.tasks import TASKS, Example
 from megamlm.model.encoder import Encoder
 from megamlm.train.schedule import lr_at

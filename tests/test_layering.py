@@ -38,3 +38,13 @@ def test_the_code_keeps_the_style_rules():
     run = subprocess.run([str(Path(sys.executable).with_name("ruff")), "check", "megamlm", "tests", "benchmarks"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_the_command_line_and_the_tokenizer_workers_start_without_torch():
+    """`megamlm --help` and a one-line mistake took ~6 s and 440 MB (every verb's modules, torch and
+    megatron-core, imported at the start), and each of `shards build --workers N`'s processes imported the same
+    to tokenize text. The verbs import what they run; the package's names load on first use."""
+    code = ("import sys, megamlm, megamlm.cli, megamlm.data.tokenizing; "
+            "print(sorted(m for m in ('torch', 'megatron', 'deepspeed', 'transformers') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr

@@ -18,7 +18,7 @@ from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.cli.torchrun import (INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, launch_problem, launches_ranks,
                                   relaunch_with_torchrun)
 from megamlm.config import Config, ConfigError, load_config
-from megamlm.convert.pipeline import SOURCES, TARGETS
+from megamlm.convert import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line, peer_gone, warnings_as_lines
 from megamlm.files import RUN_FINAL, check_writable
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from megamlm.data.shard_report import describe, verify, verify_report
 from megamlm.data.shards import LONG_DOC_POLICIES, TEXT_MODES, BuildOptions, build_shards, summary_table
 
 
 def cmd_shards(args) -> int:
     from megamlm.data.pieces import WordPieceTokenizer
+    from megamlm.data.shard_report import describe, verify, verify_report  # the stream: torch, megatron-core
     from megamlm.data.tokenizer import Tokenizer
 
     if args.shards_verb == "inspect":

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megamlm.config import Config, config_from_dict
+from megamlm.convert import SOURCES, TARGETS
 from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
 from megamlm.convert.hf_export import SequenceClassifier, write_hf
@@ -36,8 +37,6 @@ from megamlm.objectives.electra import has_generator
 from megamlm.objectives.mlm import has_masked_lm_head
 from megamlm.objectives.sentence_pairs import as_classification_head
 
-SOURCES = ("fairseq", "megamlm", "zero", "hf")
-TARGETS = ("megamlm", "fairseq", "hf")
 
 
 @dataclass

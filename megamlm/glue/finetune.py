@@ -32,7 +32,8 @@ from megamlm.data.tokenizer import BOS, EOS, Tokenizer
 from megamlm.errors import MegamlmError, check_ranges
 from megamlm.objectives.classification import CLASSIFIER_HEADS, Pooling
 from megamlm.glue.metrics import best_of, compute_metrics
-from megamlm.glue.recipes import RECIPES, Recipe, build_optimizer
+from megamlm.glue.optimizer import build_optimizer
+from megamlm.glue.recipes import RECIPES, Recipe
 from megamlm.glue.tasks import Example, Task
 from megamlm.parallel import ParallelContext, host_to_device
 from megamlm.train.schedule import lr_at

@@ -21,8 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from megamlm.config import ModelConfig
 from megamlm.glue.tasks import Task
 
@@ -107,41 +105,3 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
 PAPER_RECIPES = {"electra": "electra"}
 """objective.name -> the recipe of the paper that introduced it, where that is not the default; `megamlm
 glue` notes it when another one fine-tunes such a folder (the default stays: one recipe compares objectives)."""
-
-
-class AdamWeightDecay(torch.optim.Optimizer):
-    """TF BERT/ELECTRA's AdamWeightDecayOptimizer: Adam without bias correction, decoupled weight decay:
-
-        m = β1·m + (1 − β1)·g;   v = β2·v + (1 − β2)·g²;   p −= lr · (m / (√v + ε) + wd · p)
-    """
-
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            (beta1, beta2), params = group["betas"], [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            states = [self.state[p] for p in params]
-            for p, state in zip(params, states):
-                if not state:
-                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
-            grads = [p.grad for p in params]
-            m, v = [s["m"] for s in states], [s["v"] for s in states]
-            torch._foreach_mul_(m, beta1)
-            torch._foreach_add_(m, grads, alpha=1 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-            update = torch._foreach_div(m, torch._foreach_add(torch._foreach_sqrt(v), group["eps"]))
-            if group["weight_decay"]:
-                torch._foreach_add_(update, params, alpha=group["weight_decay"])
-            torch._foreach_add_(params, update, alpha=-group["lr"])
-
-
-def build_optimizer(groups: list[dict], recipe: Recipe) -> torch.optim.Optimizer:
-    """The recipe's optimizer over param groups that carry their own "weight_decay" (and "lr_scale")."""
-    if recipe.bias_correction:
-        return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps, fused=True)
-    return AdamWeightDecay(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps, weight_decay=0.0)
