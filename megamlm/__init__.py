@@ -1,5 +1,6 @@
 """megamlm: masked language model pretraining on megatron-core and DeepSpeed."""
 
+import importlib
 import warnings
 
 # megatron-core announces at import that it falls back to torch when apex / Transformer Engine are
@@ -22,6 +23,4 @@ __all__ = [*_API, "__version__"]
 def __getattr__(name: str):
     if name not in _API:
         raise AttributeError(f"module 'megamlm' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(_API[name]), name)
