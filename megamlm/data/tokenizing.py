@@ -1,5 +1,7 @@
 """The shard build's tokenizing: documents in chunks, encoded in this process or in `workers` processes,
-handed back in input order (so that shards are byte-identical for any worker count).
+each document's ids turned into what the build stores of it where they were encoded (`prepare`: the build's
+one serial process then only writes), handed back in input order (so that shards are byte-identical for any
+worker count).
 
 Worker processes run under concurrent.futures' ProcessPoolExecutor, which notices a worker that dies (the
 out-of-memory killer, a signal): multiprocessing.Pool replaces such a worker and waits for the chunk it
@@ -10,10 +12,11 @@ from __future__ import annotations
 
 import signal
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
+from typing import Any
 
 import numpy as np
 
@@ -26,16 +29,23 @@ IN_FLIGHT_PER_WORKER = 2
 """Chunks submitted ahead per worker: each has one queued behind the one it encodes, and the documents
 read ahead stay bounded (a chunk's texts are held until its ids come back)."""
 
-_WORKER_TOKENIZER: Tokenizer | None = None
+Prepare = Callable[[np.ndarray], Any]
+"""A document's token ids (without </s>) -> what the build keeps of it (picklable: it runs in the workers)."""
+
+_WORKER: tuple[Tokenizer, Prepare] | None = None
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = tokenizer
+def _init_worker(tokenizer: Tokenizer, prepare: Prepare) -> None:
+    global _WORKER
+    _WORKER = tokenizer, prepare
 
 
-def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
-    return _WORKER_TOKENIZER.encode_batch(texts)
+def _prepared(tokenizer: Tokenizer, prepare: Prepare, texts: list[str]) -> list:
+    return [prepare(ids) for ids in tokenizer.encode_batch(texts)]
+
+
+def _prepare_chunk(texts: list[str]) -> list:
+    return _prepared(*_WORKER, texts)
 
 
 def _chunks(docs: Iterable[Document], size: int) -> Iterator[list[Document]]:
@@ -49,17 +59,17 @@ def _chunks(docs: Iterable[Document], size: int) -> Iterator[list[Document]]:
         yield chunk
 
 
-def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer,
-                   workers: int = 1) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
-    """(chunk of documents, their token ids without </s>) in input order."""
+def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer, prepare: Prepare,
+                   workers: int = 1) -> Iterator[tuple[list[Document], list]]:
+    """(chunk of documents, per document `prepare(its token ids without </s>)`) in input order."""
     if workers == 1:
         for chunk in _chunks(docs, CHUNK_DOCUMENTS):
-            yield chunk, tokenizer.encode_batch([d.text for d in chunk])
+            yield chunk, _prepared(tokenizer, prepare, [d.text for d in chunk])
         return
     pending: deque[tuple[list[Document], Future]] = deque()
     done = 0  # documents handed back, for the error line
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                               initargs=(tokenizer,))
+                               initargs=(tokenizer, prepare))
 
     def submit(chunk: list[Document] | None) -> None:
         if chunk is None:
@@ -68,7 +78,7 @@ def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer,
         # process alone (workers printed their KeyboardInterrupt tracebacks), which stops the build
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            pending.append((chunk, pool.submit(_encode_chunk, [d.text for d in chunk])))
+            pending.append((chunk, pool.submit(_prepare_chunk, [d.text for d in chunk])))
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
@@ -78,9 +88,9 @@ def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer,
             submit(next(chunks, None))
         while pending:
             chunk, future = pending.popleft()
-            ids = future.result()
+            prepared = future.result()
             done += len(chunk)
-            yield chunk, ids
+            yield chunk, prepared
             submit(next(chunks, None))
     except BrokenProcessPool:  # from a result or a submit: a worker is gone
         raise ShardError(
