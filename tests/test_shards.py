@@ -152,7 +152,7 @@ def test_a_tokenizer_worker_that_dies_ends_the_build_with_one_line_and_leaves_no
     from megamlm.data import shards
 
     src = write_jsonl(tmp_path / "docs.jsonl", [{"text": a_tokens(20 + i % 7)} for i in range(3000)])
-    read = shards.read_documents
+    read = shards.document_lines
 
     def killing_one_worker(*args):
         for i, doc in enumerate(read(*args)):
@@ -163,7 +163,7 @@ def test_a_tokenizer_worker_that_dies_ends_the_build_with_one_line_and_leaves_no
                 assert worker.exitcode == -signal.SIGKILL
             yield doc
 
-    monkeypatch.setattr(shards, "read_documents", killing_one_worker)
+    monkeypatch.setattr(shards, "document_lines", killing_one_worker)
     out = tmp_path / "out"
     with pytest.raises(ShardError, match=r"^a tokenizer worker process \(--workers 2\) ended abruptly after "
                                          r"[\d,]+ documents \(killed: .*run it again, with fewer --workers"):

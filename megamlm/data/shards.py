@@ -37,7 +37,7 @@ import numpy as np
 
 from megamlm.config import DataConfig
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
-from megamlm.data.documents import BuildStats, ShardError, read_documents, skipped_summary
+from megamlm.data.documents import BuildStats, Problem, ShardError, document_lines, skip, skipped_summary
 from megamlm.data.progress import progress_bar
 from megamlm.data.tokenizer import EOS, Tokenizer
 from megamlm.data.tokenizing import encoded_chunks
@@ -259,28 +259,34 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
     stored = StoredPieces(options.seq_length - 1, options.long_docs, np.dtype(dtype).str)
     split_rng = np.random.default_rng(options.seed)
     docs = (d for path in options.inputs
-            for d in read_documents(Path(path), options.text_mode, stats, options.strict))
+            for d in document_lines(Path(path), options.text_mode, stats, options.strict))
     bar = progress_bar(desc="tokenizing", unit=" docs", enabled=progress)
     ordinal = 0
     told: set[str] = set()  # kinds of skipped line already shown
     try:
         for chunk, prepared in encoded_chunks(docs, tokenizer, stored, options.workers):
+            found = []  # (document, its subset, what is stored of it)
+            for doc, result in zip(chunk, prepared):
+                if isinstance(result, Problem):
+                    skip(stats, doc.source, doc.line, result, options.strict)
+                elif result is not None:
+                    found.append((doc, result[0] or doc.subset, result[1]))
             # one draw per document in input order, as many calls of split_rng.random() would draw
-            valid = split_rng.random(len(chunk)) < options.valid_fraction
-            for doc, (action, pieces), in_valid in zip(chunk, prepared, valid):
+            valid = split_rng.random(len(found)) < options.valid_fraction
+            for (doc, subset_name, (action, pieces)), in_valid in zip(found, valid):
                 split = "valid" if in_valid else "train"
-                subset = stats.per_subset[doc.subset]
+                subset = stats.per_subset[subset_name]
                 subset["documents"] += 1
                 subset[action] += 1
                 for part, piece in enumerate(pieces):
                     tokens = piece[1]
                     writers[split].add(f"{ordinal:010d}", piece,
-                                       meta_json(doc.source, doc.line, doc.subset, tokens, action, part))
+                                       meta_json(doc.source, doc.line, subset_name, tokens, action, part))
                     ordinal += 1
                     stats.documents[split] += 1
                     stats.tokens[split] += tokens
                     subset["tokens"] += tokens
-            bar.update(len(chunk))
+            bar.update(len(found))
             for kind in sorted(stats.first_skipped.keys() - told) if progress else ():  # as a long build meets it
                 told.add(kind)
                 bar.write(f"skipping {kind} lines, the first at {stats.first_skipped[kind]}", file=sys.stderr)

@@ -1,7 +1,7 @@
-"""The shard build's tokenizing: documents in chunks, encoded in this process or in `workers` processes,
-each document's ids turned into what the build stores of it where they were encoded (`prepare`: the build's
-one serial process then only writes), handed back in input order (so that shards are byte-identical for any
-worker count).
+"""The shard build's tokenizing: documents in chunks, parsed (a jsonl line's JSON: documents.json_document),
+encoded and turned into what the build stores of them (`prepare`) in this process or in `workers` processes,
+handed back in input order (so that shards are byte-identical for any worker count): the build's one serial
+process reads the lines and writes.
 
 Worker processes run under concurrent.futures' ProcessPoolExecutor, which notices a worker that dies (the
 out-of-memory killer, a signal): multiprocessing.Pool replaces such a worker and waits for the chunk it
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from megamlm.data.documents import Document, ShardError
+from megamlm.data.documents import Document, Problem, ShardError, json_document
 from megamlm.data.tokenizer import Tokenizer
 
 CHUNK_DOCUMENTS = 256
@@ -40,11 +40,17 @@ def _init_worker(tokenizer: Tokenizer, prepare: Prepare) -> None:
     _WORKER = tokenizer, prepare
 
 
-def _prepared(tokenizer: Tokenizer, prepare: Prepare, texts: list[str]) -> list:
-    return [prepare(ids) for ids in tokenizer.encode_batch(texts)]
+def _prepared(tokenizer: Tokenizer, prepare: Prepare, texts: list[str | bytes]) -> list:
+    """Per text (a Document's: a jsonl line's bytes are parsed here) (its subset, None: the Document's own;
+    `prepare` of its ids), the Problem that makes it no document, or None for a blank line."""
+    results = [json_document(text) if isinstance(text, bytes) else (text, None) for text in texts]
+    found = [result for result in results if result is not None and not isinstance(result, Problem)]
+    ids = iter(tokenizer.encode_batch([text for text, _ in found]))
+    return [result if result is None or isinstance(result, Problem) else (result[1], prepare(next(ids)))
+            for result in results]
 
 
-def _prepare_chunk(texts: list[str]) -> list:
+def _prepare_chunk(texts: list[str | bytes]) -> list:
     return _prepared(*_WORKER, texts)
 
 
@@ -61,7 +67,7 @@ def _chunks(docs: Iterable[Document], size: int) -> Iterator[list[Document]]:
 
 def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer, prepare: Prepare,
                    workers: int = 1) -> Iterator[tuple[list[Document], list]]:
-    """(chunk of documents, per document `prepare(its token ids without </s>)`) in input order."""
+    """(chunk of `docs`, per one what `_prepared` makes of its text) in input order."""
     if workers == 1:
         for chunk in _chunks(docs, CHUNK_DOCUMENTS):
             yield chunk, _prepared(tokenizer, prepare, [d.text for d in chunk])
