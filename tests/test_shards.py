@@ -10,6 +10,7 @@ import pytest
 import webdataset as wds
 
 from megamlm.cli import main as cli
+from megamlm.data.documents import BuildStats, read_documents
 from megamlm.data.shards import BuildOptions, ShardError, build_shards, summary_table
 from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import EOS, Tokenizer
@@ -201,6 +202,37 @@ def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2, capsy
     shown = re.findall(r"skipping (\w+) lines, the first at (\S+):", capsys.readouterr().err)
     assert sorted(shown) == [("empty", f"{src}:4"), ("invalid_utf8", f"{src}:5"), ("malformed_json", f"{src}:2"),
                              ("missing_text", f"{src}:3")], shown
+
+
+def test_jsonl_parsed_in_the_workers_gives_the_same_shards_skips_and_strict_error(tmp_path, gpt2):
+    """--workers > 1 parses a jsonl line's JSON in the tokenizer workers (json_document): the shards, the manifest's
+    per-subset and skipped counts and a --strict build's error are those of --workers 1, which parses in-process."""
+    src = tmp_path / "mixed.jsonl"
+    texts = [d.text for d in read_documents(ROOT / "data/wikitext-103/test.txt", "paragraphs", BuildStats(), False)]
+    lines = [json.dumps({"text": t, "meta": {"pile_set_name": ["Pile-CC", "Wikipedia (en)", "ünï \"q\""][i % 3]}})
+             .encode() for i, t in enumerate(texts[:900])]
+    for at, bad in [(3, b'{"text": "unterminated'), (300, b'{"meta": {}}'), (301, b'{"text": "  "}'), (700, b"[1]"),
+                    (820, b'{"text": "bad \xff byte"}'), (821, b"")]:
+        lines.insert(at, bad)
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    folders, manifests = [], []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        manifests.append(build_shards(BuildOptions([str(src)], str(out), seq_length=128, long_docs="split",
+                                                   valid_fraction=0.1, shard_tokens=30_000, workers=workers),
+                                      gpt2, progress=False))
+        folders.append(out)
+    assert manifests[0]["skipped"] == {"malformed_json": 1, "missing_text": 2, "empty": 1, "invalid_utf8": 1}
+    assert manifests[0]["per_subset"].keys() == {"Pile-CC", "Wikipedia (en)", 'ünï "q"'}
+    assert manifests[1] == manifests[0]
+    names = sorted(p.name for p in folders[0].iterdir())
+    assert len(names) > 4 and sorted(p.name for p in folders[1].iterdir()) == names
+    for name in names:
+        assert (folders[1] / name).read_bytes() == (folders[0] / name).read_bytes(), name
+    for workers in (1, 2):
+        with pytest.raises(ShardError, match=rf"^{re.escape(str(src))}:4: malformed JSON"):
+            build_shards(BuildOptions([str(src)], str(tmp_path / f"strict{workers}"), strict=True, workers=workers),
+                         gpt2, progress=False)
 
 
 def test_progress_into_a_file_or_pipe_is_lines_not_a_redrawn_bar(tmp_path, gpt2, capsys, monkeypatch):

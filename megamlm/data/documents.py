@@ -8,6 +8,8 @@ truncated or corrupt zstd stream) is always an error naming it."""
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,18 +55,18 @@ def skipped_summary(counts: dict, first: dict) -> str:
                      for kind, n in sorted(counts.items())) or "none"
 
 
-def _zstd_lines(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """Lines of a (multi-frame) zstd file; a file that ends inside a frame is an error, never a
-    silently shorter input."""
+def _zstd_blocks(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """The decompressed bytes of a (multi-frame) zstd file, block by block; a file that ends inside a frame is
+    an error, never a silently shorter input."""
     import zstandard
 
-    pending, started = b"", False
+    started = False
     decompressor = zstandard.ZstdDecompressor().decompressobj()
     with open(path, "rb") as raw:
         while data := raw.read(chunk):
             while data:
                 try:
-                    pending += decompressor.decompress(data)
+                    yield decompressor.decompress(data)
                 except zstandard.ZstdError as err:
                     raise ShardError(f"{path}: corrupt zstd data ({err})") from None
                 started = True
@@ -72,19 +74,70 @@ def _zstd_lines(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
                 if decompressor.eof:  # next frame
                     data = decompressor.unused_data
                     decompressor, started = zstandard.ZstdDecompressor().decompressobj(), False
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                yield line + b"\n"
     if started:
         raise ShardError(f"{path}: truncated zstd file (it ends inside a compressed frame); "
                          f"re-download or re-compress it")
+
+
+READ_AHEAD_BLOCKS = 4
+"""Decompressed blocks (of ~1 MB of input each) a reader thread keeps ready."""
+
+
+def read_ahead(blocks: Iterator[bytes], depth: int = READ_AHEAD_BLOCKS) -> Iterator[bytes]:
+    """`blocks`, made on a thread of their own up to `depth` ahead: zstandard decompresses without the GIL, so
+    a build's process writes shards meanwhile (decompressing was ~25% of its time at the Pile's document
+    sizes). What the blocks raise is raised here, in order; a consumer that stops early stops the thread."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def offer(item: tuple) -> bool:
+        """Put `item` once there is room; False when the consumer stopped first."""
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for block in blocks:
+                if not offer((block, None)):
+                    return
+            offer((None, None))
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
+            offer((None, err))
+
+    thread = threading.Thread(target=produce, name="megamlm-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            block, err = ready.get()
+            if err is not None:
+                raise err
+            if block is None:
+                return
+            yield block
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _lines(blocks: Iterator[bytes]) -> Iterator[bytes]:
+    """The lines (each with its newline; the last one may lack it) of a file given as blocks of its bytes."""
+    pending = b""
+    for block in blocks:
+        *lines, pending = (pending + block).split(b"\n")
+        for line in lines:
+            yield line + b"\n"
     if pending:
         yield pending
 
 
 def _binary_lines(path: Path) -> Iterator[bytes]:
     if path.name.endswith(".zst"):
-        yield from _zstd_lines(path)
+        yield from _lines(read_ahead(_zstd_blocks(path)))
     else:
         with open(path, "rb") as f:
             yield from f
