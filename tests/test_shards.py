@@ -3,6 +3,7 @@ policies at the reference's boundary, determinism, and bad input that is counted
 
 import json
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +234,33 @@ def test_jsonl_parsed_in_the_workers_gives_the_same_shards_skips_and_strict_erro
         with pytest.raises(ShardError, match=rf"^{re.escape(str(src))}:4: malformed JSON"):
             build_shards(BuildOptions([str(src)], str(tmp_path / f"strict{workers}"), strict=True, workers=workers),
                          gpt2, progress=False)
+
+
+def test_read_ahead_hands_over_blocks_in_order_raises_in_order_and_stops_with_its_consumer():
+    """A .zst input is decompressed on a thread of its own (documents.read_ahead): the consumer sees the blocks
+    as made, an error where the blocks raised it, and a consumer that stops early leaves no thread behind (its
+    producer was blocked on a full queue)."""
+    import threading
+
+    from megamlm.data.documents import read_ahead
+
+    def blocks(n, error=None):
+        for i in range(n):
+            yield bytes([i % 256]) * (i + 1)
+        if error is not None:
+            raise error
+
+    assert list(read_ahead(blocks(50), depth=2)) == list(blocks(50))
+    seen = []
+    with pytest.raises(ShardError, match="corrupt zstd"):
+        for block in read_ahead(blocks(7, ShardError("x.zst: corrupt zstd data")), depth=2):
+            seen.append(block)
+    assert seen == list(blocks(7))
+    reader = read_ahead(blocks(1000), depth=2)
+    assert next(reader) == b"\x00"
+    time.sleep(0.2)  # the producer fills the queue and waits
+    reader.close()
+    assert [t.name for t in threading.enumerate() if t.name == "megamlm-read-ahead"] == []
 
 
 def test_progress_into_a_file_or_pipe_is_lines_not_a_redrawn_bar(tmp_path, gpt2, capsys, monkeypatch):
