@@ -210,8 +210,9 @@ def test_jsonl_parsed_in_the_workers_gives_the_same_shards_skips_and_strict_erro
     per-subset and skipped counts and a --strict build's error are those of --workers 1, which parses in-process."""
     src = tmp_path / "mixed.jsonl"
     texts = [d.text for d in read_documents(ROOT / "data/wikitext-103/test.txt", "paragraphs", BuildStats(), False)]
-    lines = [json.dumps({"text": t, "meta": {"pile_set_name": ["Pile-CC", "Wikipedia (en)", "ünï \"q\""][i % 3]}})
-             .encode() for i, t in enumerate(texts[:900])]
+    subsets = ["Pile-CC", "Wikipedia (en)", "ünï \"q\"", "", ["a list"]]
+    lines = [json.dumps({"text": t, "meta": {"pile_set_name": subsets[i % 5]}}).encode()
+             for i, t in enumerate(texts[:900])]
     for at, bad in [(3, b'{"text": "unterminated'), (300, b'{"meta": {}}'), (301, b'{"text": "  "}'), (700, b"[1]"),
                     (820, b'{"text": "bad \xff byte"}'), (821, b"")]:
         lines.insert(at, bad)
@@ -224,7 +225,7 @@ def test_jsonl_parsed_in_the_workers_gives_the_same_shards_skips_and_strict_erro
                                       gpt2, progress=False))
         folders.append(out)
     assert manifests[0]["skipped"] == {"malformed_json": 1, "missing_text": 2, "empty": 1, "invalid_utf8": 1}
-    assert manifests[0]["per_subset"].keys() == {"Pile-CC", "Wikipedia (en)", 'ünï "q"'}
+    assert manifests[0]["per_subset"].keys() == {"Pile-CC", "Wikipedia (en)", 'ünï "q"', "", '["a list"]'}
     assert manifests[1] == manifests[0]
     names = sorted(p.name for p in folders[0].iterdir())
     assert len(names) > 4 and sorted(p.name for p in folders[1].iterdir()) == names

@@ -178,7 +178,9 @@ def json_document(raw: bytes) -> tuple[str, str] | Problem | None:
     if not record["text"].strip():
         return Problem("empty", "blank 'text'")
     meta = record.get("meta") or {}
-    return record["text"], meta.get("pile_set_name", "unknown") if isinstance(meta, dict) else "unknown"
+    subset = meta.get("pile_set_name", "unknown") if isinstance(meta, dict) else "unknown"
+    # a subset that is not a string (a number, a list) is named by its JSON: a list was a traceback
+    return record["text"], subset if isinstance(subset, str) else json.dumps(subset)
 
 
 def is_jsonl(path: Path) -> bool:

@@ -270,7 +270,7 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
                 if isinstance(result, Problem):
                     skip(stats, doc.source, doc.line, result, options.strict)
                 elif result is not None:
-                    found.append((doc, result[0] or doc.subset, result[1]))
+                    found.append((doc, doc.subset if result[0] is None else result[0], result[1]))
             # one draw per document in input order, as many calls of split_rng.random() would draw
             valid = split_rng.random(len(found)) < options.valid_fraction
             for (doc, subset_name, (action, pieces)), in_valid in zip(found, valid):
