@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What a shard build spends per document, and where: tokenizing (parallel over --workers, with the long-document
-policy and each piece's `.npy` bytes: data/shards.py StoredPieces) against the builder's own serial work (reading,
+policy and each piece's `.npy` bytes: data/shard_writer.py StoredPieces) against the builder's own serial work (reading,
 writing each document's two tar members), with tarfile's member writing side by side with ours (ShardWriter; the
 same bytes), and the build's own process's CPU time per document: the serial part, which bounds a build at any
 worker count.
@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import zstandard  # noqa: E402
 
 from megamlm.data.documents import BuildStats, read_documents  # noqa: E402
-from megamlm.data.shards import BuildOptions, ShardWriter, build_shards  # noqa: E402
+from megamlm.data.shards import BuildOptions, ShardWriter, build_shards  # noqa: E402 (ShardWriter: also --tree 99392d1)
 from megamlm.data.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ class TarfileWriter(ShardWriter):
 
 
 def write_seconds(writer_type, out: Path, pieces: list[tuple]) -> float:
-    from megamlm.data.shards import meta_json
+    from megamlm.data.shard_writer import meta_json
 
     out.mkdir()
     writer = writer_type(out, "train", 20_000_000)
@@ -88,7 +88,7 @@ def write_seconds(writer_type, out: Path, pieces: list[tuple]) -> float:
 
 def writer_rows(tokenizer: Tokenizer, texts: list[str], tmp: Path) -> None:
     """Per document: tokenizing, the pieces' bytes, and writing them through tarfile and ShardWriter."""
-    from megamlm.data.shards import StoredPieces
+    from megamlm.data.shard_writer import StoredPieces
 
     start = time.perf_counter()
     encoded = [ids for i in range(0, len(texts), 256) for ids in tokenizer.encode_batch(texts[i:i + 256])]

@@ -120,7 +120,7 @@ def test_the_writers_tar_headers_and_arrays_are_tarfiles_and_numpys_bytes(name, 
     import io
     import tarfile
 
-    from megamlm.data.shards import npy_bytes, ustar_header
+    from megamlm.data.shard_writer import npy_bytes, ustar_header
 
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = size, 0, 0o644
@@ -138,7 +138,7 @@ def test_the_writers_tar_headers_and_arrays_are_tarfiles_and_numpys_bytes(name, 
 def test_a_pieces_json_member_is_json_dumps_bytes(source, subset):
     """meta_json formats the member from strings quoted once (json.dumps of a dict per piece was ~5 us of the
     build's serial part): the bytes are json.dumps' with sorted keys, for any file name and subset."""
-    from megamlm.data.shards import meta_json
+    from megamlm.data.shard_writer import meta_json
 
     for line, tokens, action, part in [(1, 0, "kept", 0), (123_456_789, 2047, "split", 3), (7, 5, "truncated", 0)]:
         meta = {"source": source, "line": line, "subset": subset, "tokens": tokens, "action": action, "part": part}
