@@ -38,7 +38,6 @@ from megamlm.objectives.mlm import has_masked_lm_head
 from megamlm.objectives.sentence_pairs import as_classification_head
 
 
-
 @dataclass
 class Model:
     """A checkpoint in megamlm terms, whatever it was read from."""

@@ -155,14 +155,21 @@ class Problem(NamedTuple):
         return self.kind != "empty"
 
 
+def decoded(raw: bytes) -> str | Problem:
+    """A line's text, or the Problem of its bytes that are not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return Problem("invalid_utf8", f"invalid UTF-8 ({err.reason} at byte {err.start})")
+
+
 def json_document(raw: bytes) -> tuple[str, str] | Problem | None:
     """A jsonl line -> (its text, its Pile subset), the Problem that makes it no document, or None for a blank
     line. Picklable and pure, so that it runs where the document is tokenized (data/tokenizing.py): parsing a
     Pile document's JSON (~13 us at 4.5 kB) was the largest part of a build's serial process."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return Problem("invalid_utf8", f"invalid UTF-8 ({err.reason} at byte {err.start})")
+    line = decoded(raw)
+    if isinstance(line, Problem):
+        return line
     if not line.strip():
         return None
     try:
@@ -199,11 +206,9 @@ def document_lines(path: Path, text_mode: str, stats: BuildStats, strict: bool) 
     paragraph: list[str] = []
     paragraph_line = 1
     for number, raw in enumerate(_binary_lines(path), 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            skip(stats, path, number, Problem("invalid_utf8", f"invalid UTF-8 ({err.reason} at byte {err.start})"),
-                 strict)
+        line = decoded(raw)
+        if isinstance(line, Problem):
+            skip(stats, path, number, line, strict)
             continue
         if text_mode == "lines":
             if line.strip():

@@ -44,10 +44,9 @@ def _prepared(tokenizer: Tokenizer, prepare: Prepare, texts: list[str | bytes]) 
     """Per text (a Document's: a jsonl line's bytes are parsed here) (its subset, None: the Document's own;
     `prepare` of its ids), the Problem that makes it no document, or None for a blank line."""
     results = [json_document(text) if isinstance(text, bytes) else (text, None) for text in texts]
-    found = [result for result in results if result is not None and not isinstance(result, Problem)]
-    ids = iter(tokenizer.encode_batch([text for text, _ in found]))
-    return [result if result is None or isinstance(result, Problem) else (result[1], prepare(next(ids)))
-            for result in results]
+    is_document = [result is not None and not isinstance(result, Problem) for result in results]
+    ids = iter(tokenizer.encode_batch([result[0] for result, found in zip(results, is_document) if found]))
+    return [(result[1], prepare(next(ids))) if found else result for result, found in zip(results, is_document)]
 
 
 def _prepare_chunk(texts: list[str | bytes]) -> list:
