@@ -362,3 +362,41 @@ def test_folders_and_checkpoints_from_before_records_still_load_and_damage_is_na
     code, line = run_cli(capsys, "fill-mask", legacy, "Paris is the <mask> of France.")
     assert (code, line) == (2, f"megamlm: fill-mask: {legacy}/model.pt is corrupt: its sha256 differs from "
                                f"the one recorded when it was written")
+
+
+def test_the_launcher_resumes_the_checkpoint_the_ranks_resume_when_the_newest_is_damaged(shards, run, world,
+                                                                                        tmp_path, capsys):
+    """`--resume auto` before the ranks start (`--nproc`, `--check`, slurm/pretrain.sbatch) took the newest
+    complete checkpoint: a damaged megamlm.json there was an internal error that kept the job from starting,
+    and a truncated file a line naming the checkpoint the ranks then skip. It now skips what the ranks skip
+    (`newest_intact` == `Checkpoints.newest_verified`), except damage only a file's sha256 shows (the ranks
+    hash every file; the launcher reads sizes), and refuses a damaged named one with the ranks' line."""
+    from megamlm.train.checkpoint import Checkpoints, newest_intact
+
+    copy = tmp_path / "run"
+    shutil.copytree(run / "checkpoints", copy / "checkpoints")
+    newest = copy / "checkpoints/step00000004"
+    meta, weights = newest / "megamlm.json", newest / "mp_rank_00_model_states.pt"
+    intact = {name: (newest / name).read_bytes() for name in ("megamlm.json", "mp_rank_00_model_states.pt")}
+    damages = {"garbage": lambda: meta.write_text("garbage"), "truncated": lambda: weights.write_bytes(intact[
+        weights.name][:1000]), "flipped": lambda: flip_byte(weights), "none": lambda: None}
+    lines = {"garbage": f"{meta} differs from the hash in complete",
+             "truncated": f"{weights} is corrupt: 1000 bytes, {len(intact[weights.name])} when written"}
+    for damage, make in damages.items():
+        for name, data in intact.items():
+            (newest / name).write_bytes(data)
+        make()
+        skipped = [f"checkpoint step00000004 is damaged: {lines[damage]}"] if damage in lines else []
+        assert newest_intact(copy / "checkpoints") == ("step00000002" if skipped else "step00000004", skipped)
+        verified = Checkpoints(copy, keep_last=3).newest_verified()
+        assert verified[0] == ("step00000004" if damage == "none" else "step00000002"), damage
+        if damage != "flipped":
+            assert verified == newest_intact(copy / "checkpoints"), damage
+        capsys.readouterr()
+        assert cli(["train", "--check", "--resume", "auto", *tiny(shards, copy, "train.steps=6")]) == 0
+        start = "resumes from " + ("step00000002" if skipped else "step00000004")
+        assert f"train.run_dir={copy} {start}{''.join(f' ({line})' for line in skipped)}; " in \
+            capsys.readouterr().out, damage
+    meta.write_text("garbage")
+    assert cli(["train", "--check", "--resume", "step00000004", *tiny(shards, copy, "train.steps=6")]) == 2
+    assert one_line(capsys.readouterr().err) == f"megamlm: train: --resume step00000004: {lines['garbage']}"

@@ -14,7 +14,8 @@ A checkpoint without `complete` (interrupted while writing) is never chosen by r
 writing fails, say on a full disk, removes its folder and raises SaveError); one whose
 files differ from their recorded hashes (damaged on disk) is skipped by `--resume auto` with a
 warning, and refused when named explicitly. Hashing is spread over the ranks (file i: rank i mod
-world size), as is verification.
+world size), as is verification; before the ranks start, the launcher skips (or refuses) the same
+checkpoints as far as megamlm.json and the files' sizes tell (`newest_intact`).
 
 The run directory belongs to one run: `train/preflight.py` refuses to start a new run over an old one
 (unless asked to move it aside) and never touches files it did not write.
@@ -27,6 +28,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,17 +208,7 @@ class Checkpoints:
     def verify(self, tag: str) -> str | None:
         """Collective: None if the checkpoint's files are as written (or it predates hashes), else
         one line naming the first damaged file."""
-        folder = self.root / tag
-        problem = None
-        try:
-            text = (folder / META_FILE).read_text()
-            expected = (folder / COMPLETE_FILE).read_text().strip()
-            if expected and hashlib.sha256(text.encode()).hexdigest() != expected:
-                raise CorruptFileError(f"{folder / META_FILE} differs from the hash in {COMPLETE_FILE}")
-            files = json.loads(text).get("files", {})
-            verify_files(folder, files, self._mine(sorted(files)), source=str(folder / META_FILE))
-        except (OSError, ValueError) as err:  # CorruptFileError, unreadable or invalid JSON
-            problem = str(err) if isinstance(err, CorruptFileError) else f"{folder / META_FILE}: {err}"
+        problem = checkpoint_problem(self.root / tag, self._mine)
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         return next((p for p in problems if p), None)
@@ -224,14 +216,7 @@ class Checkpoints:
     def newest_verified(self) -> tuple[str | None, list[str]]:
         """Collective: (the newest complete checkpoint whose files verify, a line per newer one that
         did not)."""
-        skipped = []
-        newest = self.newest()
-        for tag in ([newest] if newest else []) + [t for t in reversed(self.complete_tags()) if t != newest]:
-            problem = self.verify(tag)
-            if problem is None:
-                return tag, skipped
-            skipped.append(f"checkpoint {tag} is damaged: {problem}")
-        return None, skipped
+        return _first_intact(self.root, self.verify)
 
     def set_aside_after(self, tag: str) -> Path | None:
         """Rank 0: move complete checkpoints newer than `tag` (a resume from an older one) into
@@ -320,6 +305,42 @@ def reseeded_rng(seed: int, ctx: ParallelContext) -> dict:
 def written_zero_stage(meta: dict) -> int:
     """The ZeRO stage of the engine that wrote a checkpoint (older ones record only the config's)."""
     return meta.get("zero_stage", meta["config"]["train"]["zero_stage"])
+
+
+def checkpoint_problem(folder: Path, mine: Callable[[list[str]], list[str]] = list, hashes: bool = True) -> str | None:
+    """None if checkpoint `folder`'s megamlm.json is the one its `complete` file hashes (or predates
+    hashes) and its files (those `mine` picks of the sorted names: a rank's share) are as written, in
+    size and (with `hashes`) sha256; else one line naming the first damage."""
+    try:
+        text = (folder / META_FILE).read_text()
+        expected = (folder / COMPLETE_FILE).read_text().strip()
+        if expected and hashlib.sha256(text.encode()).hexdigest() != expected:
+            raise CorruptFileError(f"{folder / META_FILE} differs from the hash in {COMPLETE_FILE}")
+        files = json.loads(text).get("files", {})
+        verify_files(folder, files, mine(sorted(files)), source=str(folder / META_FILE), hashes=hashes)
+    except (OSError, ValueError) as err:  # CorruptFileError, unreadable or invalid JSON
+        return str(err) if isinstance(err, CorruptFileError) else f"{folder / META_FILE}: {err}"
+    return None
+
+
+def newest_intact(root: Path) -> tuple[str | None, list[str]]:
+    """Before the ranks start, in one process: the checkpoint `--resume auto` resumes (the ranks'
+    `Checkpoints.newest_verified`) as far as what is cheap to check tells (megamlm.json and the
+    files' sizes; the ranks also hash every file), and a line per newer one that is damaged."""
+    return _first_intact(root, lambda tag: checkpoint_problem(root / tag, hashes=False))
+
+
+def _first_intact(root: Path, problem_of: Callable[[str], str | None]) -> tuple[str | None, list[str]]:
+    """(the first of the newest complete checkpoint, then the others newest first, whose
+    `problem_of(tag)` is None, a line per one before it that had a problem)."""
+    skipped = []
+    newest = newest_complete(root)
+    for tag in ([newest] if newest else []) + [t for t in reversed(complete_tags(root)) if t != newest]:
+        problem = problem_of(tag)
+        if problem is None:
+            return tag, skipped
+        skipped.append(f"checkpoint {tag} is damaged: {problem}")
+    return None, skipped
 
 
 def newest_complete(root: Path) -> str | None:

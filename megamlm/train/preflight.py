@@ -1,8 +1,9 @@
 """What a run refuses before any work: a layout its world cannot hold or a global batch it cannot split,
 more NCCL processes on a machine than it has GPUs, an objective this machine cannot train, a
 train.init_from that is no model folder or of another architecture, a run directory that holds another
-run or a user's files, or cannot be written, a checkpoint to resume that is unfinished, of another model
-or global batch, or past train.steps, a tokenizer of another vocabulary size, shards that are neither
+run or a user's files, or cannot be written, a checkpoint to resume that is unfinished, damaged (in its
+megamlm.json or a file's size: `--resume auto` skips it, as the ranks do), of another model or global
+batch, or past train.steps, a tokenizer of another vocabulary size, shards that are neither
 built nor buildable, or built with another dictionary or too small for one update. Every rank checks as
 it starts (`loop.train`; the shards once they are built, before it builds its model); `megamlm train
 --nproc N` (and `--check`) checks all of it once before it starts the ranks (`check_before_launch`), so
@@ -22,6 +23,7 @@ import warnings
 from pathlib import Path
 
 from megamlm.config import Config, ConfigError, ModelConfig, load_config
+from megamlm.errors import CorruptFileError
 from megamlm.data.shards import planned_build
 from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import Tokenizer
@@ -30,7 +32,8 @@ from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
 from megamlm.model.folder import run_folder_problem, saved_names, transformers_hint
 from megamlm.objectives import Objective, get_objective
 from megamlm.parallel import check_gpus, check_world_size, process_backend
-from megamlm.train.checkpoint import RunDirError, complete_tags, newest_complete, resume_stage
+from megamlm.train.checkpoint import (RunDirError, checkpoint_problem, complete_tags, newest_intact,
+                                      require_complete, resume_stage)
 
 
 def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | None, overwrite: bool,
@@ -49,7 +52,7 @@ def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | N
     check_before_work(cfg, get_objective(cfg))
     run_dir = Path(cfg.train.run_dir)
     step = check_run_dir(run_dir, resume, overwrite)
-    tag = newest_complete(run_dir / RUN_CHECKPOINTS) if resume == "auto" else resume
+    tag, skipped = resumed_checkpoint(run_dir / RUN_CHECKPOINTS, resume)
     if tag is not None:
         resume_stage(run_dir / RUN_CHECKPOINTS, tag, cfg, dp, allow_batch_change)
     tokenizer = load_tokenizer(cfg)
@@ -58,7 +61,7 @@ def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | N
         check_train_shards(cfg, tokenizer, dp)
     machines = f" ({nodes} machines x {processes})" if nodes > 1 else ""
     if tag is not None:
-        start = f"resumes from {tag}"
+        start = f"resumes from {tag}" + "".join(f" ({line})" for line in skipped)
     elif step is not None:  # --overwrite
         start = f"starts over (its run at update {step} is moved aside)"
     else:
@@ -66,6 +69,19 @@ def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | N
     return (f"{world} rank{'s' * (world > 1)}{machines}: tensor parallel {tp} x data parallel {dp}, "
             f"accumulation {accumulation}; train.run_dir={run_dir} {start}; data.shards={cfg.data.shards}"
             + (" (built first from data.build_from)" if build is not None else ""))
+
+
+def resumed_checkpoint(root: Path, resume: str | None) -> tuple[str | None, list[str]]:
+    """The checkpoint the ranks would resume (`newest_intact` for `auto`: a damaged newer one is
+    skipped, with a line, as the ranks skip it) and the lines; a named one that is not complete or
+    is damaged is refused as the ranks refuse it (train/restart.py: resume_tag)."""
+    if resume == "auto":
+        return newest_intact(root)
+    if resume is not None:
+        require_complete(root, resume)
+        if (problem := checkpoint_problem(root / resume, hashes=False)) is not None:
+            raise CorruptFileError(f"--resume {resume}: {problem}")
+    return resume, []
 
 
 def load_tokenizer(cfg: Config) -> Tokenizer:
