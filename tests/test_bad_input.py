@@ -370,18 +370,23 @@ def test_the_launcher_resumes_the_checkpoint_the_ranks_resume_when_the_newest_is
     complete checkpoint: a damaged megamlm.json there was an internal error that kept the job from starting,
     and a truncated file a line naming the checkpoint the ranks then skip. It now skips what the ranks skip
     (`newest_intact` == `Checkpoints.newest_verified`), except damage only a file's sha256 shows (the ranks
-    hash every file; the launcher reads sizes), and refuses a damaged named one with the ranks' line."""
+    hash every file; the launcher reads sizes), and refuses a damaged named one with the ranks' line. An unhashed
+    megamlm.json (as written before hashes) that is JSON but no checkpoint's record was a traceback on both."""
     from megamlm.train.checkpoint import Checkpoints, newest_intact
 
     copy = tmp_path / "run"
     shutil.copytree(run / "checkpoints", copy / "checkpoints")
     newest = copy / "checkpoints/step00000004"
     meta, weights = newest / "megamlm.json", newest / "mp_rank_00_model_states.pt"
-    intact = {name: (newest / name).read_bytes() for name in ("megamlm.json", "mp_rank_00_model_states.pt")}
+    intact = {name: (newest / name).read_bytes() for name in ("megamlm.json", "mp_rank_00_model_states.pt", "complete")}
+    unhashed = lambda text: (meta.write_text(text), (newest / "complete").write_text(""))  # noqa: E731 (as before hashes)
     damages = {"garbage": lambda: meta.write_text("garbage"), "truncated": lambda: weights.write_bytes(intact[
-        weights.name][:1000]), "flipped": lambda: flip_byte(weights), "none": lambda: None}
+        weights.name][:1000]), "flipped": lambda: flip_byte(weights), "none": lambda: None,
+        "a list": lambda: unhashed("[1, 2]"), "no config": lambda: unhashed('{"step": 4, "position": {}}')}
     lines = {"garbage": f"{meta} differs from the hash in complete",
-             "truncated": f"{weights} is corrupt: 1000 bytes, {len(intact[weights.name])} when written"}
+             "truncated": f"{weights} is corrupt: 1000 bytes, {len(intact[weights.name])} when written",
+             "a list": f"{meta} is not a checkpoint's record (not a JSON object)",
+             "no config": f"{meta} is not a checkpoint's record (no config)"}
     for damage, make in damages.items():
         for name, data in intact.items():
             (newest / name).write_bytes(data)
@@ -397,6 +402,7 @@ def test_the_launcher_resumes_the_checkpoint_the_ranks_resume_when_the_newest_is
         start = "resumes from " + ("step00000002" if skipped else "step00000004")
         assert f"train.run_dir={copy} {start}{''.join(f' ({line})' for line in skipped)}; " in \
             capsys.readouterr().out, damage
+    (newest / "complete").write_bytes(intact["complete"])
     meta.write_text("garbage")
     assert cli(["train", "--check", "--resume", "step00000004", *tiny(shards, copy, "train.steps=6")]) == 2
     assert one_line(capsys.readouterr().err) == f"megamlm: train: --resume step00000004: {lines['garbage']}"

@@ -44,6 +44,8 @@ from megamlm.train.elastic import (Layout, base_optimizer, convert_position, loa
                                    written_layout)
 
 META_FILE, COMPLETE_FILE = "megamlm.json", "complete"
+META_KEYS = ("step", "position", "config")
+"""What every megamlm.json holds (also those written before files were hashed)."""
 
 
 class RunDirError(MegamlmError):
@@ -316,7 +318,11 @@ def checkpoint_problem(folder: Path, mine: Callable[[list[str]], list[str]] = li
         expected = (folder / COMPLETE_FILE).read_text().strip()
         if expected and hashlib.sha256(text.encode()).hexdigest() != expected:
             raise CorruptFileError(f"{folder / META_FILE} differs from the hash in {COMPLETE_FILE}")
-        files = json.loads(text).get("files", {})
+        meta = json.loads(text)
+        if not isinstance(meta, dict) or (missing := [key for key in META_KEYS if key not in meta]):
+            what = f"no {', '.join(missing)}" if isinstance(meta, dict) else "not a JSON object"
+            raise CorruptFileError(f"{folder / META_FILE} is not a checkpoint's record ({what})")
+        files = meta.get("files", {})
         verify_files(folder, files, mine(sorted(files)), source=str(folder / META_FILE), hashes=hashes)
     except (OSError, ValueError) as err:  # CorruptFileError, unreadable or invalid JSON
         return str(err) if isinstance(err, CorruptFileError) else f"{folder / META_FILE}: {err}"
