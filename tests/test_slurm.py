@@ -61,16 +61,16 @@ def _wait(predicate, timeout, what):
     raise TimeoutError(f"{what()}\n--- squeue\n{queue}{logs}")
 
 
-def _submit(cluster, tmp_path, nodes: str, *overrides) -> tuple[dict, str, Path, Path]:
-    """sbatch the demo (2 layers, micro-batches of 8) on `nodes`: (env, job id, its output file, the run's
-    log.jsonl)."""
+def _submit(cluster, tmp_path, nodes: str, *overrides, python: str = sys.executable) -> tuple[dict, str, Path, Path]:
+    """sbatch the demo (2 layers, micro-batches of 8) on `nodes` with PYTHON=`python`: (env, job id, its output
+    file, the run's log.jsonl)."""
     shards = tmp_path / "shards"
     text = tmp_path / "corpus.txt"
     text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:200_000])
     build_shards(BuildOptions([str(text)], str(shards), seq_length=128, long_docs="split",
                               valid_fraction=0.05), Tokenizer.gpt2(), progress=False)
     run_dir = tmp_path / "run"
-    env = dict(cluster, PYTHON=sys.executable, PYTHONPATH=str(ROOT))
+    env = dict(cluster, PYTHON=python, PYTHONPATH=str(ROOT))
     submit = subprocess.run(
         ["sbatch", "--parsable", f"-N{nodes}", str(ROOT / "slurm/pretrain.sbatch"), str(ROOT / "configs/demo.yaml"),
          "model.num_layers=2", "train.micro_batch_size=8", "train.global_batch_size=16", "train.steps=24",
@@ -178,3 +178,33 @@ def test_what_every_node_would_refuse_ends_the_job_in_one_line_before_any_node_s
     shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
     assert "JobState=FAILED" in shown and "ExitCode=2:0" in shown, shown  # ended, not requeued
     assert not (tmp_path / "run").exists()
+
+
+def test_a_job_preempted_before_its_training_starts_is_requeued_and_trains_from_the_start(cluster, tmp_path):
+    """USR1 while the batch step's `megamlm train --check` runs (a slow start: here a PYTHON that sleeps
+    before the first start's check): the handler runs when the check ends, nothing has been trained, so the
+    job is requeued as it stands instead of starting a training that would only be stopped."""
+    checking = tmp_path / "checking"
+    slow_check = tmp_path / "slow-check-python"
+    slow_check.write_text(f"""#!/usr/bin/env bash
+if [[ " $* " == *" --check "* && "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then touch {checking}; sleep 15; fi
+exec {sys.executable} "$@"
+""")
+    slow_check.chmod(0o755)
+    env, job, out, log = _submit(cluster, tmp_path, "1", python=str(slow_check))
+
+    def job_output():
+        return out.read_text() if out.exists() else "(no output file)"
+
+    _wait(checking.exists, 300, lambda: f"job {job} did not start its check:\n{job_output()}")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+    _wait(lambda: "done:" in job_output(), 420, lambda: f"job {job} did not finish after requeue:\n{job_output()}")
+    output = out.read_text()
+    first, requeued = output.split("(restart 1)")
+    assert "USR1: time limit near before the training started" in first, output
+    assert f"nothing trained yet; requeueing job {job}" in first and "asking the training to checkpoint" not in first
+    assert "node n1: task 0 of 1" in first  # the check ended the step normally, the nodes had started
+    assert "USR1" not in requeued and "requeueing" not in requeued
+    assert "starts at update 0 (no checkpoint to resume)" in requeued
+    assert not _events(log, "resume")
+    assert [e["step"] for e in _events(log, "train")] == list(range(1, 25))
