@@ -24,11 +24,11 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # in a worker; a serial run keeps
 # xdist's own order, by test count, off): the longest files go first, so the last to start are short ones and
 # both workers end together (longest-processing-time-first). The files of 60 s or more of worker time,
 # longest first, as session 49 measured them (2 workers, `pytest -v --durations=0`, a test's seconds summed
-# per file); the others follow in collection order. Its suite ended with one worker idle for 2 minutes (test_slurm.py,
-# 189 s, was the last file to start); in that run's times this order ends both within 3 s. A file
-# missing here or a stale entry only costs time.
+# per file; test_signals.py was part of test_faults.py then); the others follow in collection order. Its
+# suite ended with one worker idle for 2 minutes (test_slurm.py, 189 s, was the last file to start); in that
+# run's times this order ends both within 3 s. A file missing here or a stale entry only costs time.
 LONGEST_FIRST = ("test_gpu_script.py", "test_triton_attention.py", "test_cli.py", "test_train.py", "test_slurm.py",
-                 "test_faults.py", "test_bias_activation.py", "test_launch.py", "test_bad_input.py",
+                 "test_faults.py", "test_signals.py", "test_bias_activation.py", "test_launch.py", "test_bad_input.py",
                  "test_flat_engine.py", "test_stream.py", "test_flat_reduce16.py", "test_elastic.py")
 
 

@@ -1,6 +1,6 @@
-"""What the fault tests share (tests/test_faults.py, tests/test_bad_input.py): a tiny run and its
-shards, the CLI in this process and in a subprocess, and the checks that a refusal is one line and
-that a folder is unchanged."""
+"""What the fault tests share (tests/test_faults.py, tests/test_signals.py, tests/test_bad_input.py): a
+tiny run and its shards, the CLI in this process and in a subprocess, and the checks that a refusal is
+one line and that a folder is unchanged."""
 
 import re
 import subprocess

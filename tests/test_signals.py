@@ -1,0 +1,96 @@
+"""Signals end a run with a checkpoint: the first Ctrl-C, SIGTERM and SIGUSR1 finish the update, save and
+exit (130, 0, 0), also under `--nproc` when only the launcher is signalled; a second Ctrl-C aborts at once.
+Part of `pytest -m faults` (`make test-faults`) with tests/test_faults.py and tests/test_bad_input.py."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.faults_common import ROOT, fault_shards, run_cli, tiny, user_environment
+from tests.test_train import logged
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return fault_shards(tmp_path_factory)
+
+
+def _start_training(shards, run_dir, *args, env=None, **popen):
+    env = dict(user_environment(), **(env or {}))
+    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", *args,
+                             *tiny(shards, run_dir, "train.steps=100000", "train.save_interval=100000")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    deadline = time.time() + 240
+    while time.time() < deadline and not ((run_dir / "log.jsonl").exists() and len(logged(run_dir)) >= 2):
+        time.sleep(0.2)
+    assert len(logged(run_dir)) >= 2, proc.communicate(timeout=5)
+    return proc
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_update_saves_and_exits_130(shards, tmp_path):
+    proc = _start_training(shards, tmp_path / "run")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "signal received: saved update" in out and "(SIGINT)" in out and "Traceback" not in err
+    saved = (tmp_path / "run/checkpoints/latest").read_text()
+    assert (tmp_path / f"run/checkpoints/{saved}/complete").exists()
+    assert int(saved.removeprefix("step")) == max(logged(tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_nproc_saves_and_exits_130_without_torchruns_traceback(shards, tmp_path):
+    proc = _start_training(shards, tmp_path / "run", "--nproc", "2", start_new_session=True)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: torchrun and both ranks
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert "signal received: saved update" in out and "(SIGINT)" in out
+    saved = (tmp_path / "run/checkpoints/latest").read_text()
+    assert int(saved.removeprefix("step")) == max(logged(tmp_path / "run"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_to_the_nproc_launcher_reaches_every_rank_which_saves_however_long_that_takes(
+        sig, shards, tmp_path):
+    """SLURM's preemption and `kill` signal the launcher. torchrun passed SIGTERM on, then killed the ranks
+    30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; 0 here: a save that takes longer) and ended 143; SIGUSR1
+    killed the launcher and left the ranks training on their own."""
+    proc = _start_training(shards, tmp_path / "run", "--nproc", "2", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"})
+    proc.send_signal(sig)  # the launcher alone: torchrun starts each rank in a session of its own
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]  # as a run of one process
+    assert "signal received: saved update" in out and f"({sig.name})" in out
+    saved = (tmp_path / "run/checkpoints/latest").read_text()
+    assert (tmp_path / f"run/checkpoints/{saved}/complete").exists()
+    assert int(saved.removeprefix("step")) == max(logged(tmp_path / "run"))
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):
+    import megamlm.cli
+    from megamlm.train.signals import Preemption
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        preemption = Preemption()
+        os.kill(os.getpid(), signal.SIGINT)  # the first: a flag, the loop goes on
+        assert preemption.signal == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):  # the second: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+    def interrupted(cfg, args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(megamlm.cli.VERBS, "train", (interrupted, "", None))
+    assert run_cli(capsys, "train") == (130, "megamlm: train: interrupted")
