@@ -82,6 +82,10 @@ def _submit(cluster, tmp_path, nodes: str, *overrides, python: str = sys.executa
     return env, job, tmp_path / f"megamlm-{job}.out", run_dir / "log.jsonl"
 
 
+def _job_output(out: Path) -> str:
+    return out.read_text() if out.exists() else "(no output file)"
+
+
 def _events(log: Path, kind: str) -> list[dict]:
     if not log.exists():
         return []
@@ -96,13 +100,10 @@ def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
             return []
         return [e["step"] for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "train"]
 
-    def job_output():
-        return out.read_text() if out.exists() else "(no output file)"
-
-    _wait(lambda: len(trained()) >= 4, 300, lambda: f"job {job} made no progress:\n{job_output()}")
+    _wait(lambda: len(trained()) >= 4, 300, lambda: f"job {job} made no progress:\n{_job_output(out)}")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
-    _wait(lambda: "done:" in job_output(), 420,
-          lambda: f"job {job} did not finish after requeue:\n{job_output()}")
+    _wait(lambda: "done:" in _job_output(out), 420,
+          lambda: f"job {job} did not finish after requeue:\n{_job_output(out)}")
     _wait(lambda: not subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
                                      text=True).stdout.strip(), 120, lambda: f"job {job} did not leave the queue")
     output = out.read_text()
@@ -137,23 +138,21 @@ def test_a_job_requeued_onto_fewer_nodes_resumes_resharded(cluster, tmp_path):
     same global batch) and continues from the checkpoint, resharded."""
     env, job, out, log = _submit(cluster, tmp_path, "2")  # 16 sequences: micro 8 x 2 ranks, then x 2 accumulated
 
-    def job_output():
-        return out.read_text() if out.exists() else "(no output file)"
-
     def state():
         return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
                               text=True).stdout.strip()
 
     drain = ["scontrol", "update", "NodeName=n2"]
     try:
-        _wait(lambda: len(_events(log, "train")) >= 4, 300, lambda: f"job {job} made no progress:\n{job_output()}")
+        _wait(lambda: len(_events(log, "train")) >= 4, 300, lambda: f"job {job} made no progress:\n{_job_output(out)}")
         subprocess.run([*drain, "State=DRAIN", "Reason=elastic-test"], env=env, check=True, timeout=30)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
-        _wait(lambda: f"requeueing job {job}" in job_output() and state() == "PENDING", 300,
-              lambda: f"job {job} was not requeued ({state()}):\n{job_output()}")
+        _wait(lambda: f"requeueing job {job}" in _job_output(out) and state() == "PENDING", 300,
+              lambda: f"job {job} was not requeued ({state()}):\n{_job_output(out)}")
         shrink = ["scontrol", "update", f"JobId={job}", "NumNodes=1-1", "NumTasks=1"]
         subprocess.run(shrink, env=env, check=True, timeout=30)
-        _wait(lambda: "done:" in job_output(), 420, lambda: f"job {job} did not finish after requeue:\n{job_output()}")
+        _wait(lambda: "done:" in _job_output(out), 420,
+              lambda: f"job {job} did not finish after requeue:\n{_job_output(out)}")
     finally:
         subprocess.run([*drain, "State=RESUME"], env=env, timeout=30)
     output = out.read_text()
@@ -193,12 +192,10 @@ exec {sys.executable} "$@"
     slow_check.chmod(0o755)
     env, job, out, log = _submit(cluster, tmp_path, "1", python=str(slow_check))
 
-    def job_output():
-        return out.read_text() if out.exists() else "(no output file)"
-
-    _wait(checking.exists, 300, lambda: f"job {job} did not start its check:\n{job_output()}")
+    _wait(checking.exists, 300, lambda: f"job {job} did not start its check:\n{_job_output(out)}")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
-    _wait(lambda: "done:" in job_output(), 420, lambda: f"job {job} did not finish after requeue:\n{job_output()}")
+    _wait(lambda: "done:" in _job_output(out), 420,
+          lambda: f"job {job} did not finish after requeue:\n{_job_output(out)}")
     output = out.read_text()
     first, requeued = output.split("(restart 1)")
     assert "USR1: time limit near before the training started" in first, output
