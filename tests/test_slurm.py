@@ -61,16 +61,17 @@ def _wait(predicate, timeout, what):
     raise TimeoutError(f"{what()}\n--- squeue\n{queue}{logs}")
 
 
-def _submit(cluster, tmp_path, nodes: str, *overrides, python: str = sys.executable) -> tuple[dict, str, Path, Path]:
-    """sbatch the demo (2 layers, micro-batches of 8) on `nodes` with PYTHON=`python`: (env, job id, its output
-    file, the run's log.jsonl)."""
+def _submit(cluster, tmp_path, nodes: str, *overrides, python: str = sys.executable,
+            path: str | None = None) -> tuple[dict, str, Path, Path]:
+    """sbatch the demo (2 layers, micro-batches of 8) on `nodes` with PYTHON=`python` (and PATH=`path`):
+    (env, job id, its output file, the run's log.jsonl)."""
     shards = tmp_path / "shards"
     text = tmp_path / "corpus.txt"
     text.write_text((ROOT / "data/wikitext-103/valid.txt").read_text()[:200_000])
     build_shards(BuildOptions([str(text)], str(shards), seq_length=128, long_docs="split",
                               valid_fraction=0.05), Tokenizer.gpt2(), progress=False)
     run_dir = tmp_path / "run"
-    env = dict(cluster, PYTHON=python, PYTHONPATH=str(ROOT))
+    env = dict(cluster, PYTHON=python, PYTHONPATH=str(ROOT), **({"PATH": path} if path else {}))
     submit = subprocess.run(
         ["sbatch", "--parsable", f"-N{nodes}", str(ROOT / "slurm/pretrain.sbatch"), str(ROOT / "configs/demo.yaml"),
          "model.num_layers=2", "train.micro_batch_size=8", "train.global_batch_size=16", "train.steps=24",
@@ -90,6 +91,17 @@ def _events(log: Path, kind: str) -> list[dict]:
     if not log.exists():
         return []
     return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == kind]
+
+
+def _wrapper(path: Path, condition: str, marker: Path, command: str) -> Path:
+    """An executable at `path` that, where the bash `condition` holds, touches `marker` and sleeps 15 s
+    before it runs `command` with its arguments."""
+    path.write_text(f"""#!/usr/bin/env bash
+if {condition}; then touch {marker}; sleep 15; fi
+exec {command} "$@"
+""")
+    path.chmod(0o755)
+    return path
 
 
 def test_two_node_job_is_preempted_requeued_and_resumes(cluster, tmp_path):
@@ -184,12 +196,8 @@ def test_a_job_preempted_before_its_training_starts_is_requeued_and_trains_from_
     before the first start's check): the handler runs when the check ends, nothing has been trained, so the
     job is requeued as it stands instead of starting a training that would only be stopped."""
     checking = tmp_path / "checking"
-    slow_check = tmp_path / "slow-check-python"
-    slow_check.write_text(f"""#!/usr/bin/env bash
-if [[ " $* " == *" --check "* && "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then touch {checking}; sleep 15; fi
-exec {sys.executable} "$@"
-""")
-    slow_check.chmod(0o755)
+    slow_check = _wrapper(tmp_path / "slow-check-python",
+                          '[[ " $* " == *" --check "* && "${SLURM_RESTART_COUNT:-0}" == 0 ]]', checking, sys.executable)
     env, job, out, log = _submit(cluster, tmp_path, "1", python=str(slow_check))
 
     _wait(checking.exists, 300, lambda: f"job {job} did not start its check:\n{_job_output(out)}")
@@ -205,3 +213,26 @@ exec {sys.executable} "$@"
     assert "starts at update 0 (no checkpoint to resume)" in requeued
     assert not _events(log, "resume")
     assert [e["step"] for e in _events(log, "train")] == list(range(1, 25))
+
+
+def test_a_job_preempted_as_its_training_step_starts_still_stops_the_training_and_is_requeued(cluster, tmp_path):
+    """USR1 after `srun ... megamlm train &` but before slurmctld has created the step (here an srun on PATH
+    that waits 15 s first): a SIGTERM to the job's steps then reached no process, the first start trained
+    to its end and only then was requeued. The script now waits for the training step before it sends
+    SIGTERM: the first start stops early, the requeued one trains the rest."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    starting = tmp_path / "starting"
+    _wrapper(bin_dir / "srun", '[[ " $* " == *" megamlm train "* && "${SLURM_RESTART_COUNT:-0}" == 0 ]]', starting,
+             shutil.which("srun", path=cluster["PATH"]))
+    env, job, out, log = _submit(cluster, tmp_path, "1", path=f"{bin_dir}:{cluster['PATH']}")
+
+    _wait(starting.exists, 300, lambda: f"job {job} did not start its training step:\n{_job_output(out)}")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+    _wait(lambda: "(restart 1)" in _job_output(out) and "done:" in _job_output(out), 420,
+          lambda: f"job {job} did not finish after requeue:\n{_job_output(out)}")
+    first, requeued = out.read_text().split("(restart 1)")
+    assert "asking the training to checkpoint" in first and f"requeueing job {job}" in first, first
+    assert "done:" not in first and "done:" in requeued, first  # stopped, not trained to its end
+    assert "USR1" not in requeued and "requeueing" not in requeued
+    assert [e["step"] for e in _events(log, "train")] == list(range(1, 25))  # every update exactly once
