@@ -1,5 +1,6 @@
 """Signals end a run with a checkpoint: the first Ctrl-C, SIGTERM and SIGUSR1 finish the update, save and
-exit (130, 0, 0), also under `--nproc` when only the launcher is signalled; a second Ctrl-C aborts at once.
+exit (130, 0, 0), also under `--nproc` when only the launcher is signalled; a second Ctrl-C aborts at once;
+before the training takes them, SIGTERM and SIGUSR1 end the command in one line.
 Part of `pytest -m faults` (`make test-faults`) with tests/test_faults.py and tests/test_bad_input.py."""
 
 import os
@@ -71,6 +72,53 @@ def test_a_stop_signal_to_the_nproc_launcher_reaches_every_rank_which_saves_howe
     saved = (tmp_path / "run/checkpoints/latest").read_text()
     assert (tmp_path / f"run/checkpoints/{saved}/complete").exists()
     assert int(saved.removeprefix("step")) == max(logged(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_before_the_training_takes_it_is_one_line_and_exit_128_plus_the_signal(sig, tmp_path):
+    """Before a training's handling starts (the imports, the setup: a large checkpoint's load, compilation;
+    a SLURM job's first seconds) SIGTERM and SIGUSR1 killed `megamlm train` without a word. Here the
+    command waits for its config on a named pipe: the signal reaches it there, at a known point."""
+    config = tmp_path / "config.yaml"
+    os.mkfifo(config)
+    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", "--config", str(config)], cwd=ROOT,
+                            env=user_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while True:  # opening the pipe's writing end without blocking succeeds once the command reads it
+        try:
+            writer = os.open(config, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            assert time.time() < deadline and proc.poll() is None, proc.communicate(timeout=5)
+            time.sleep(0.05)
+    try:
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.close(writer)
+    assert proc.returncode == 128 + sig, err
+    assert err.splitlines() == [f"megamlm: train: stopped: {sig.name} before the first update (nothing to save)"]
+
+
+def test_a_process_forked_before_the_work_takes_the_stop_signals_dies_of_them_as_before():
+    """Within `raising_on_stop_signals` the process itself gets `Stopped`; a child it forked (whose own
+    parent reports for it) dies of the signal without a line, as it did; the handlers come back after."""
+    from megamlm.stop_signals import Stopped, raising_on_stop_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    with raising_on_stop_signals():
+        child = os.fork()
+        if child == 0:  # the child: signals itself, would exit 0 if it survived
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            os._exit(0)
+        _, status = os.waitpid(child, 0)
+        with pytest.raises(Stopped) as stopped:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(5)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert stopped.value.signum == signal.SIGUSR1 and str(stopped.value) == "SIGUSR1"
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_second_ctrl_c_aborts_at_once_with_one_line(monkeypatch, capsys):

@@ -21,6 +21,7 @@ from megamlm.config import Config, ConfigError, load_config
 from megamlm.convert import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line, peer_gone, warnings_as_lines
 from megamlm.files import RUN_FINAL, check_writable
+from megamlm.stop_signals import Stopped, raising_on_stop_signals
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -338,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
     # one error path for every verb: a user's mistake is one line and exit 2, a bug one line and
     # exit 1 (tracebacks with --debug), Ctrl-C outside training exit 130
-    with contextlib.nullcontext() if debug else warnings_as_lines(args.verb):  # --debug: where each came from
+    # a stop signal before the work takes it (a training's setup) is one line too; a launcher's rank
+    # (LOCAL_RANK) dies of it as before: its launcher reports
+    with contextlib.nullcontext() if debug else warnings_as_lines(args.verb), \
+            contextlib.nullcontext() if "LOCAL_RANK" in os.environ else raising_on_stop_signals():
         return _run(parser, args, argv, debug)
 
 
@@ -355,6 +359,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
     except KeyboardInterrupt:
         print(f"megamlm: {args.verb}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
+    except Stopped as err:  # a training has its own handling from its first update on (it saves)
+        when = " before the first update (nothing to save)" if args.verb == "train" else ""
+        print(f"megamlm: {args.verb}: stopped: {err}{when}", file=sys.stderr)
+        return 128 + err.signum
     except (MegamlmError, OSError) as err:
         if debug:
             traceback.print_exc()

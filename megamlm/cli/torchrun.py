@@ -21,6 +21,7 @@ from pathlib import Path
 
 from megamlm.config import Config
 from megamlm.errors import MegamlmError, check_ranges
+from megamlm.stop_signals import STOP_SIGNALS
 
 PEER_GONE_EXIT = 3
 """A rank's exit code when a collective failed because another rank's process ended (errors.peer_gone)."""
@@ -101,8 +102,6 @@ class StopForwarding:
                 os.kill(pid, signum)
 
     def __enter__(self):
-        from megamlm.train.signals import STOP_SIGNALS  # with torch: not at the CLI's start
-
         self.previous = {sig: signal.signal(sig, self._forward) for sig in STOP_SIGNALS} if self.active else {}
         return self
 

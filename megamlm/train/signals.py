@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megamlm.parallel import ToHost, host_to_device
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+from megamlm.stop_signals import STOP_SIGNALS
 
 
 def ignore_stop_signals(worker_id: int) -> None:

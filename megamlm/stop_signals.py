@@ -1,0 +1,56 @@
+"""The signals that ask a megamlm process to stop, and what they do before its work can take them.
+
+SLURM (scancel, a time limit's --signal, preemption), `timeout`, Kubernetes and a terminal send
+SIGTERM, SIGUSR1 or SIGINT. A training turns them into a flag it reads after each update (finish the
+update, save, exit: `megamlm.train.signals`), and `megamlm train --nproc` passes them on to its ranks
+(`megamlm.cli.torchrun`). Before either takes over (Python's imports, a training's setup: a large
+checkpoint's load, compilation, a SLURM job's first seconds) SIGTERM and SIGUSR1 killed the process
+without a word (exit 143 / 138: a job log said only "Terminated"), while SIGINT raised KeyboardInterrupt.
+`raising_on_stop_signals` makes the two raise `Stopped` the same way, which the command line reports as one
+line with exit 128 + the signal, after every `finally` on the way has run (nothing half-written stays).
+Torch-free: the command line installs it before any heavy import."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""Every signal that asks a run to stop: the training saves on any of them."""
+
+
+class Stopped(BaseException):
+    """A stop signal before the work took it. A BaseException, as KeyboardInterrupt is: an `except
+    Exception` on the way (a retry, a fallback) must not swallow it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def raising_on_stop_signals():
+    """Within: SIGTERM and SIGUSR1 raise `Stopped` in this process's main thread (SIGINT keeps Python's
+    KeyboardInterrupt), until the work installs its own handling; the previous handlers come back at the
+    end. A process forked meanwhile dies of them as it did, without a line: the process that forked it
+    reports. Outside the main thread (where Python cannot set handlers) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def _raise(signum, frame):
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, _raise) for sig in STOP_SIGNALS if sig != signal.SIGINT}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
