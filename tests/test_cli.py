@@ -211,6 +211,24 @@ def test_what_every_rank_would_refuse_is_one_line_before_nproc_starts_any(overri
     assert not (tmp_path / "run").exists()
 
 
+def test_a_config_from_a_shells_process_substitution_is_read_and_under_nproc_refused_in_one_line():
+    """`--config <(...)` is /dev/fd/N, whose real path is "pipe:[...]" ("config file not found" named that);
+    its includes are relative to the directory the command runs in. Under --nproc each rank would read the
+    config again, from a pipe already read: one line."""
+    def shell(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f"{sys.executable} -m megamlm {command}"], cwd=ROOT,
+                              env=shell_environment(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+
+    piped = "<(printf 'include: [configs/demo.yaml]\\nmodel: {num_layers: 3}\\n')"
+    read = shell(f"config --config {piped}")
+    assert read.returncode == 0 and read.stderr == "", read.stderr
+    assert read.stdout == shell("config --config configs/demo.yaml model.num_layers=3").stdout
+    refused = shell(f"train --nproc 2 --config {piped}")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert re.fullmatch(r"megamlm: train: --config /dev/fd/\d+ is not a file \(a shell's <\(\.\.\.\)\?\): each "
+                        r"of the ranks reads the config again; write it to a file\n", refused.stderr), refused.stderr
+
+
 def test_a_launchers_variables_left_in_the_environment_are_refused_not_a_run_of_each_machine(tmp_path):
     """LOCAL_RANK makes `megamlm train` a rank; with WORLD_SIZE=1 each machine of --nodes 2 trained alone
     (two DP=1 runs wrote one run dir: a checkpoint's sha256 damaged)."""

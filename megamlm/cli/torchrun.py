@@ -172,6 +172,10 @@ def relaunch_with_torchrun(cfg: Config, args, argv: list[str]) -> int:
     line; one more says which failed first, in place of torchrun's traceback and log lines. Returns the
     exit code a run of one process gives: the first failed rank's (130 after Ctrl-C, 0 after SIGTERM or
     SIGUSR1: see StopForwarding), or 128 + a signal torchrun handled."""
+    for path in args.config:  # read here once: a pipe (a shell's `<(...)`) would be empty for the ranks
+        if not Path(path).is_file():
+            raise MegamlmError(f"--config {path} is not a file (a shell's <(...)?): each of the ranks reads the "
+                               f"config again; write it to a file")
     from torch.distributed.elastic.multiprocessing import errors
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import parse_args, run
