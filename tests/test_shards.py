@@ -2,7 +2,6 @@
 policies at the reference's boundary, determinism, and bad input that is counted, not lost."""
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -172,35 +171,6 @@ def test_a_tokenizer_worker_that_dies_ends_the_build_with_one_line_and_leaves_no
                                          r"[\d,]+ documents \(killed: .*run it again, with fewer --workers"):
         build_shards(BuildOptions([str(src)], str(out), valid_fraction=0.0, workers=2), gpt2, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # no output, no staging folder
-
-
-def test_stop_signals_that_reach_the_tokenizer_workers_are_left_to_the_build(tmp_path, gpt2, monkeypatch):
-    """SLURM's scancel and time limit, `timeout` and a terminal's Ctrl-C signal every process of the job: a
-    worker that died of SIGTERM made the build blame it ("ended abruptly"), one hit by Ctrl-C printed its
-    traceback. Workers start with the stop signals blocked, so the build's own process decides: here it
-    was not signalled, and it finishes with every document."""
-    import multiprocessing
-    import signal
-
-    from megamlm.data import shards
-
-    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": a_tokens(20 + i % 7)} for i in range(3000)])
-    read = shards.document_lines
-
-    def signalling_the_workers(*args):
-        for i, doc in enumerate(read(*args)):
-            if i == 600:  # two chunks submitted: the workers run
-                workers = [p for p in multiprocessing.active_children() if "Process" in type(p).__name__]
-                assert workers
-                for worker in workers:
-                    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-                        os.kill(worker.pid, sig)
-            yield doc
-
-    monkeypatch.setattr(shards, "document_lines", signalling_the_workers)
-    out = tmp_path / "out"
-    build_shards(BuildOptions([str(src)], str(out), valid_fraction=0.0, workers=2), gpt2, progress=False)
-    assert len(stored_documents(out)) == 3000
 
 
 def test_bad_lines_are_counted_or_fatal_with_file_and_line(tmp_path, gpt2, capsys):

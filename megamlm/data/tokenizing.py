@@ -22,7 +22,6 @@ import numpy as np
 
 from megamlm.data.documents import Document, Problem, ShardError, json_document
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.stop_signals import STOP_SIGNALS
 
 CHUNK_DOCUMENTS = 256
 """Documents per encode_batch call (and per task of a worker)."""
@@ -80,11 +79,9 @@ def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer, prepare: Prep
     def submit(chunk: list[Document] | None) -> None:
         if chunk is None:
             return
-        # a submit may start a worker: with the stop signals blocked it starts with them blocked, so a Ctrl-C
-        # or a job's SIGTERM reaches this process alone (workers printed their KeyboardInterrupt tracebacks,
-        # or died and the build blamed a worker), which stops the build once the submit is whole (stopped
-        # while it pickled a new worker's start, that worker printed "pickle data was truncated")
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+        # a submit may start a worker: with SIGINT blocked it starts blocked, so a Ctrl-C reaches this
+        # process alone (workers printed their KeyboardInterrupt tracebacks), which stops the build
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             pending.append((chunk, pool.submit(_prepare_chunk, [d.text for d in chunk])))
         finally:
