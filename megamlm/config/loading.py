@@ -37,8 +37,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]:
     """Flatten a YAML file (and its includes) to {"section.key": (value, origin)}."""
     # a file by its real path (an include cycle is a file met twice); a shell's `<(...)` is /dev/fd/N,
-    # whose real path is "pipe:[...]", the name of nothing: it stays as given
-    path = path.resolve() if path.is_file() else path.absolute()
+    # whose real path is "pipe:[...]", the name of nothing: it stays as given, and its includes are
+    # relative to the directory the command runs in
+    piped = not path.is_file()
+    path = path.absolute() if piped else path.resolve()
+    includes_base = Path.cwd() if piped else path.parent
     if path in seen:
         raise ConfigError(f"{path}: include cycle through {' -> '.join(map(str, seen))}")
     if not path.exists():
@@ -56,8 +59,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
     flat: dict[str, tuple[Any, str]] = {}
     includes = doc.pop("include", [])
     for inc in [includes] if isinstance(includes, str) else includes:
-        # relative to the including file; a pipe's to the directory the command runs in
-        flat.update(_read_yaml((path.parent if path.is_file() else Path.cwd()) / inc, seen + (path,)))
+        flat.update(_read_yaml(includes_base / inc, seen + (path,)))
     for section, body in doc.items():
         if section not in _SECTIONS:
             raise ConfigError(
