@@ -8,7 +8,8 @@ checkpoint's load, compilation, a SLURM job's first seconds) SIGTERM and SIGUSR1
 without a word (exit 143 / 138: a job log said only "Terminated"), while SIGINT raised KeyboardInterrupt.
 `raising_on_stop_signals` makes the two raise `Stopped` the same way, which the command line reports as one
 line with exit 128 + the signal, after every `finally` on the way has run (nothing half-written stays).
-Torch-free: the command line installs it before any heavy import."""
+`holding_stop_signals` defers them over a step that must not end halfway (the shard build starting a
+worker). Torch-free: the command line installs it before any heavy import."""
 
 from __future__ import annotations
 
@@ -54,3 +55,35 @@ def raising_on_stop_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def holding_stop_signals():
+    """Within: a stop signal (any of STOP_SIGNALS) is held, and raised again at the end to whatever handles
+    it there: for a step that must not end halfway (a worker's start written into its pipe). Blocking it
+    (pthread_sigmask) would not do: the kernel hands a process's signal to another thread then (a reader's,
+    tqdm's), and Python runs the handler in the main thread all the same, between any two bytecodes. Main
+    thread only (elsewhere it changes nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    released = False
+
+    def _hold(signum, frame):
+        if not released:
+            held.append(signum)
+            return
+        signal.signal(signum, previous[signum])  # one that comes while the handlers are put back: as after
+        signal.raise_signal(signum)
+
+    previous = {sig: signal.signal(sig, _hold) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        released = True
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not set from Python (cannot be put back from here)
+                signal.signal(sig, handler)
+        for signum in dict.fromkeys(held):  # each once, in the order they came
+            signal.raise_signal(signum)

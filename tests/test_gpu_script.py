@@ -2,7 +2,7 @@
 (GPU_SH_SMOKE=1), without that switch the commands are the full-size ones, and each training row's
 full-size config loads.
 
-A lease is 30 minutes of device time; a step that dies on a stale flag, a config that does not merge or
+A lease is 15 minutes of device time; a step that dies on a stale flag, a config that does not merge or
 a run directory left by an earlier try costs its share of it (the smoke run found all three)."""
 
 import os

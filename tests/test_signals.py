@@ -100,6 +100,77 @@ def test_a_stop_signal_before_the_training_takes_it_is_one_line_and_exit_128_plu
     assert err.splitlines() == [f"megamlm: train: stopped: {sig.name} before the first update (nothing to save)"]
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+def _is_tokenizer_worker(pid: int) -> bool:
+    try:
+        return "--multiprocessing-fork" in open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return False
+
+
+def test_a_stop_signal_while_the_shard_build_starts_a_worker_is_one_line_and_the_worker_ends_cleanly(tmp_path):
+    """A tokenizer worker starts by reading the tokenizer (2.8 MB pickled) from a pipe the build writes. A
+    SIGTERM to the build meanwhile (`kill`, a job's TERM to its main process) ended that write halfway and
+    the build's process, and the worker printed "pickle data was truncated" (or, started, failed to find
+    the pool's semaphores: FileNotFoundError) after the build's one line: 7 of 15 stops at 3.1-3.7 s of a
+    WikiText-103 valid build. Here every worker is slow to start (a sitecustomize sleeps in it), so the
+    signal lands while the build is writing, every time."""
+    slow_start = tmp_path / "slow_start"
+    slow_start.mkdir()
+    (slow_start / "sitecustomize.py").write_text(
+        "import sys, time\nif sys.argv[-1:] == ['--multiprocessing-fork']:\n    time.sleep(3)\n")
+    src = tmp_path / "docs.txt"
+    src.write_text("".join(f"document {i} " + "some words " * (5 + i % 20) + "\n\n" for i in range(4000)))
+    env = dict(user_environment(), PYTHONPATH=f"{slow_start}{os.pathsep}{ROOT}")
+    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "shards", "build", str(src), "--out",
+                             str(tmp_path / "out"), "--workers", "2"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (workers := [pid for pid in _children(proc.pid) if _is_tokenizer_worker(pid)]):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate(timeout=5)
+        time.sleep(0.02)
+    time.sleep(0.5)  # the worker sleeps; the build writes its start into the pipe
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)  # also waits for a worker that outlived the build (it holds stderr)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "megamlm: shards: stopped: SIGTERM"
+    assert not any(_children(proc.pid)) and not any(os.path.exists(f"/proc/{pid}/cmdline") and
+                                                    _is_tokenizer_worker(pid) for pid in workers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.txt", "slow_start"]  # no output, no staging
+
+
+def test_held_stop_signals_are_taken_at_the_end_of_the_hold_by_the_handlers_there():
+    """`holding_stop_signals`: a signal to the process (from this thread or, as the kernel may hand it,
+    another's) is held to the end of the step, then raised once to the handler in place; so is a Ctrl-C."""
+    import threading
+
+    from megamlm.stop_signals import Stopped, holding_stop_signals, raising_on_stop_signals
+
+    steps = []
+    with raising_on_stop_signals(), pytest.raises(Stopped) as stopped:
+        with holding_stop_signals():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGUSR1))
+            sender.start()
+            sender.join()
+            time.sleep(0.2)
+            steps.append("whole")
+    assert steps == ["whole"] and stopped.value.signum == signal.SIGUSR1
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with holding_stop_signals():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            steps.append("whole again")
+    assert steps == ["whole", "whole again"] and signal.getsignal(signal.SIGINT) is before
+
+
 def test_a_process_forked_before_the_work_takes_the_stop_signals_dies_of_them_as_before():
     """Within `raising_on_stop_signals` the process itself gets `Stopped`; a child it forked (whose own
     parent reports for it) dies of the signal without a line, as it did; the handlers come back after."""

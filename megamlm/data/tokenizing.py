@@ -22,6 +22,7 @@ import numpy as np
 
 from megamlm.data.documents import Document, Problem, ShardError, json_document
 from megamlm.data.tokenizer import Tokenizer
+from megamlm.stop_signals import holding_stop_signals
 
 CHUNK_DOCUMENTS = 256
 """Documents per encode_batch call (and per task of a worker)."""
@@ -79,13 +80,18 @@ def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer, prepare: Prep
     def submit(chunk: list[Document] | None) -> None:
         if chunk is None:
             return
-        # a submit may start a worker: with SIGINT blocked it starts blocked, so a Ctrl-C reaches this
-        # process alone (workers printed their KeyboardInterrupt tracebacks), which stops the build
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            pending.append((chunk, pool.submit(_prepare_chunk, [d.text for d in chunk])))
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        # a submit may start a worker, which reads its start (the tokenizer: megabytes) from a pipe this
+        # process writes: a stop taken meanwhile ended the write halfway (the worker's traceback followed
+        # the build's line: "pickle data was truncated", or a FileNotFoundError for the pool's semaphores)
+        # or left the pool waiting for a worker that never started (the build hung). Held, it is taken
+        # once the submit is whole, and the pool's shutdown waits for the worker. With SIGINT blocked the
+        # worker starts blocked, so a Ctrl-C is this process's alone (workers printed KeyboardInterrupt)
+        with holding_stop_signals():
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                pending.append((chunk, pool.submit(_prepare_chunk, [d.text for d in chunk])))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     try:
         chunks = _chunks(docs, CHUNK_DOCUMENTS)
