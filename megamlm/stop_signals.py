@@ -53,8 +53,7 @@ def raising_on_stop_signals():
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        _put_back(previous)
 
 
 @contextlib.contextmanager
@@ -82,8 +81,13 @@ def holding_stop_signals():
         yield
     finally:
         released = True
-        for sig, handler in previous.items():
-            if handler is not None:  # None: not set from Python (cannot be put back from here)
-                signal.signal(sig, handler)
+        _put_back(previous)
         for signum in dict.fromkeys(held):  # each once, in the order they came
             signal.raise_signal(signum)
+
+
+def _put_back(previous: dict) -> None:
+    """The handlers `signal.signal` returned, set again."""
+    for sig, handler in previous.items():
+        if handler is not None:  # None: not set from Python (cannot be put back from here)
+            signal.signal(sig, handler)

@@ -140,8 +140,7 @@ def test_a_stop_signal_while_the_shard_build_starts_a_worker_is_one_line_and_the
     out, err = proc.communicate(timeout=120)  # also waits for a worker that outlived the build (it holds stderr)
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
     assert err.splitlines()[-1] == "megamlm: shards: stopped: SIGTERM"
-    assert not any(_children(proc.pid)) and not any(os.path.exists(f"/proc/{pid}/cmdline") and
-                                                    _is_tokenizer_worker(pid) for pid in workers)
+    assert not any(_is_tokenizer_worker(pid) for pid in workers)  # none outlived the build
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.txt", "slow_start"]  # no output, no staging
 
 
