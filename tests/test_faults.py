@@ -6,6 +6,10 @@ alone: `pytest -m faults` (or `make test-faults`)."""
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 import zlib
 
 import numpy as np
@@ -17,8 +21,8 @@ from megamlm.data.shards import ensure_shards
 from megamlm.data.loader import make_loader
 from megamlm.data.stream import CorruptShardError, MaskedBatches, ShardSet
 from megamlm.data.tokenizer import Tokenizer
-from tests.faults_common import (WIKITEXT, fault_shards, finished_run, flip_byte, megamlm, one_line,
-                                 run_cli, snapshot, tiny, users_folder)
+from tests.faults_common import (ROOT, WIKITEXT, fault_shards, finished_run, flip_byte, megamlm, one_line,
+                                 run_cli, snapshot, tiny, user_environment, users_folder)
 from tests.multiproc import run_on_ranks
 from tests.test_train import _train, config, logged
 
@@ -154,6 +158,41 @@ def test_train_refuses_a_run_dir_holding_a_run_and_overwrite_moves_it_aside(run,
     assert (copy / "checkpoints/latest").read_text() == "step00000002"
     assert sorted(logged(copy)) == [1, 2]
 
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_logged_update_is_started_over_by_the_same_command(shards, tmp_path):
+    """A run that died in its setup or first update (killed; an out-of-memory first update) holds nothing to
+    continue: the same command runs again and moves its files aside, where a run that logged an update is
+    refused (the test above)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train",
+                             *tiny(shards, run_dir, "train.steps=100000", "train.save_interval=100000",
+                                   "train.log_interval=100000")],
+                            cwd=ROOT, env=user_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and '"event": "start"' not in _text(run_dir / "log.jsonl"):
+        time.sleep(0.1)
+    proc.kill()  # as the out-of-memory killer: no handler runs, nothing is saved
+    assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read()[-3000:]
+    proc.stderr.close()
+    before = snapshot(run_dir)
+    assert {json.loads(line)["step"] for line in _text(run_dir / "log.jsonl").splitlines()} == {0}
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    check = megamlm("train", "--check", *tiny(shards, run_dir, "train.steps=2"))
+    assert check.returncode == 0 and "starts over (its run at update 0 is moved aside)" in check.stdout, check.stderr
+    assert snapshot(run_dir) == before  # --check writes nothing
+    rerun = megamlm("train", *tiny(shards, run_dir, "train.steps=2"))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    (moved,) = tmp_path.glob("run.replaced-*")
+    assert snapshot(moved) == before  # the killed run's files, byte for byte
+    assert (f"it trained nothing to continue (no update logged, no checkpoint): the run that was in {run_dir} is "
+            f"now {moved}") in rerun.stdout
+    assert sorted(logged(run_dir)) == [1, 2] and (run_dir / "final").is_dir()
+
+
+def _text(path) -> str:
+    return path.read_text() if path.is_file() else ""
 
 def test_model_folders_are_created_with_the_users_umask(run, tmp_path):
     from megamlm.convert.pipeline import convert

@@ -150,11 +150,11 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
     run_dir = Path(cfg.train.run_dir)
     objective = get_objective(cfg)
     check_before_work(cfg, objective)
-    moved = prepare_run_dir(run_dir, resume, overwrite, dist.get_rank())
+    moved_aside = prepare_run_dir(run_dir, resume, overwrite, dist.get_rank())
     dist.barrier()  # rank 0 may have moved the old run aside
     log = Log(run_dir, rank0)
-    if moved is not None:
-        log.event("overwrite", 0, f"--overwrite: the run that was in {run_dir} is now {moved}")
+    if moved_aside is not None:
+        log.event("overwrite", 0, moved_aside)
     seed_everything(cfg.train.seed, ctx)
     accumulation = cfg.train.accumulation_steps(ctx.dp_size)
     data = prepare_data(cfg, ctx, objective)

@@ -11,7 +11,8 @@ a mistake is one line in a second, not one a rank after each imported torch and 
 model, for a checkpoint's or train.init_from's refusal).
 
 The run directory belongs to one run: a new run never starts over an old one (unless asked to move it
-aside) and never touches files it did not write.
+aside, or the old one trained nothing there is to keep: `trained_nothing`) and never touches files it did
+not write.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | N
     machines = f" ({nodes} machines x {processes})" if nodes > 1 else ""
     if tag is not None:
         start = f"resumes from {tag}" + "".join(f" ({line})" for line in skipped)
-    elif step is not None:  # --overwrite
+    elif step is not None:  # --overwrite, or a run that trained nothing
         start = f"starts over (its run at update {step} is moved aside)"
     else:
         start = "starts at update 0" + (" (no checkpoint to resume)" if resume == "auto" else "")
@@ -155,16 +156,25 @@ RUN_FILES = ("log.jsonl", "config.yaml", RUN_CHECKPOINTS, "tensorboard", RUN_FIN
 """What training writes into train.run_dir."""
 
 
+def trained_nothing(run_dir: Path, step: int) -> bool:
+    """A run at `step` (`run_at`) left nothing to continue or keep: no update logged, no checkpoint, no
+    final model (stopped or crashed in its setup or first updates: a Ctrl-C after its first lines, an
+    out-of-memory first update). A plain rerun starts it over; its files are moved aside as --overwrite moves
+    a run's."""
+    return step == 0 and not complete_tags(run_dir / RUN_CHECKPOINTS) and not (run_dir / RUN_FINAL).exists()
+
+
 def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> int | None:
-    """Refuse a run dir that holds another run (unless `overwrite`) or a user's files where training
-    would write, or that cannot be written; the update its run has reached (None: no run there)."""
+    """Refuse a run dir that holds another run (unless `overwrite`, or it `trained_nothing`) or a user's
+    files where training would write, or that cannot be written; the update its run has reached (None: no
+    run there)."""
     if resume is not None and overwrite:
         raise RunDirError("--resume and --overwrite exclude each other")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"train.run_dir={run_dir} is a file, not a folder")
     step = run_at(run_dir)
     if step is not None and resume is None:
-        if not overwrite:
+        if not overwrite and not trained_nothing(run_dir, step):
             raise RunDirError(f"train.run_dir={run_dir} holds a run at update {step}; pass --resume auto "
                               f"to continue it, --overwrite to start over (the old run is moved aside), "
                               f"or choose another train.run_dir")
@@ -184,15 +194,17 @@ def _check_writable_run_dir(run_dir: Path) -> None:
         check_writable(run_dir / RUN_CHECKPOINTS, "checkpoint folder")
 
 
-def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, rank: int) -> Path | None:
-    """Before any work: `check_run_dir`; with `overwrite`, rank 0 moves a run that is there aside,
-    returning where."""
+def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool, rank: int) -> str | None:
+    """Before any work: `check_run_dir`; with `overwrite` (or a run that `trained_nothing`), rank 0 moves
+    the run that is there aside, returning the log's line that says where."""
     step = check_run_dir(run_dir, resume, overwrite)
     if step is None or resume is not None:
         return None
-    moved = None
+    why = "--overwrite" if overwrite else "it trained nothing to continue (no update logged, no checkpoint)"
+    line = None
     if rank == 0:
         moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(run_dir, moved)
+        line = f"{why}: the run that was in {run_dir} is now {moved}"
     _check_writable_run_dir(run_dir)
-    return moved
+    return line
