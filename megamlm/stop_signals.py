@@ -8,8 +8,9 @@ checkpoint's load, compilation, a SLURM job's first seconds) SIGTERM and SIGUSR1
 without a word (exit 143 / 138: a job log said only "Terminated"), while SIGINT raised KeyboardInterrupt.
 `raising_on_stop_signals` makes the two raise `Stopped` the same way, which the command line reports as one
 line with exit 128 + the signal, after every `finally` on the way has run (nothing half-written stays).
-`holding_stop_signals` defers them over a step that must not end halfway (the shard build starting a
-worker). Torch-free: the command line installs it before any heavy import."""
+`holding_stop_signals` defers them over a step that must not end halfway, `starting_workers` over a
+pool starting a worker (the shard build's, GLUE's --parallel). Torch-free: the command line installs it
+before any heavy import."""
 
 from __future__ import annotations
 
@@ -84,6 +85,20 @@ def holding_stop_signals():
         _put_back(previous)
         for signum in dict.fromkeys(held):  # each once, in the order they came
             signal.raise_signal(signum)
+
+
+@contextlib.contextmanager
+def starting_workers():
+    """Over a pool's submit, which may start a worker process: the stop signals held (`holding_stop_signals`:
+    a worker's start is not cut halfway) and SIGINT blocked, so that the worker starts with it blocked (a
+    process inherits the mask): a terminal's Ctrl-C, sent to the whole group, is this process's alone to act
+    on, where each worker printed its KeyboardInterrupt."""
+    with holding_stop_signals():
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _put_back(previous: dict) -> None:

@@ -1,8 +1,10 @@
 """Signals end a run with a checkpoint: the first Ctrl-C, SIGTERM and SIGUSR1 finish the update, save and
 exit (130, 0, 0), also under `--nproc` when only the launcher is signalled; a second Ctrl-C aborts at once;
-before the training takes them, SIGTERM and SIGUSR1 end the command in one line.
+before the training takes them, SIGTERM and SIGUSR1 end the command in one line. A stop ends GLUE's
+parallel tasks at once and keeps the finished ones' results.
 Part of `pytest -m faults` (`make test-faults`) with tests/test_faults.py and tests/test_bad_input.py."""
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +14,7 @@ import time
 import pytest
 
 from tests.faults_common import ROOT, fault_shards, run_cli, tiny, user_environment
+from tests.test_glue import GLUE, tiny_folder  # noqa: F401  (a fixture)
 from tests.test_train import logged
 
 pytestmark = pytest.mark.faults
@@ -99,6 +102,45 @@ def test_a_stop_signal_before_the_training_takes_it_is_one_line_and_exit_128_plu
     assert proc.returncode == 128 + sig, err
     assert err.splitlines() == [f"megamlm: train: stopped: {sig.name} before the first update (nothing to save)"]
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, to_group, parallel", [(signal.SIGTERM, False, 2), (signal.SIGINT, True, 2),
+                                                     (signal.SIGTERM, False, 1)],
+                         ids=["SIGTERM-to-glue", "Ctrl-C-to-the-group", "SIGTERM-in-sequence"])
+def test_a_stop_to_glue_in_parallel_processes_ends_them_at_once_and_reports_the_finished_tasks(
+        sig, to_group, parallel, tiny_folder, tmp_path):  # noqa: F811
+    """`megamlm glue --parallel 2`: a stop ran every task not yet started to its end before the command
+    exited (its executor's shutdown), and the report of the tasks that had finished was never written (in
+    sequence too). Now the running tasks' processes end at once, the ones not started are cancelled, and
+    results.json holds the finished tasks, the others "not finished". Here 3 tasks in 2 processes: STS-B and
+    RTE start, SST-2 starts once one of them finishes; the signal comes with the first "finished" line."""
+    epochs = 300
+    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "glue", "--checkpoint", str(tiny_folder),
+                             "--data-dir", str(GLUE), "--tasks", "STS-B,RTE,SST-2", "--seeds", "1",
+                             "--epochs", str(epochs), "--parallel", str(parallel), "--out", str(tmp_path / "out")],
+                            cwd=ROOT, env=user_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "finished (1 of 3 tasks)" in line:
+            break
+    first = lines[-1].split(":")[0]
+    assert first in (("STS-B", "RTE") if parallel > 1 else ("STS-B",)), "".join(lines)[-3000:]
+    os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    out = "".join(lines) + out
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert err.splitlines() == [f"megamlm: glue: {'interrupted' if sig == signal.SIGINT else 'stopped: SIGTERM'}"]
+    assert f"SST-2 seed 1 epoch {epochs}/{epochs}" not in out  # its process ended, not run to its end
+    report = json.loads((tmp_path / "out/results.json").read_text())
+    assert list(report["tasks"]) == ["STS-B", "RTE", "SST-2"]
+    why = "the run was interrupted" if sig == signal.SIGINT else "the run was stopped (SIGTERM)"
+    assert report["tasks"]["SST-2"] == {"skipped": f"not finished: {why}"}
+    assert len(report["tasks"][first]["seeds"]["1"]["epochs"]) == epochs and "summary" in report["tasks"][first]
+    assert f"| SST-2 | skipped | not finished: {why} |" in (tmp_path / "out/results.md").read_text()
+    assert f"of 3 tasks finished before {why}: their results are in {tmp_path / 'out/results.json'}" in out
 
 def _children(pid: int) -> list[int]:
     try:

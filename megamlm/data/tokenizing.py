@@ -10,7 +10,6 @@ build's staging folder is removed as for any failed build (shards.build_shards).
 
 from __future__ import annotations
 
-import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -22,7 +21,7 @@ import numpy as np
 
 from megamlm.data.documents import Document, Problem, ShardError, json_document
 from megamlm.data.tokenizer import Tokenizer
-from megamlm.stop_signals import holding_stop_signals
+from megamlm.stop_signals import starting_workers
 
 CHUNK_DOCUMENTS = 256
 """Documents per encode_batch call (and per task of a worker)."""
@@ -84,14 +83,9 @@ def encoded_chunks(docs: Iterable[Document], tokenizer: Tokenizer, prepare: Prep
         # process writes: a stop taken meanwhile ended the write halfway (the worker's traceback followed
         # the build's line: "pickle data was truncated", or a FileNotFoundError for the pool's semaphores)
         # or left the pool waiting for a worker that never started (the build hung). Held, it is taken
-        # once the submit is whole, and the pool's shutdown waits for the worker. With SIGINT blocked the
-        # worker starts blocked, so a Ctrl-C is this process's alone (workers printed KeyboardInterrupt)
-        with holding_stop_signals():
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
-                pending.append((chunk, pool.submit(_prepare_chunk, [d.text for d in chunk])))
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        # once the submit is whole, and the pool's shutdown waits for the worker (`starting_workers`)
+        with starting_workers():
+            pending.append((chunk, pool.submit(_prepare_chunk, [d.text for d in chunk])))
 
     try:
         chunks = _chunks(docs, CHUNK_DOCUMENTS)

@@ -2,8 +2,9 @@
 
 Tasks run in sequence in this process (which may be a data-parallel world under torchrun), or in
 `parallel` spawned processes of one rank each. A task whose files are missing is reported and
-skipped. Output: <out>/results.json (every epoch's metrics) and <out>/results.md (the reference's
-table: PPL then best validation accuracy per task and best STS-B MSE; then GLUE's metrics).
+skipped; a run that ends early (a stop signal, Ctrl-C, a task's error) reports the tasks that finished.
+Output: <out>/results.json (every epoch's metrics) and <out>/results.md (the reference's table: PPL then
+best validation accuracy per task and best STS-B MSE; then GLUE's metrics).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import multiprocessing
 import random
 import shutil
 import statistics
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from megamlm.model.folder import ModelFolder, check_model_folder, read_model_fol
 from megamlm.model.reshard import full_state_dict
 from megamlm.objectives import encoder_from
 from megamlm.parallel import init_distributed, seed_everything
+from megamlm.stop_signals import Stopped, holding_stop_signals, starting_workers
 
 TABLE_ORDER = ("MNLI", "QNLI", "QQP", "RTE", "SST-2", "MRPC", "CoLA", "STS-B")
 
@@ -135,12 +138,69 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
     if len(missing) == len(tasks):
         raise GlueDataError(f"GLUE data dir {data_dir} holds the files of none of the tasks asked for: "
                             + "; ".join(f"{t}: {reason}" for t, reason in missing.items()))
-    jobs = [(checkpoint, data_dir, t, seeds, options, max_train, max_eval, out) for t in tasks]
-    if parallel > 1:
-        with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = dict(zip(tasks, pool.map(_spawned, jobs)))
-    else:
-        results = {t: run_task(*job, log=log) for t, job in zip(tasks, jobs)}
+    jobs = {t: (checkpoint, data_dir, t, seeds, options, max_train, max_eval, out) for t in tasks}
+    results: dict = {}  # each task's, as it finishes
+
+    def finished(task: str, result: dict) -> None:
+        results[task] = result
+        if "skipped" not in result:  # the report names those
+            log(f"{task}: finished ({len(results)} of {len(tasks)} tasks)")
+
+    try:
+        if parallel > 1:
+            _run_in_processes(jobs, parallel, finished)
+        else:
+            for t, job in jobs.items():
+                finished(t, run_task(*job, log=log))
+    except BaseException as stop:  # a stop signal, Ctrl-C, a task's error: the finished tasks' results stay
+        ran = [t for t, result in results.items() if "skipped" not in result]
+        if ran:
+            with holding_stop_signals():  # a second signal waits for the report
+                unfinished = {"skipped": f"not finished: {_ended(stop)}"}
+                _report(checkpoint, options, max_train, max_eval, ppl,
+                        {t: results[t] if t in results else dict(unfinished) for t in tasks}, out, log)
+                log(f"{len(ran)} of {len(tasks)} tasks finished before {_ended(stop)}: their results are in "
+                    f"{Path(out) / 'results.json'}")
+        raise
+    return _report(checkpoint, options, max_train, max_eval, ppl, {t: results[t] for t in tasks}, out, log)
+
+
+def _run_in_processes(jobs: dict, parallel: int, finished: Callable[[str, dict], None]) -> None:
+    """`jobs` (task -> run_task's arguments) in `parallel` spawned processes; `finished(task, result)` as
+    each one ends. On a stop or an error the tasks not started are cancelled and the running ones'
+    processes ended at once: a task may run for hours."""
+    pool = ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        with starting_workers():  # no worker half-started by a stop; a Ctrl-C is this process's alone
+            futures = {pool.submit(_spawned, job): task for task, job in jobs.items()}
+        for future in as_completed(futures):
+            finished(futures[future], future.result())
+    except BaseException:
+        # the executor ends its processes only once their tasks return (terminate_workers: Python 3.14)
+        processes = list((pool._processes or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _ended(stop: BaseException) -> str:
+    """What ended a GLUE run early, for its report."""
+    if isinstance(stop, Stopped):
+        return f"the run was stopped ({stop})"
+    if isinstance(stop, KeyboardInterrupt):
+        return "the run was interrupted"
+    return f"the run ended on an error ({type(stop).__name__}: {stop})"
+
+
+def _report(checkpoint: str, options: FinetuneOptions, max_train: int | None, max_eval: int | None,
+            ppl: float | None, results: dict, out: str, log) -> dict:
+    """The report of the tasks' `results` (in the order asked for): summaries, test predictions,
+    <out>/results.json and results.md (rank 0)."""
     report = {"checkpoint": checkpoint, "options": asdict(options.with_recipe()), "max_train": max_train,
               "max_eval": max_eval, "ppl": ppl, "tasks": results}
     for name, result in results.items():
