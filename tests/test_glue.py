@@ -13,7 +13,7 @@ from megamlm.cli import main as cli
 from megamlm.glue.finetune import FinetuneOptions
 from megamlm.glue.metrics import compute_metrics
 from megamlm.glue.run import run_glue
-from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, task_files
+from megamlm.glue.tasks import TASKS, GlueDataError, read_examples, task_files, task_names
 from tests.variants import variant_config
 
 GLUE = Path(__file__).parent / "data" / "glue"
@@ -40,6 +40,12 @@ def test_every_task_layout_is_parsed():
                                            TASKS["MNLI"].labels.index("contradiction")]
     assert task_files(TASKS["MNLI"], GLUE).startswith("missing") and "MNLI/train.tsv" in task_files(TASKS["MNLI"], GLUE)
 
+
+def test_task_names_are_taken_in_any_case_with_or_without_the_hyphen():
+    assert task_names(["rte", "sst2", "STSB", "sts-b", "cola", "Mnli", " QQP"]) == [
+        "RTE", "SST-2", "STS-B", "STS-B", "CoLA", "MNLI", "QQP"]
+    with pytest.raises(GlueDataError, match=r"^unknown GLUE task\(s\) \['wnli'\]; allowed: MNLI, QNLI, QQP, RTE, "):
+        task_names(["rte", "wnli"])
 
 def test_qqp_layout_and_errors_name_file_and_line(tmp_path):
     qqp = tmp_path / "train.tsv"

@@ -105,18 +105,21 @@ def test_a_stop_signal_before_the_training_takes_it_is_one_line_and_exit_128_plu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, to_group, parallel", [(signal.SIGTERM, False, 2), (signal.SIGINT, True, 2),
-                                                     (signal.SIGTERM, False, 1)],
-                         ids=["SIGTERM-to-glue", "Ctrl-C-to-the-group", "SIGTERM-in-sequence"])
+@pytest.mark.parametrize("sig, to_group, parallel, ranks",
+                         [(signal.SIGTERM, False, 2, 1), (signal.SIGINT, True, 2, 1), (signal.SIGTERM, False, 1, 1),
+                          (signal.SIGTERM, False, 1, 2)],
+                         ids=["SIGTERM-to-glue", "Ctrl-C-to-the-group", "SIGTERM-in-sequence", "SIGTERM-to-torchrun"])
 def test_a_stop_to_glue_in_parallel_processes_ends_them_at_once_and_reports_the_finished_tasks(
-        sig, to_group, parallel, tiny_folder, tmp_path):  # noqa: F811
+        sig, to_group, parallel, ranks, tiny_folder, tmp_path):  # noqa: F811
     """`megamlm glue --parallel 2`: a stop ran every task not yet started to its end before the command
     exited (its executor's shutdown), and the report of the tasks that had finished was never written (in
-    sequence too). Now the running tasks' processes end at once, the ones not started are cancelled, and
-    results.json holds the finished tasks, the others "not finished". Here 3 tasks in 2 processes: STS-B and
-    RTE start, SST-2 starts once one of them finishes; the signal comes with the first "finished" line."""
+    sequence too; under torchrun the ranks died of it). Now the running tasks' processes end at once, the
+    ones not started are cancelled, and results.json holds the finished tasks, the others "not finished".
+    Here 3 tasks in 2 processes: STS-B and RTE start, SST-2 starts once one of them finishes; the signal
+    comes with the first "finished" line."""
     epochs = 300
-    proc = subprocess.Popen([sys.executable, "-m", "megamlm", "glue", "--checkpoint", str(tiny_folder),
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    proc = subprocess.Popen([sys.executable, *launcher, "-m", "megamlm", "glue", "--checkpoint", str(tiny_folder),
                              "--data-dir", str(GLUE), "--tasks", "STS-B,RTE,SST-2", "--seeds", "1",
                              "--epochs", str(epochs), "--parallel", str(parallel), "--out", str(tmp_path / "out")],
                             cwd=ROOT, env=user_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -124,16 +127,21 @@ def test_a_stop_to_glue_in_parallel_processes_ends_them_at_once_and_reports_the_
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "finished (1 of 3 tasks)" in line:
+        if sum("finished (1 of 3 tasks)" in seen for seen in lines) == ranks:  # under torchrun: rank 0's too
             break
     first = lines[-1].split(":")[0]
     assert first in (("STS-B", "RTE") if parallel > 1 else ("STS-B",)), "".join(lines)[-3000:]
     os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     out = "".join(lines) + out
-    assert proc.returncode == 128 + sig, err[-3000:]
-    assert err.splitlines() == [f"megamlm: glue: {'interrupted' if sig == signal.SIGINT else 'stopped: SIGTERM'}"]
+    said = f"megamlm: glue: {'interrupted' if sig == signal.SIGINT else 'stopped: SIGTERM'}"
+    if ranks == 1:
+        assert proc.returncode == 128 + sig, err[-3000:]
+        assert err.splitlines() == [said]
+    else:  # torchrun passes the signal on to its ranks and ends with its own traceback
+        assert err.count(said) == ranks, err[-3000:]
     assert f"SST-2 seed 1 epoch {epochs}/{epochs}" not in out  # its process ended, not run to its end
+    assert (tmp_path / "out/results.json").is_file(), (out[-3000:], err[-3000:])
     report = json.loads((tmp_path / "out/results.json").read_text())
     assert list(report["tasks"]) == ["STS-B", "RTE", "SST-2"]
     why = "the run was interrupted" if sig == signal.SIGINT else "the run was stopped (SIGTERM)"
@@ -141,6 +149,7 @@ def test_a_stop_to_glue_in_parallel_processes_ends_them_at_once_and_reports_the_
     assert len(report["tasks"][first]["seeds"]["1"]["epochs"]) == epochs and "summary" in report["tasks"][first]
     assert f"| SST-2 | skipped | not finished: {why} |" in (tmp_path / "out/results.md").read_text()
     assert f"of 3 tasks finished before {why}: their results are in {tmp_path / 'out/results.json'}" in out
+
 
 def _children(pid: int) -> list[int]:
     try:

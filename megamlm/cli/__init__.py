@@ -339,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("glue: --checkpoint and --data-dir are required (or --merge DIR)")
     # one error path for every verb: a user's mistake is one line and exit 2, a bug one line and
     # exit 1 (tracebacks with --debug), Ctrl-C outside training exit 130
-    # a stop signal before the work takes it (a training's setup) is one line too; a launcher's rank
-    # (LOCAL_RANK) dies of it as before: its launcher reports
+    # a stop signal before the work takes it (a training's setup) is one line too; a launcher's training
+    # rank (LOCAL_RANK) dies of it as before: its launcher reports. GLUE's ranks take it: rank 0 writes the
+    # report of the tasks that finished
+    ranks_die = "LOCAL_RANK" in os.environ and args.verb != "glue"
     with contextlib.nullcontext() if debug else warnings_as_lines(args.verb), \
-            contextlib.nullcontext() if "LOCAL_RANK" in os.environ else raising_on_stop_signals():
+            contextlib.nullcontext() if ranks_die else raising_on_stop_signals():
         return _run(parser, args, argv, debug)
 
 

@@ -13,6 +13,7 @@ from megamlm.glue.recipes import RECIPES
 def cmd_glue(args) -> int:
     from megamlm.glue.finetune import RECIPE_OPTIONS, FinetuneOptions
     from megamlm.glue.run import merge_reports, run_glue
+    from megamlm.glue.tasks import task_names
 
     options = FinetuneOptions(recipe=args.recipe, packing=args.packing, predict=args.predict, save=args.save,
                               overrides=tuple(args.overrides),
@@ -21,10 +22,11 @@ def cmd_glue(args) -> int:
         merge_reports(args.merge)
         print((Path(args.merge) / "results.md").read_text())
         return 0
+    tasks = task_names(args.tasks.split(","))
     check_writable(args.out, "--out")  # before hours of fine-tuning
-    for task in args.tasks.split(",") if args.save else ():
+    for task in tasks if args.save else ():
         check_output_folder(Path(args.out) / "models" / task, overwrite=True, what="--save folder")
-    run_glue(args.checkpoint, args.data_dir, args.tasks.split(","), args.seeds, args.out, options,
+    run_glue(args.checkpoint, args.data_dir, tasks, args.seeds, args.out, options,
              args.max_train_samples, args.max_eval_samples, args.parallel, args.ppl)  # some task ran, or it raised
     print((Path(args.out) / "results.md").read_text())
     return 0
@@ -35,7 +37,8 @@ def add_glue_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="GLUE folder: <TASK>/train.tsv, dev.tsv")
     parser.add_argument("--merge", metavar="DIR", help="instead of running: merge DIR/<TASK>/results.json "
                                                        "(slurm/glue.sbatch's array tasks) into one table")
-    parser.add_argument("--tasks", default="MNLI,QNLI,QQP,RTE,SST-2,MRPC,CoLA,STS-B")
+    parser.add_argument("--tasks", default="MNLI,QNLI,QQP,RTE,SST-2,MRPC,CoLA,STS-B",
+                        help="comma-separated, in any case, with or without the hyphen (rte,sst2,stsb)")
     parser.add_argument("--seeds", type=integer_list, default=[1],
                         help="comma-separated; several give median and spread")
     parser.add_argument("--out", default="glue-results")

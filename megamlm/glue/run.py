@@ -28,7 +28,7 @@ from megamlm.errors import check_ranges, warnings_as_lines
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
 from megamlm.glue.submission import prediction_lines, write_submission
 from megamlm.glue.tasks import (TASKS, GlueDataError, read_examples, read_test_examples, task_extra_dev_files,
-                                task_files, task_test_files)
+                                task_files, task_names, task_test_files)
 from megamlm.glue.metrics import best_of
 from megamlm.glue.recipes import PAPER_RECIPES
 from megamlm.model import names
@@ -115,18 +115,21 @@ def folder_tensors(saved: ModelFolder) -> dict:
     return {**saved.full, **{names.CLASSIFICATION_HEADS + name: tensor for name, tensor in saved.heads.items()}}
 
 
+def print_line(text: str) -> None:
+    """A GLUE run's progress line, on stdout at once (a job's log, a pipe: not when a buffer fills)."""
+    print(text, flush=True)
+
+
 def _spawned(args) -> dict:
     torch.set_num_threads(1)
     with warnings_as_lines("glue"):  # as in the parent process (cli)
-        return run_task(*args, log=lambda text: print(text, flush=True))
+        return run_task(*args, log=print_line)
 
 
 def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int], out: str,
              options: FinetuneOptions, max_train: int | None = None, max_eval: int | None = None,
-             parallel: int = 1, ppl: float | None = None, log=print) -> dict:
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise GlueDataError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
+             parallel: int = 1, ppl: float | None = None, log=print_line) -> dict:
+    tasks = task_names(tasks)
     check_ranges([(f"--max-train-samples {max_train}", max_train, ">= 1"),
                   (f"--max-eval-samples {max_eval}", max_eval, ">= 1"), (f"--parallel {parallel}", parallel, ">= 1"),
                   *((f"seed {seed}", seed, ">= 0") for seed in seeds)], GlueDataError)

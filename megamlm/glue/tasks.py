@@ -92,6 +92,22 @@ TASKS: dict[str, Task] = {t.name: t for t in [
     Task("STS-B", ("sentence1", "sentence2"), "score", None, 2e-5, 16, 3598, 214,
          ("mse", "pearson", "spearman"), 5749),
 ]}
+
+
+def task_names(asked: list[str]) -> list[str]:
+    """The tasks `asked` for, as TASKS spells them: any case, with or without the hyphen (rte, sst2, stsb:
+    the Hub's spelling); one that is no GLUE task of ours is refused, naming those that are."""
+    spellings = {_spelling(name): name for name in TASKS}
+    unknown = [name for name in asked if _spelling(name) not in spellings]
+    if unknown:
+        raise GlueDataError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
+    return [spellings[_spelling(name)] for name in asked]
+
+
+def _spelling(name: str) -> str:
+    return name.strip().lower().replace("-", "").replace("_", "")
+
+
 MNLI_3COL_LABELS = ("0", "1", "2")  # the reduced copy's ids: entailment, neutral, contradiction
 MNLI_3COL_ORDER = ("entailment", "neutral", "contradiction")
 
