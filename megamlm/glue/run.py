@@ -165,7 +165,8 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
                 log(f"{len(ran)} of {len(tasks)} tasks finished before {_ended(stop)}: their results are in "
                     f"{Path(out) / 'results.json'}")
         raise
-    return _report(checkpoint, options, max_train, max_eval, ppl, {t: results[t] for t in tasks}, out, log)
+    with holding_stop_signals():  # every task finished: a stop now is taken once the report is whole
+        return _report(checkpoint, options, max_train, max_eval, ppl, {t: results[t] for t in tasks}, out, log)
 
 
 def _run_in_processes(jobs: dict, parallel: int, finished: Callable[[str, dict], None]) -> None:
