@@ -9,6 +9,7 @@ lower layer never needs to know the CLI exists. megamlm's warnings are one line 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import warnings
 from pathlib import Path
 
@@ -42,6 +43,15 @@ def check_ranges(checks, error: type[MegamlmError] = MegamlmError) -> None:
         items = value if isinstance(value, tuple) else () if value is None else (value,)
         if not all(_within(item, bound) for item in items):
             raise error(f"{what} must be {'in ' if bound[0] in '[(' else ''}{bound}")
+
+
+def did_you_mean(name, allowed) -> str:
+    """"; did you mean 'x'?" where one of the `allowed` names is close to a mistyped `name` in any case
+    (difflib's ratio >= 0.75: one letter dropped, doubled or swapped in a word), else "". Ends a message
+    that lists the allowed names, so the likely one is not lost in a list of 50 keys."""
+    spelled = {str(a).lower(): str(a) for a in allowed}
+    close = difflib.get_close_matches(str(name).lower(), spelled, n=1, cutoff=0.75)
+    return f"; did you mean '{spelled[close[0]]}'?" if close else ""
 
 
 def error_line(err: BaseException) -> str:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamlm.config import Config, ConfigError
-from megamlm.errors import check_ranges
+from megamlm.errors import check_ranges, did_you_mean
 from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
 from megamlm.objectives import get_objective
@@ -139,7 +139,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float 
     }
     memory["total"] = sum(memory.values())
     if gpu not in GPU_PEAKS:
-        raise ConfigError(f"--gpu {gpu}; known: {', '.join(GPU_PEAKS)}")
+        raise ConfigError(f"--gpu {gpu}; known: {', '.join(GPU_PEAKS)}{did_you_mean(gpu, GPU_PEAKS)}")
     peak = GPU_PEAKS[gpu][train.precision]
     tokens = micro_tokens * accumulation * dp
     fill = FILL[cfg.data.packing] if fill is None else fill

@@ -148,6 +148,13 @@ def test_a_number_out_of_range_is_one_line_before_any_work(args, message, capsys
     assert run_cli(capsys, *args) == (2, f"megamlm: {message}")
 
 
+def test_an_unknown_gpu_is_one_line_with_the_likely_one(capsys):
+    from tests.faults_common import run_cli
+
+    assert run_cli(capsys, *PLAN, "--gpu", "h100") == (
+        2, "megamlm: config error: --gpu h100; known: H200, H100, A100, V100; did you mean 'H100'?")
+
+
 @pytest.mark.parametrize("args, message", [
     ([*GLUE, "--seeds", "1,x"], "argument --seeds: '1,x': 'x' is not an integer (a comma-separated list of "
                                 "integers, e.g. 1,2,3)"),

@@ -118,6 +118,46 @@ BAD = [
 ]
 
 
+# session 59: a mistyped name ends with the likely one (difflib's ratio >= 0.75, any case), a key given in the
+# wrong section with the section that has it
+LIKELY = [
+    (["model.positon=alibi"], "unknown key 'model.positon'; allowed: num_layers", "; did you mean 'model.position'?"),
+    (["model.atention_backend=flex"], "unknown key 'model.atention_backend'", "; did you mean 'model.attention_backend'?"),
+    (["train.lr=1e-3"], "unknown key 'train.lr'; allowed: seed, micro_batch_size", "; did you mean 'optim.lr'?"),
+    (["modle.position=alibi"], "unknown section 'modle'; allowed: model, objective, parallel, data, optim, train",
+     "; did you mean 'model'?"),
+    (["model.position=alibbi"], "model.position='alibbi' is invalid; allowed: learned | sinusoidal | none | alibi | rope",
+     "; did you mean 'alibi'?"),
+    (["model.alibi_mode=Ofset", "model.position=alibi"],
+     "model.alibi_mode='Ofset' is invalid; allowed: symmetric | offset | learned or null", "; did you mean 'offset'?"),
+    (["model.attention_backend=trition"], "allowed: sdpa | eager | flex | varlen | alibi-flash | triton",
+     "; did you mean 'triton'?"),
+]
+
+
+@pytest.mark.parametrize("overrides,message,likely", LIKELY, ids=[b[0][0] for b in LIKELY])
+def test_a_mistyped_name_ends_its_line_with_the_likely_one(overrides, message, likely):
+    with pytest.raises(ConfigError) as err:
+        load_config([], overrides)
+    text = str(err.value)
+    assert message in text and text.endswith(likely) and "\n" not in text
+
+
+@pytest.mark.parametrize("overrides", [["model.position=zzz"], ["model.zzz=1"], ["zzz.position=1"]])
+def test_a_name_like_none_allowed_gets_no_guess(overrides):
+    with pytest.raises(ConfigError) as err:
+        load_config([], overrides)
+    assert "did you mean" not in str(err.value)
+
+
+def test_a_file_with_a_mistyped_section_names_the_file_and_the_likely_section(tmp_path):
+    bad = tmp_path / "exp.yaml"
+    bad.write_text("modle:\n  num_layers: 2\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}: unknown section 'modle'; allowed: include, model, .*; did you "
+                                          r"mean 'model'\?$"):
+        load_config([bad])
+
+
 @pytest.mark.parametrize("overrides,message", BAD, ids=[b[1][:40] for b in BAD])
 def test_bad_configuration_gives_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:

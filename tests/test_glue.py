@@ -46,6 +46,8 @@ def test_task_names_are_taken_in_any_case_with_or_without_the_hyphen():
         "RTE", "SST-2", "STS-B", "STS-B", "CoLA", "MNLI", "QQP"]
     with pytest.raises(GlueDataError, match=r"^unknown GLUE task\(s\) \['wnli'\]; allowed: MNLI, QNLI, QQP, RTE, "):
         task_names(["rte", "wnli"])
+    with pytest.raises(GlueDataError, match=r"^unknown GLUE task\(s\) \['sst'\]; allowed: .*; did you mean 'SST-2'\?$"):
+        task_names(["sst"])
 
 def test_qqp_layout_and_errors_name_file_and_line(tmp_path):
     qqp = tmp_path / "train.tsv"

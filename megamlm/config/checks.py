@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from megamlm.errors import MegamlmError, check_ranges
+from megamlm.errors import MegamlmError, check_ranges, did_you_mean
 
 ARCHITECTURE = {"architecture": True}
 """Field metadata of the ModelConfig fields that define the weights."""
@@ -37,6 +37,16 @@ def _describe(tp: Any) -> str:
     if origin is list:
         return f"list of {_describe(args[0])}"
     return tp.__name__
+
+
+def _choices(tp: Any) -> tuple:
+    """The values a Literal type (also inside a union: `Literal[...] | None`) names; () for other types."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return args
+    if origin in UNIONS:
+        return tuple(value for arg in args for value in _choices(arg))
+    return ()
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
@@ -98,9 +108,8 @@ def check_fields(section_obj: Any, section: str) -> None:
         value = getattr(section_obj, f.name)
         ok, converted = _coerce(value, hints[f.name])
         if not ok:
-            raise ConfigError(
-                f"{section}.{f.name}={value!r} is invalid; allowed: {_describe(hints[f.name])}"
-            )
+            hint = did_you_mean(value, _choices(hints[f.name])) if isinstance(value, str) else ""
+            raise ConfigError(f"{section}.{f.name}={value!r} is invalid; allowed: {_describe(hints[f.name])}{hint}")
         object.__setattr__(section_obj, f.name, converted)
 
 

@@ -12,12 +12,14 @@ import yaml
 
 from megamlm.config.checks import ConfigError
 from megamlm.config.sections import Config
-from megamlm.errors import MegamlmError
+from megamlm.errors import MegamlmError, did_you_mean
 from megamlm.files import read_text
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_TYPES = typing.get_type_hints(Config)
+_KEYS = {name: [f.name for f in dataclasses.fields(tp)] for name, tp in _SECTION_TYPES.items()}
+"""Each section's keys, in their dataclass's order."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -62,9 +64,8 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
         flat.update(_read_yaml(includes_base / inc, seen + (path,)))
     for section, body in doc.items():
         if section not in _SECTIONS:
-            raise ConfigError(
-                f"{path}: unknown section '{section}'; allowed: include, {', '.join(_SECTIONS)}"
-            )
+            raise ConfigError(f"{path}: unknown section '{section}'; allowed: include, {', '.join(_SECTIONS)}"
+                              f"{did_you_mean(section, ['include', *_SECTIONS])}")
         if not isinstance(body, dict):
             raise ConfigError(f"{path}: section '{section}' must be a mapping")
         for key, value in body.items():
@@ -104,10 +105,12 @@ def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
     for dotted, (value, origin) in flat.items():
         section, _, key = dotted.partition(".")
         if section not in _SECTIONS:
-            raise ConfigError(f"{origin}: unknown section '{section}'; allowed: {', '.join(_SECTIONS)}")
-        allowed = [f.name for f in dataclasses.fields(_SECTION_TYPES[section])]
+            raise ConfigError(f"{origin}: unknown section '{section}'; allowed: {', '.join(_SECTIONS)}"
+                              f"{did_you_mean(section, _SECTIONS)}")
+        allowed = _KEYS[section]
         if key not in allowed:
-            raise ConfigError(f"{origin}: unknown key '{dotted}'; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"{origin}: unknown key '{dotted}'; allowed: {', '.join(allowed)}"
+                              f"{_likely_key(section, key)}")
         per_section[section][key] = value
     sections = {}
     for name, values in per_section.items():
@@ -119,6 +122,15 @@ def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
         return Config(**sections)
     except ConfigError as err:
         raise ConfigError(_with_origin(err, flat)) from None
+
+
+def _likely_key(section: str, key: str) -> str:
+    """The did-you-mean of an unknown key: the same key in the section that has it (`train.lr` ->
+    `optim.lr`), else the section's key closest to it (`model.positon` -> `model.position`)."""
+    elsewhere = [f"{other}.{key}" for other, keys in _KEYS.items() if key in keys]
+    if elsewhere:
+        return f"; did you mean '{elsewhere[0]}'?"
+    return did_you_mean(f"{section}.{key}", [f"{section}.{name}" for name in _KEYS[section]])
 
 
 def _with_origin(err: ConfigError, flat: dict[str, tuple[Any, str]]) -> str:

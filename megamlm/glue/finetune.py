@@ -29,7 +29,7 @@ from torch import nn
 from megamlm.config import ModelConfig, OptimConfig
 from megamlm.data.packing import best_fit_decreasing
 from megamlm.data.tokenizer import BOS, EOS, Tokenizer
-from megamlm.errors import MegamlmError, check_ranges
+from megamlm.errors import MegamlmError, check_ranges, did_you_mean
 from megamlm.objectives.classification import CLASSIFIER_HEADS, Pooling
 from megamlm.glue.metrics import best_of, compute_metrics
 from megamlm.glue.optimizer import build_optimizer
@@ -84,7 +84,8 @@ class FinetuneOptions:
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
-            raise MegamlmError(f"unknown fine-tuning recipe {self.recipe!r}; allowed: {', '.join(RECIPES)}")
+            raise MegamlmError(f"unknown fine-tuning recipe {self.recipe!r}; allowed: {', '.join(RECIPES)}"
+                               f"{did_you_mean(self.recipe, RECIPES)}")
         if self.epochs is not None and self.epochs < 0:
             raise MegamlmError(f"epochs {self.epochs}: must be >= 0 (0: score the dev rows with the folder's weights)")
         bounds = {"batch_size": ">= 1", "lr": "> 0",

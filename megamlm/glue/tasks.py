@@ -14,7 +14,7 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from megamlm.errors import MegamlmError
+from megamlm.errors import MegamlmError, did_you_mean
 
 
 STSB_SCALE = 5.0
@@ -100,7 +100,8 @@ def task_names(asked: list[str]) -> list[str]:
     spellings = {_spelling(name): name for name in TASKS}
     unknown = [name for name in asked if _spelling(name) not in spellings]
     if unknown:
-        raise GlueDataError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}")
+        raise GlueDataError(f"unknown GLUE task(s) {unknown}; allowed: {', '.join(TASKS)}"
+                            f"{did_you_mean(unknown[0], TASKS) if len(unknown) == 1 else ''}")
     return [spellings[_spelling(name)] for name in asked]
 
 

@@ -30,6 +30,7 @@ from megamlm.config import Config, ConfigError
 from megamlm.data.batch import Batch, Corruption
 from megamlm.data.pairs import Pairing
 from megamlm.data.tokenizer import Tokenizer
+from megamlm.errors import did_you_mean
 from megamlm.parallel import ParallelContext, ToHost
 
 
@@ -165,7 +166,8 @@ def objective_class(cfg: Config) -> type[Objective]:
         return OBJECTIVES[cfg.objective.name]
     except KeyError:
         raise ConfigError(f"objective.name={cfg.objective.name!r} is not an objective; "
-                          f"allowed: {' | '.join(sorted(OBJECTIVES))}") from None
+                          f"allowed: {' | '.join(sorted(OBJECTIVES))}"
+                          f"{did_you_mean(cfg.objective.name, OBJECTIVES)}") from None
 
 
 def get_objective(cfg: Config) -> Objective:
