@@ -3,6 +3,7 @@ below train / convert / evaluate, below glue and the CLI. It holds for the packa
 upward import, hidden inside a function, breaks it. The style rules (pyproject.toml, ruff) hold too."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,3 +49,32 @@ def test_the_command_line_and_the_tokenizer_workers_start_without_torch():
             "print(sorted(m for m in ('torch', 'megatron', 'deepspeed', 'transformers') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
+def _architecture_tree() -> dict[str, str]:
+    """README's Architecture tree as {module path: its line}: a name at two spaces per folder level under the
+    folders above it ("a.py, b.py, c/" lines name several); deeper lines continue the line above."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Architecture", 1)[1].split("```", 2)[1]
+    named, folders = {}, []
+    for line in block.splitlines():
+        found = re.match(r"^( *)((?:[\w]+\.py, )*[\w]+(?:\.py|/))(?:\s|$)", line)
+        if not found or len(found[1]) % 2 or len(found[1]) // 2 > len(folders):
+            continue
+        folders = folders[: len(found[1]) // 2]
+        for name in found[2].split(", "):
+            if name.endswith("/"):
+                folders.append(name[:-1])
+            else:
+                named["/".join([*folders, name])] = line.strip()
+    return named
+
+
+def test_the_readmes_architecture_names_every_module_where_it_lives():
+    """The tree is the design's living copy (../shared/DESIGN.md): session 59 found 22 of the package's modules
+    missing from it and `config.py` where a package of five modules had been."""
+    tree = _architecture_tree()
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "megamlm").rglob("*.py")
+               if p.name != "__init__.py" and "hf_modeling" not in p.parts} | {"megamlm/cli/__init__.py"}
+    assert sorted(modules - set(tree)) == []
+    assert sorted(m for m in tree if m.startswith("megamlm/") and not (ROOT / m).exists()) == []
