@@ -122,12 +122,13 @@ BAD = [
 # wrong section with the section that has it
 LIKELY = [
     (["model.positon=alibi"], "unknown key 'model.positon'; allowed: num_layers", "; did you mean 'model.position'?"),
-    (["model.atention_backend=flex"], "unknown key 'model.atention_backend'", "; did you mean 'model.attention_backend'?"),
+    (["model.atention_backend=flex"], "unknown key 'model.atention_backend'",
+     "; did you mean 'model.attention_backend'?"),
     (["train.lr=1e-3"], "unknown key 'train.lr'; allowed: seed, micro_batch_size", "; did you mean 'optim.lr'?"),
     (["modle.position=alibi"], "unknown section 'modle'; allowed: model, objective, parallel, data, optim, train",
      "; did you mean 'model'?"),
-    (["model.position=alibbi"], "model.position='alibbi' is invalid; allowed: learned | sinusoidal | none | alibi | rope",
-     "; did you mean 'alibi'?"),
+    (["model.position=alibbi"],
+     "model.position='alibbi' is invalid; allowed: learned | sinusoidal | none | alibi | rope", "; did you mean 'alibi'?"),
     (["model.alibi_mode=Ofset", "model.position=alibi"],
      "model.alibi_mode='Ofset' is invalid; allowed: symmetric | offset | learned or null", "; did you mean 'offset'?"),
     (["model.attention_backend=trition"], "allowed: sdpa | eager | flex | varlen | alibi-flash | triton",

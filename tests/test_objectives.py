@@ -43,5 +43,6 @@ def test_an_unknown_objective_is_named_with_the_registered_ones(shards, tmp_path
     assert {"mlm", "reconstruct-all"} <= set(OBJECTIVES)
     with pytest.raises(ConfigError, match=r"objective.name='t5' is not an objective; allowed: electra \| mlm \| "):
         get_objective(config(shards, tmp_path, "objective.name=t5"))
-    with pytest.raises(ConfigError, match=r"objective.name='electr' is not an objective; .*; did you mean 'electra'\?$"):
+    with pytest.raises(ConfigError, match=r"objective.name='electr' is not an objective; .*; did you mean "
+                                          r"'electra'\?$"):
         get_objective(config(shards, tmp_path, "objective.name=electr"))
