@@ -1,11 +1,13 @@
 """Configuration: files, includes, overrides, and a one-line error for every kind of mistake."""
 
+import dataclasses
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from megamlm.config import ConfigError, load_config
+from megamlm.config import ConfigError, ModelConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = sorted((CONFIGS / "variants").glob("*.yaml"))
@@ -207,3 +209,62 @@ def test_file_problems_are_reported_with_the_path(tmp_path):
     unknown.write_text("trainer:\n  steps: 3\n")
     with pytest.raises(ConfigError, match=rf"{unknown}: unknown section 'trainer'"):
         load_config([unknown])
+
+
+def test_every_key_is_documented_under_its_field():
+    """`megamlm config --explain` shows these texts: each of the ~110 keys has one (litgpt's convention)."""
+    from megamlm.config.explain import field_docs
+    from megamlm.config.sections import SECTIONS
+
+    for section, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        assert [f.name for f in dataclasses.fields(cls) if not docs.get(f.name, "").strip()] == [], section
+
+
+def test_explain_shows_the_resolved_value_the_default_and_the_fields_own_text(capsys):
+    from megamlm.cli import main
+    from megamlm.config.explain import field_docs
+
+    capsys.readouterr()
+    assert main(["config", "--config", str(CONFIGS / "pile/base-zero-clap.yaml"), "train.seed=7",
+                 "--explain", "model.position", "--explain", "train.seed"]) == 0
+    out = capsys.readouterr().out
+    paragraphs = out.rstrip("\n").split("\n\n")
+    position = ("model.position = alibi  (default learned; allowed: learned | sinusoidal | none | alibi | rope)\n"
+                + textwrap.indent(field_docs(ModelConfig)["position"], "    "))
+    assert paragraphs == [position, paragraphs[1]] and "rotary" in position
+    assert paragraphs[1].startswith("train.seed = 7  (default 1; int)\n    ")
+
+
+@pytest.mark.parametrize("names,keys", [
+    (["train.spike"], ["train.spike_factor", "train.spike_patience", "train.spike_window"]),  # keys that start so
+    (["model.head"], ["model.head"]),                       # a key, though model.head_loss starts so too
+    (["model.head_", "model.head"], ["model.head", "model.head_loss", "model.head_loss_chunk"]),  # in order, once
+    (["parallel.backend", "objective"], ["objective.name", "objective.generator_size", "objective.rtd_weight",
+                                          "objective.export_generator", "parallel.backend"]),  # a section: its keys
+])
+def test_explain_takes_a_section_a_key_or_the_start_of_keys(names, keys):
+    from megamlm.config.explain import selected_keys
+    from megamlm.config.sections import SECTIONS
+
+    assert [f"{section}.{key}" for section, key in selected_keys(names)] == keys
+    every = selected_keys([])
+    assert len(every) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
+    optim = [f.name for f in dataclasses.fields(SECTIONS["optim"])]
+    assert [key for section, key in every if section == "optim"] == optim
+
+
+@pytest.mark.parametrize("name,message", [
+    ("mdoel.position", "--explain mdoel.position: no section or key of that name; sections: model, objective, "
+                       "parallel, data, optim, train; did you mean 'model.position'?"),
+    ("mod", "--explain mod: no section or key of that name; sections: model, objective, parallel, data, optim, "
+            "train; did you mean 'model'?"),
+    ("model.num_layers=3", "--explain model.num_layers=3: --explain takes a section or key; put overrides before "
+                           "it (megamlm config model.num_layers=3 --explain ...)"),
+])
+def test_explain_of_no_such_name_is_one_line(name, message):
+    from megamlm.config.explain import selected_keys
+
+    with pytest.raises(ConfigError) as err:
+        selected_keys([name])
+    assert str(err.value) == message

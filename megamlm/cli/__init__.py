@@ -31,8 +31,20 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="dotted overrides applied after the files, e.g. model.position=alibi")
 
 
+def _add_config_verb_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--explain", action="append", nargs="?", const="", default=None, metavar="NAME",
+                        help="instead of the YAML, each key's value, default, allowed values and meaning: of a "
+                             "section (train), a key (model.position), keys that start so (train.spike), or "
+                             "every key (no NAME); repeatable")
+
+
 def cmd_config(cfg: Config, args) -> int:
-    print(cfg.to_yaml(), end="")
+    if args.explain is None:
+        print(cfg.to_yaml(), end="")
+    else:
+        from megamlm.config.explain import explain
+
+        print(explain(cfg, args.explain), end="")
     return 0
 
 
@@ -274,7 +286,8 @@ def cmd_hostfile(args) -> int:
 
 
 VERBS = {
-    "config": (cmd_config, "print the resolved configuration", None),
+    "config": (cmd_config, "print the resolved configuration (--explain: what each key means)",
+               _add_config_verb_args),
     "params": (cmd_params, "build the model and print its parameter counts", None),
     "train": (cmd_train, "pretrain (or continue) the configured experiment", _add_train_args),
     "deepspeed-config": (cmd_deepspeed_config, "print the DeepSpeed JSON generated from the config",

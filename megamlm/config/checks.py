@@ -26,16 +26,16 @@ UNIONS = (typing.Union, types.UnionType)
 """`Optional[X]` and `X | None` (PEP 604) are both unions."""
 
 
-def _describe(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         return " | ".join(str(a) for a in args)
     if origin in UNIONS:
-        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
+        return " or ".join(describe_type(a) for a in args if a is not type(None)) + " or null"
     if origin is tuple:
-        return "[" + ", ".join(_describe(a) for a in args) + "]"
+        return "[" + ", ".join(describe_type(a) for a in args) + "]"
     if origin is list:
-        return f"list of {_describe(args[0])}"
+        return f"list of {describe_type(args[0])}"
     return tp.__name__
 
 
@@ -109,7 +109,7 @@ def check_fields(section_obj: Any, section: str) -> None:
         ok, converted = _coerce(value, hints[f.name])
         if not ok:
             hint = did_you_mean(value, _choices(hints[f.name])) if isinstance(value, str) else ""
-            raise ConfigError(f"{section}.{f.name}={value!r} is invalid; allowed: {_describe(hints[f.name])}{hint}")
+            raise ConfigError(f"{section}.{f.name}={value!r} is invalid; allowed: {describe_type(hints[f.name])}{hint}")
         object.__setattr__(section_obj, f.name, converted)
 
 

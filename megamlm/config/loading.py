@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from megamlm.config.checks import ConfigError
-from megamlm.config.sections import Config
+from megamlm.config.sections import SECTIONS, Config
 from megamlm.errors import MegamlmError, did_you_mean
 from megamlm.files import read_text
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-_SECTION_TYPES = typing.get_type_hints(Config)
-_KEYS = {name: [f.name for f in dataclasses.fields(tp)] for name, tp in _SECTION_TYPES.items()}
+_KEYS = {name: [f.name for f in dataclasses.fields(tp)] for name, tp in SECTIONS.items()}
 """Each section's keys, in their dataclass's order."""
 
 
@@ -63,9 +60,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
     for inc in [includes] if isinstance(includes, str) else includes:
         flat.update(_read_yaml(includes_base / inc, seen + (path,)))
     for section, body in doc.items():
-        if section not in _SECTIONS:
-            raise ConfigError(f"{path}: unknown section '{section}'; allowed: include, {', '.join(_SECTIONS)}"
-                              f"{did_you_mean(section, ['include', *_SECTIONS])}")
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section '{section}'; allowed: include, {', '.join(SECTIONS)}"
+                              f"{did_you_mean(section, ['include', *SECTIONS])}")
         if not isinstance(body, dict):
             raise ConfigError(f"{path}: section '{section}' must be a mapping")
         for key, value in body.items():
@@ -101,12 +98,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
     """Build and validate a Config from flattened, origin-tagged values."""
-    per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for dotted, (value, origin) in flat.items():
         section, _, key = dotted.partition(".")
-        if section not in _SECTIONS:
-            raise ConfigError(f"{origin}: unknown section '{section}'; allowed: {', '.join(_SECTIONS)}"
-                              f"{did_you_mean(section, _SECTIONS)}")
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section '{section}'; allowed: {', '.join(SECTIONS)}"
+                              f"{did_you_mean(section, SECTIONS)}")
         allowed = _KEYS[section]
         if key not in allowed:
             raise ConfigError(f"{origin}: unknown key '{dotted}'; allowed: {', '.join(allowed)}"
@@ -115,7 +112,7 @@ def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
     sections = {}
     for name, values in per_section.items():
         try:
-            sections[name] = _SECTION_TYPES[name](**values)
+            sections[name] = SECTIONS[name](**values)
         except ConfigError as err:
             raise ConfigError(_with_origin(err, flat)) from None
     try:

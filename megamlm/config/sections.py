@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -225,21 +226,23 @@ class Config:
 
     def to_yaml(self) -> str:
         """The resolved config as YAML that load_config reads back to an equal Config."""
-        return yaml.safe_dump(_plain(self.to_dict()), sort_keys=False)
+        return yaml.safe_dump(plain(self.to_dict()), sort_keys=False)
 
     def changes_since(self, before: dict) -> dict[str, tuple]:
         """"section.key" -> (value in `before`, value now) for every value that differs; `before`: another
         config's to_dict (e.g. a checkpoint's, through JSON). Keys `before` lacks (written before they existed)
         are left out."""
-        now = _plain(self.to_dict())
+        now = plain(self.to_dict())
         return {f"{section}.{key}": (old, now[section][key]) for section, values in before.items() if section in now
-                for key, old in values.items() if key in now[section] and _plain(old) != now[section][key]}
+                for key, old in values.items() if key in now[section] and plain(old) != now[section][key]}
 
 
-def _plain(obj):
+def plain(obj):
     """Dicts, lists and scalars only (tuples as lists): how YAML and JSON hold a config."""
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    return [_plain(v) for v in obj] if isinstance(obj, (tuple, list)) else obj
+        return {k: plain(v) for k, v in obj.items()}
+    return [plain(v) for v in obj] if isinstance(obj, (tuple, list)) else obj
 
 
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+"""The config's sections: each YAML section's name -> its dataclass, in Config's order."""

@@ -1,0 +1,81 @@
+"""`megamlm config --explain [NAME]`: each key's value, default, allowed values and documentation, read
+from the config dataclasses themselves.
+
+Every field is documented by the string literal under it (litgpt's convention), so the text shown here
+is the one in the code, written once; `field_docs` reads it with `ast`. NAME is a section (`train`), a
+key (`model.position`) or the start of keys (`train.spike`); none: every key.
+
+    model.position = alibi  (default learned; allowed: learned | sinusoidal | none | alibi | rope)
+        Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, ALiBi, or rotary
+        (RoPE, Su et al.: queries and keys of every head rotated by their position; ModernBERT).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import typing
+
+import yaml
+
+from megamlm.config.checks import ConfigError, describe_type
+from megamlm.config.sections import SECTIONS, Config, plain
+from megamlm.errors import did_you_mean
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: its docstring} of a dataclass: the string literal right after each annotated field ({} where
+    the package was installed without its sources: the keys are then shown without their text)."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except OSError:
+        return {}
+    return {field.target.id: inspect.cleandoc(doc.value.value) for field, doc in zip(body, body[1:])
+            if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+
+
+def _shown(value) -> str:
+    """A value as a config file or an override writes it (YAML's flow style: null, true, [0.9, 0.98])."""
+    return yaml.safe_dump(plain(value), default_flow_style=True, width=1 << 16).removesuffix("\n...\n").strip()
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def selected_keys(names: list[str]) -> list[tuple[str, str]]:
+    """(section, key) pairs of the names, in the dataclasses' order: a section's keys, a key, or the keys a
+    dotted name starts; no names (or ""): every key. A name that is none of these is one line."""
+    every = [(section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    chosen: dict[tuple[str, str], None] = {}
+    for name in names or [""]:
+        found = ([(s, k) for s, k in every if f"{s}.{k}" == name]  # a key, though others start so (model.head)
+                 or [(s, k) for s, k in every if not name or name == s or "." in name and f"{s}.{k}".startswith(name)])
+        if not found and "=" in name:
+            raise ConfigError(f"--explain {name}: --explain takes a section or key; put overrides before it "
+                              f"(megamlm config {name} --explain ...)")
+        if not found:
+            known = [*SECTIONS, *(f"{s}.{k}" for s, k in every)]
+            raise ConfigError(f"--explain {name}: no section or key of that name; sections: "
+                              f"{', '.join(SECTIONS)}{did_you_mean(name, known)}")
+        chosen.update(dict.fromkeys(found))
+    return [pair for pair in every if pair in chosen]
+
+
+def explain(cfg: Config, names: list[str] = ()) -> str:
+    """The text of `megamlm config --explain`: a paragraph per key (its value in cfg, its default, its
+    type or allowed values, its documentation)."""
+    paragraphs = []
+    for section, key in selected_keys(list(names)):
+        cls = SECTIONS[section]
+        f = next(f for f in dataclasses.fields(cls) if f.name == key)
+        value, default = getattr(getattr(cfg, section), key), _default(f)
+        kind = describe_type(typing.get_type_hints(cls)[key])
+        allowed = f"allowed: {kind}" if " | " in kind else kind
+        doc = textwrap.indent(field_docs(cls).get(key, "(no text: megamlm's sources are not installed)"), "    ")
+        paragraphs.append(f"{section}.{key} = {_shown(value)}  (default {_shown(default)}; {allowed})\n{doc}\n")
+    return "\n".join(paragraphs)
