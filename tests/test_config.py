@@ -221,19 +221,20 @@ def test_every_key_is_documented_under_its_field():
         assert [f.name for f in dataclasses.fields(cls) if not docs.get(f.name, "").strip()] == [], section
 
 
-def test_explain_shows_the_resolved_value_the_default_and_the_fields_own_text(capsys):
+def test_explain_shows_the_resolved_value_where_it_was_set_the_default_and_the_fields_own_text(capsys, monkeypatch):
     from megamlm.cli import main
     from megamlm.config.explain import field_docs
 
+    monkeypatch.chdir(CONFIGS.parent)  # files below the working directory are named relative to it
     capsys.readouterr()
-    assert main(["config", "--config", str(CONFIGS / "pile/base-zero-clap.yaml"), "train.seed=7",
-                 "--explain", "model.position", "--explain", "train.seed"]) == 0
-    out = capsys.readouterr().out
-    paragraphs = out.rstrip("\n").split("\n\n")
-    position = ("model.position = alibi  (default learned; allowed: learned | sinusoidal | none | alibi | rope)\n"
-                + textwrap.indent(field_docs(ModelConfig)["position"], "    "))
-    assert paragraphs == [position, paragraphs[1]] and "rotary" in position
-    assert paragraphs[1].startswith("train.seed = 7  (default 1; int)\n    ")
+    assert main(["config", "--config", "configs/pile/base-zero-clap.yaml", "train.seed=7", "--explain",
+                 "model.position", "--explain", "train.seed", "--explain", "model.rope_theta"]) == 0
+    paragraphs = capsys.readouterr().out.rstrip("\n").split("\n\n")
+    position = ("model.position = alibi  (set in configs/variants/zero-clap.yaml; default learned; allowed: learned | "
+                "sinusoidal | none | alibi | rope)\n" + textwrap.indent(field_docs(ModelConfig)["position"], "    "))
+    assert len(paragraphs) == 3 and paragraphs[0] == position and "rotary" in position
+    assert paragraphs[1].startswith("model.rope_theta = null  (default null; float or null)\n    ")  # not set
+    assert paragraphs[2].startswith("train.seed = 7  (set on the command line; default 1; int)\n    ")
 
 
 @pytest.mark.parametrize("names,keys", [

@@ -17,7 +17,7 @@ from megamlm.cli.glue import add_glue_args, cmd_glue
 from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.cli.torchrun import (INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, launch_problem, launches_ranks,
                                   relaunch_with_torchrun)
-from megamlm.config import Config, ConfigError, load_config
+from megamlm.config import Config, ConfigError, load_config, load_config_and_origins
 from megamlm.convert import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line, peer_gone, warnings_as_lines
 from megamlm.files import RUN_FINAL, check_writable
@@ -44,7 +44,7 @@ def cmd_config(cfg: Config, args) -> int:
     else:
         from megamlm.config.explain import explain
 
-        print(explain(cfg, args.explain), end="")
+        print(explain(cfg, args.explain, args.origins), end="")
     return 0
 
 
@@ -365,7 +365,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
     try:
         if args.verb in COMMANDS:
             return COMMANDS[args.verb](args)
-        cfg = load_config(args.config, args.overrides)
+        # where each key was set, for `config --explain` (read with the config: a piped file is read once)
+        cfg, args.origins = load_config_and_origins(args.config, args.overrides)
         if getattr(args, "check", False):
             return cmd_train_check(cfg, args)
         if hasattr(args, "nproc") and launches_ranks(args):

@@ -12,7 +12,8 @@ where it was set and what is allowed.
 """
 
 from megamlm.config.checks import ARCHITECTURE, ConfigError, check_fields
-from megamlm.config.loading import build_config, config_from_dict, load_config, parse_override, replace_config
+from megamlm.config.loading import (build_config, config_from_dict, load_config, load_config_and_origins,
+                                    parse_override, replace_config)
 from megamlm.config.model import GLOBAL_ATTENTION, LayerAttention
 from megamlm.config.sections import (
     Config,
@@ -26,4 +27,4 @@ from megamlm.config.sections import (
 
 __all__ = ["ARCHITECTURE", "Config", "ConfigError", "DataConfig", "GLOBAL_ATTENTION", "LayerAttention", "ModelConfig",
            "ObjectiveConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "build_config", "check_fields",
-           "config_from_dict", "load_config", "parse_override", "replace_config"]
+           "config_from_dict", "load_config", "load_config_and_origins", "parse_override", "replace_config"]

@@ -1,11 +1,12 @@
-"""`megamlm config --explain [NAME]`: each key's value, default, allowed values and documentation, read
-from the config dataclasses themselves.
+"""`megamlm config --explain [NAME]`: each key's value, where it was set, its default, allowed values and
+documentation, read from the config dataclasses themselves.
 
 Every field is documented by the string literal under it (litgpt's convention), so the text shown here
 is the one in the code, written once; `field_docs` reads it with `ast`. NAME is a section (`train`), a
 key (`model.position`) or the start of keys (`train.spike`); none: every key.
 
-    model.position = alibi  (default learned; allowed: learned | sinusoidal | none | alibi | rope)
+    model.position = alibi  (set in configs/variants/zero-clap.yaml; default learned; allowed: learned | sinusoidal
+        | none | alibi | rope)
         Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, ALiBi, or rotary
         (RoPE, Su et al.: queries and keys of every head rotated by their position; ModernBERT).
 """
@@ -13,15 +14,18 @@ key (`model.position`) or the start of keys (`train.spike`); none: every key.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
 import textwrap
 import typing
+from pathlib import Path
 
 import yaml
 
 from megamlm.config.checks import ConfigError, describe_type
+from megamlm.config.loading import where_set
 from megamlm.config.sections import SECTIONS, Config, plain
 from megamlm.errors import did_you_mean
 
@@ -66,9 +70,20 @@ def selected_keys(names: list[str]) -> list[tuple[str, str]]:
     return [pair for pair in every if pair in chosen]
 
 
-def explain(cfg: Config, names: list[str] = ()) -> str:
-    """The text of `megamlm config --explain`: a paragraph per key (its value in cfg, its default, its
-    type or allowed values, its documentation)."""
+def _set_where(origin: str | None) -> str:
+    """"set in configs/x.yaml; " (relative to the working directory where it is below it), "set on the command
+    line; ", or "" for a default."""
+    if origin is None:
+        return ""
+    with contextlib.suppress(ValueError):
+        origin = str(Path(origin).relative_to(Path.cwd()))
+    return f"set {where_set(origin)}; "
+
+
+def explain(cfg: Config, names: list[str] = (), origins: dict[str, str] | None = None) -> str:
+    """The text of `megamlm config --explain`: a paragraph per key (its value in cfg, where it was set
+    (`origins`: load_config_and_origins'), its default, its type or allowed values, its documentation)."""
+    origins = origins or {}
     paragraphs = []
     for section, key in selected_keys(list(names)):
         cls = SECTIONS[section]
@@ -77,5 +92,6 @@ def explain(cfg: Config, names: list[str] = ()) -> str:
         kind = describe_type(typing.get_type_hints(cls)[key])
         allowed = f"allowed: {kind}" if " | " in kind else kind
         doc = textwrap.indent(field_docs(cls).get(key, "(no text: megamlm's sources are not installed)"), "    ")
-        paragraphs.append(f"{section}.{key} = {_shown(value)}  (default {_shown(default)}; {allowed})\n{doc}\n")
+        where = _set_where(origins.get(f"{section}.{key}"))
+        paragraphs.append(f"{section}.{key} = {_shown(value)}  ({where}default {_shown(default)}; {allowed})\n{doc}\n")
     return "\n".join(paragraphs)

@@ -74,10 +74,7 @@ def config_from_dict(values: dict, overrides: list[str] = (), origin: str = "con
     """A Config from nested {section: {key: value}} (e.g. a checkpoint's copy) plus dotted overrides,
     validated as if read from a file named `origin`."""
     flat = {f"{section}.{key}": (value, origin) for section, body in values.items() for key, value in body.items()}
-    for text in overrides:
-        key, value = parse_override(text)
-        flat[key] = (value, "command line")
-    return build_config(flat)
+    return build_config(_with_overrides(flat, overrides))
 
 
 def replace_config(cfg: Config, overrides: list[str] = (), origin: str = "config") -> Config:
@@ -140,7 +137,7 @@ def _with_origin(err: ConfigError, flat: dict[str, tuple[Any, str]]) -> str:
         return message
     first, *others = named
     origin = flat[first][1]
-    elsewhere = [f"{key} set {_where(flat[key][1])}" for key in others if flat[key][1] != origin]
+    elsewhere = [f"{key} set {where_set(flat[key][1])}" for key in others if flat[key][1] != origin]
     return f"{origin}: {message}" + (f" ({'; '.join(elsewhere)})" if elsewhere else "")
 
 
@@ -148,16 +145,35 @@ _CONFIG_KEY = re.compile(r"\b[a-z_]+\.[a-z_0-9]+\b")
 """A dotted name in a message: a config key where the flattened config has it."""
 
 
-def _where(origin: str) -> str:
+def where_set(origin: str) -> str:
+    """How a message says where a value was set: "on the command line", "in <file>"."""
     return "on the command line" if origin == "command line" else f"in {origin}"
+
+
+def _with_overrides(flat: dict[str, tuple[Any, str]], overrides: list[str]) -> dict[str, tuple[Any, str]]:
+    """`flat` with the dotted overrides applied last (origin "command line")."""
+    for text in overrides:
+        key, value = parse_override(text)
+        flat[key] = (value, "command line")
+    return flat
+
+
+def _flat_config(paths: str | Path | list, overrides: list[str]) -> dict[str, tuple[Any, str]]:
+    """{"section.key": (value, where it was set)} of YAML files merged in order, then dotted overrides."""
+    flat: dict[str, tuple[Any, str]] = {}
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        flat.update(_read_yaml(Path(path), ()))
+    return _with_overrides(flat, overrides)
 
 
 def load_config(paths: str | Path | list = (), overrides: list[str] = ()) -> Config:
     """Merge YAML files in order (later files win; none = the defaults), then dotted overrides."""
-    flat: dict[str, tuple[Any, str]] = {}
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        flat.update(_read_yaml(Path(path), ()))
-    for text in overrides:
-        key, value = parse_override(text)
-        flat[key] = (value, "command line")
-    return build_config(flat)
+    return build_config(_flat_config(paths, overrides))
+
+
+def load_config_and_origins(paths: str | Path | list = (), overrides: list[str] = ()) -> tuple[Config, dict[str, str]]:
+    """`load_config`'s Config and {"section.key": where the files and overrides set it last: a file's path (an
+    include's own) or "command line"}; keys none of them sets have their defaults and are absent. The files
+    are read once (a shell's `<(...)` cannot be read twice)."""
+    flat = _flat_config(paths, overrides)
+    return build_config(flat), {key: origin for key, (_, origin) in flat.items()}
