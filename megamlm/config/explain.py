@@ -5,10 +5,8 @@ Every field is documented by the string literal under it (litgpt's convention), 
 is the one in the code, written once; `field_docs` reads it with `ast`. NAME is a section (`train`), a
 key (`model.position`) or the start of keys (`train.spike`); none: every key.
 
-    model.position = alibi  (set in configs/variants/zero-clap.yaml; default learned; allowed: learned | sinusoidal
-        | none | alibi | rope)
-        Positional encoding: learned absolute (fairseq), sinusoidal (fairseq), none, ALiBi, or rotary
-        (RoPE, Su et al.: queries and keys of every head rotated by their position; ModernBERT).
+    model.head = clap  (set in configs/variants/zero-clap.yaml; default roberta; allowed: roberta | clap)
+        roberta: dense -> GELU -> LayerNorm -> tied weight + bias; clap: beta * <h, normalize(E)>.
 """
 
 from __future__ import annotations
