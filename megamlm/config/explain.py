@@ -5,7 +5,7 @@ Every field is documented by the string literal under it (litgpt's convention), 
 is the one in the code, written once; `field_docs` reads it with `ast`. NAME is a section (`train`), a
 key (`model.position`) or the start of keys (`train.spike`); none: every key.
 
-    model.head = clap  (set in configs/variants/zero-clap.yaml; default roberta; allowed: roberta | clap)
+    model.head = clap  (set in configs/variants/learned-clap.yaml; default roberta; allowed: roberta | clap)
         roberta: dense -> GELU -> LayerNorm -> tied weight + bias; clap: beta * <h, normalize(E)>.
 """
 
