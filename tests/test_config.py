@@ -231,10 +231,19 @@ def test_explain_shows_the_resolved_value_where_it_was_set_the_default_and_the_f
                  "model.position", "--explain", "train.seed", "--explain", "model.rope_theta"]) == 0
     paragraphs = capsys.readouterr().out.rstrip("\n").split("\n\n")
     position = ("model.position = alibi  (set in configs/variants/zero-clap.yaml; default learned; allowed: learned | "
-                "sinusoidal | none | alibi | rope)\n" + textwrap.indent(field_docs(ModelConfig)["position"], "    "))
+                "sinusoidal | none | alibi | rope; architecture: a model folder's weights load only where it agrees)\n"
+                + textwrap.indent(field_docs(ModelConfig)["position"], "    "))
     assert len(paragraphs) == 3 and paragraphs[0] == position and "rotary" in position
     assert paragraphs[1].startswith("model.rope_theta = null  (default null; float or null)\n    ")  # not set
     assert paragraphs[2].startswith("train.seed = 7  (set on the command line; default 1; int)\n    ")
+
+
+def test_explain_marks_the_keys_a_model_folders_weights_must_agree_on():
+    from megamlm.config.explain import explain
+
+    text = explain(load_config([]), ["model"])
+    marked = [line.split(" = ")[0] for line in text.splitlines() if line.endswith("load only where it agrees)")]
+    assert marked == [f"model.{name}" for name in ModelConfig.architecture_fields()] and "model.num_layers" in marked
 
 
 @pytest.mark.parametrize("names,keys", [

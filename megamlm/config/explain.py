@@ -24,6 +24,7 @@ import yaml
 
 from megamlm.config.checks import ConfigError, describe_type
 from megamlm.config.loading import where_set
+from megamlm.config.model import ModelConfig
 from megamlm.config.sections import SECTIONS, Config, plain
 from megamlm.errors import did_you_mean
 
@@ -89,6 +90,8 @@ def explain(cfg: Config, names: list[str] = (), origins: dict[str, str] | None =
         value, default = getattr(getattr(cfg, section), key), _default(f)
         kind = describe_type(typing.get_type_hints(cls)[key])
         allowed = f"allowed: {kind}" if " | " in kind else kind
+        if cls is ModelConfig and key in ModelConfig.architecture_fields():
+            allowed += "; architecture: a model folder's weights load only where it agrees"
         doc = textwrap.indent(field_docs(cls).get(key, "(no text: megamlm's sources are not installed)"), "    ")
         where = _set_where(origins.get(f"{section}.{key}"))
         paragraphs.append(f"{section}.{key} = {_shown(value)}  ({where}default {_shown(default)}; {allowed})\n{doc}\n")
