@@ -1,6 +1,7 @@
 """Configuration: files, includes, overrides, and a one-line error for every kind of mistake."""
 
 import dataclasses
+import os
 import textwrap
 from pathlib import Path
 
@@ -230,12 +231,36 @@ def test_explain_shows_the_resolved_value_where_it_was_set_the_default_and_the_f
     assert main(["config", "--config", "configs/pile/base-zero-clap.yaml", "train.seed=7", "--explain",
                  "model.position", "--explain", "train.seed", "--explain", "model.rope_theta"]) == 0
     paragraphs = capsys.readouterr().out.rstrip("\n").split("\n\n")
-    position = ("model.position = alibi  (set in configs/variants/zero-clap.yaml; default learned; allowed: learned | "
-                "sinusoidal | none | alibi | rope; architecture: a model folder's weights load only where it agrees)\n"
+    position = ("model.position = alibi  (set in configs/variants/zero-clap.yaml:6; default learned; allowed: "
+                "learned | sinusoidal | none | alibi | rope; architecture: a model folder's weights load only where it "
+                "agrees)\n"
                 + textwrap.indent(field_docs(ModelConfig)["position"], "    "))
     assert len(paragraphs) == 3 and paragraphs[0] == position and "rotary" in position
     assert paragraphs[1].startswith("model.rope_theta = null  (default null; float or null)\n    ")  # not set
     assert paragraphs[2].startswith("train.seed = 7  (set on the command line; default 1; int)\n    ")
+
+
+def test_explain_names_the_line_of_a_key_in_an_included_file_and_in_a_piped_one(tmp_path, monkeypatch):
+    from megamlm.config import load_config_and_origins
+    from megamlm.config.explain import explain
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base.yaml").write_text("# the sizes\nmodel:\n  num_layers: 2\n\n  hidden_size: 64\n"
+                                        "  num_attention_heads: 4\n")
+    (tmp_path / "exp.yaml").write_text("include: base.yaml\ntrain:\n  seed: 3\nmodel:\n  hidden_size: 128\n")
+    cfg, origins = load_config_and_origins(["exp.yaml"], ["train.steps=5"])
+    first_lines = [p.splitlines()[0].split(";")[0] for p in explain(cfg, ["model.num_layers", "model.hidden_size",
+                                                                          "train.seed", "train.steps"], origins)
+                   .split("\n\n")]
+    assert first_lines == ["model.num_layers = 2  (set in base.yaml:3", "model.hidden_size = 128  (set in exp.yaml:5",
+                           "train.seed = 3  (set in exp.yaml:3", "train.steps = 5  (set on the command line"]
+    # error messages still name the file alone (tests above), and a config read from a pipe has lines too
+    read, write = os.pipe()
+    os.write(write, b"model:\n  num_layers: 4\n")
+    os.close(write)
+    cfg, origins = load_config_and_origins([f"/dev/fd/{read}"])
+    os.close(read)
+    assert cfg.model.num_layers == 4 and origins["model.num_layers"].line == 2
 
 
 def test_explain_marks_the_keys_a_model_folders_weights_must_agree_on():

@@ -5,7 +5,7 @@ Every field is documented by the string literal under it (litgpt's convention), 
 is the one in the code, written once; `field_docs` reads it with `ast`. NAME is a section (`train`), a
 key (`model.position`) or the start of keys (`train.spike`); none: every key.
 
-    model.head = clap  (set in configs/variants/learned-clap.yaml; default roberta; allowed: roberta | clap)
+    model.head = clap  (set in configs/variants/learned-clap.yaml:5; default roberta; allowed: roberta | clap)
         roberta: dense -> GELU -> LayerNorm -> tied weight + bias; clap: beta * <h, normalize(E)>.
 """
 
@@ -70,13 +70,14 @@ def selected_keys(names: list[str]) -> list[tuple[str, str]]:
 
 
 def _set_where(origin: str | None) -> str:
-    """"set in configs/x.yaml; " (relative to the working directory where it is below it), "set on the command
-    line; ", or "" for a default."""
+    """"set in configs/x.yaml:7; " (the key's line; the path relative to the working directory where it is
+    below it), "set on the command line; ", or "" for a default."""
     if origin is None:
         return ""
+    line = getattr(origin, "line", None)  # loading.Origin: a file's
     with contextlib.suppress(ValueError):
         origin = str(Path(origin).relative_to(Path.cwd()))
-    return f"set {where_set(origin)}; "
+    return f"set {where_set(origin)}{f':{line}' if line else ''}; "
 
 
 def explain(cfg: Config, names: list[str] = (), origins: dict[str, str] | None = None) -> str:

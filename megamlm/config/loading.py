@@ -33,6 +33,26 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class Origin(str):
+    """Where a value was set as messages name it: a file's path (or "command line"), with `line`, the line of the
+    key in the file (None elsewhere), which `config --explain` shows; messages and comparisons use the path."""
+
+    line: int | None = None
+
+    @classmethod
+    def at(cls, path: str, line: int | None) -> Origin:
+        origin = cls(path)
+        origin.line = line
+        return origin
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """"section.key" -> its line (1-based) in a YAML text that loaded as a mapping of sections."""
+    sections = yaml.compose(text, Loader=yaml.SafeLoader).value
+    return {f"{section.value}.{key.value}": key.start_mark.line + 1
+            for section, body in sections if isinstance(body, yaml.MappingNode) for key, _ in body.value}
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]:
     """Flatten a YAML file (and its includes) to {"section.key": (value, origin)}."""
     # a file by its real path (an include cycle is a file met twice); a shell's `<(...)` is /dev/fd/N,
@@ -46,7 +66,8 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
     try:
-        doc = yaml.load(read_text(path, "config file"), Loader=_UniqueKeyLoader) or {}
+        text = read_text(path, "config file")
+        doc = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except MegamlmError as err:
         raise ConfigError(str(err)) from None
     except yaml.YAMLError as err:
@@ -56,6 +77,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     flat: dict[str, tuple[Any, str]] = {}
+    lines = _key_lines(text) if doc else {}
     includes = doc.pop("include", [])
     for inc in [includes] if isinstance(includes, str) else includes:
         flat.update(_read_yaml(includes_base / inc, seen + (path,)))
@@ -66,7 +88,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
         if not isinstance(body, dict):
             raise ConfigError(f"{path}: section '{section}' must be a mapping")
         for key, value in body.items():
-            flat[f"{section}.{key}"] = (value, str(path))
+            flat[f"{section}.{key}"] = (value, Origin.at(str(path), lines.get(f"{section}.{key}")))
     return flat
 
 
