@@ -28,6 +28,7 @@ from megamlm.config.model import ModelConfig
 from megamlm.config.sections import SECTIONS, Config, plain
 from megamlm.errors import did_you_mean
 
+
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """{field: its docstring} of a dataclass: the string literal right after each annotated field ({} where
