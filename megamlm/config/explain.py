@@ -25,7 +25,7 @@ import yaml
 from megamlm.config.checks import ConfigError, describe_type
 from megamlm.config.loading import where_set
 from megamlm.config.model import ModelConfig
-from megamlm.config.sections import SECTIONS, Config, plain
+from megamlm.config.sections import SECTION_KEYS, SECTIONS, Config, plain
 from megamlm.errors import did_you_mean
 
 
@@ -54,7 +54,7 @@ def _default(f: dataclasses.Field):
 def selected_keys(names: list[str]) -> list[tuple[str, str]]:
     """(section, key) pairs of the names, in the dataclasses' order: a section's keys, a key, or the keys a
     dotted name starts; no names (or ""): every key. A name that is none of these is one line."""
-    every = [(section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    every = [(section, key) for section, keys in SECTION_KEYS.items() for key in keys]
     chosen: dict[tuple[str, str], None] = {}
     for name in names or [""]:
         found = ([(s, k) for s, k in every if f"{s}.{k}" == name]  # a key, though others start so (model.head)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -10,13 +9,11 @@ from typing import Any
 import yaml
 
 from megamlm.config.checks import ConfigError
-from megamlm.config.sections import SECTIONS, Config
+from megamlm.config.sections import SECTION_KEYS, SECTIONS, Config
 from megamlm.errors import MegamlmError, did_you_mean
 from megamlm.files import read_text
 
 
-_KEYS = {name: [f.name for f in dataclasses.fields(tp)] for name, tp in SECTIONS.items()}
-"""Each section's keys, in their dataclass's order."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -123,7 +120,7 @@ def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
         if section not in SECTIONS:
             raise ConfigError(f"{origin}: unknown section '{section}'; allowed: {', '.join(SECTIONS)}"
                               f"{did_you_mean(section, SECTIONS)}")
-        allowed = _KEYS[section]
+        allowed = SECTION_KEYS[section]
         if key not in allowed:
             raise ConfigError(f"{origin}: unknown key '{dotted}'; allowed: {', '.join(allowed)}"
                               f"{_likely_key(section, key)}")
@@ -143,10 +140,10 @@ def build_config(flat: dict[str, tuple[Any, str]]) -> Config:
 def _likely_key(section: str, key: str) -> str:
     """The did-you-mean of an unknown key: the same key in the section that has it (`train.lr` ->
     `optim.lr`), else the section's key closest to it (`model.positon` -> `model.position`)."""
-    elsewhere = [f"{other}.{key}" for other, keys in _KEYS.items() if key in keys]
+    elsewhere = [f"{other}.{key}" for other, keys in SECTION_KEYS.items() if key in keys]
     if elsewhere:
         return f"; did you mean '{elsewhere[0]}'?"
-    return did_you_mean(f"{section}.{key}", [f"{section}.{name}" for name in _KEYS[section]])
+    return did_you_mean(f"{section}.{key}", [f"{section}.{name}" for name in SECTION_KEYS[section]])
 
 
 def _with_origin(err: ConfigError, flat: dict[str, tuple[Any, str]]) -> str:

@@ -246,3 +246,5 @@ def plain(obj):
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 """The config's sections: each YAML section's name -> its dataclass, in Config's order."""
+SECTION_KEYS: dict[str, list[str]] = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in SECTIONS.items()}
+"""Each section's keys, in their dataclass's order."""
