@@ -139,6 +139,16 @@ for s in $STEPS; do
             $PROFILE" 40 configs/pile/large-zero-clap.yaml
         train_run packed-2048-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
             data.packing=packed $PROFILE" 60
+        # the recipe's attention dropout on packed micro-batches of 16 with the FFN kernels (session 60's best
+        # pieces: 29.9% MFU), without attention dropout, and with the head and its loss compiled; large at
+        # micro-batch 8 (30-34%, the GPU waiting for the host 29% of an update) and 16
+        TRITON_BEST="train.engine=flat train.compile=true model.attention_backend=triton model.bias_activation=triton \
+            data.packing=packed $PROFILE"
+        train_run packed-2048-triton-flat-micro16-ffn 2048 16 "$TRITON_BEST" 30
+        train_run packed-2048-triton-flat-micro16-ffn-nodropout 2048 16 "$TRITON_BEST model.attention_dropout=0" 30
+        train_run packed-2048-triton-flat-micro16-ffn-head 2048 16 "$TRITON_BEST train.compile_head=true" 30
+        train_run packed-2048-large-triton-flat-ffn 2048 8 "$TRITON_BEST" 30 configs/pile/large-zero-clap.yaml
+        train_run packed-2048-large-triton-flat-ffn-micro16 2048 16 "$TRITON_BEST" 30 configs/pile/large-zero-clap.yaml
         # the bound without the recipe's attention dropout (ModernBERT's choice): packed, nothing padded
         train_run packed-2048-triton-flat-nodropout 2048 16 "train.engine=flat train.compile=true \
             model.attention_backend=triton data.packing=packed model.attention_dropout=0 $PROFILE" 30 ;;

@@ -30,19 +30,21 @@ cat "$LOGS/device.txt"
 
 # STEP ROW...: most wanted first. Session 21's two H200 leases measured the first wave of rows, session
 # 24's two the flat engine, session 29's two (leases 5-6) the attention kernels, the Flex sweep, the head and
-# five loop rows (BENCHMARKS.md). Next: sessions 30-31's Triton kernels (model.attention_backend=triton:
-# ALiBi and attention dropout in one pass, blocks no query sees skipped), checked against the fp64
-# reference, timed beside cuDNN and Flex, and the best loop on them (padded and packed, base micro 8 and
-# 16, packed without attention dropout, large); then the flat compiled loop on Flex without attention
-# dropout, the best base row with train.compile_head, the packed rows, the Pile recipe's update, CUDA graphs
-# on DeepSpeed, ModernBERT, 8192, the host-overhead step. A second call (LEASE_ROWS) takes what is left.
+# five loop rows, session 60's two (leases 7-8) our Triton kernels: right on the GPU, and the loop on them at
+# 29.9% MFU (base, packed, micro-batch 16, the recipe's attention dropout), 31.1% without attention dropout,
+# 30-34% large at micro-batch 8 (BENCHMARKS.md). Next: large at micro-batch 16, base with the FFN kernels
+# and no attention dropout, the compiled head on the best row, the FFN kernels' benchmark (now timed over
+# calls queued back to back) and the attention kernels with the autotuner's picks printed; then the loop
+# on dropout-free Flex, the packed rows on Flex, the Pile recipe's update, CUDA graphs on DeepSpeed,
+# ModernBERT, 8192, the host-overhead step. A second call (LEASE_ROWS) takes what is left.
 export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-4096,8192} ATTENTION_LENGTHS=${ATTENTION_LENGTHS:-2048,8192}
+export TRITON_PRINT_AUTOTUNING=1  # each kernel's pick per shape, into the row's log: what to tune next
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "triton triton-check triton-attention bias-activation loop-2048-triton-flat packed-2048-triton-flat"
-    "triton loop-2048-triton-flat-micro16 loop-2048-triton-flat-micro16-ffn packed-2048-triton-flat-nodropout"
-    "triton loop-2048-large-triton-flat"
+    "triton packed-2048-large-triton-flat-ffn-micro16 packed-2048-triton-flat-micro16-ffn-nodropout"
+    "triton packed-2048-triton-flat-micro16-ffn-head bias-activation triton-attention"
     "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16"
+    "triton loop-2048-large-triton-flat packed-2048-triton-flat-nodropout"
     "loop loop-2048-flat-compiled-micro16 loop-2048-flat-compiled-micro16-head loop-2048-large-flex-flat-nodropout"
     "packed packed-2048-flex-flat packed-2048-flex-flat-dropout"
     "loop loop-2048-recipe loop-2048-recipe-flat loop-2048-large-flat"

@@ -21,7 +21,12 @@ import re
 from pathlib import Path
 
 KINDS = (
-    ("attention", r"sdpa|fmha|flash|attention|triton_tem"),  # cuDNN, FlashAttention, Flex's Triton templates
+    # cuDNN, FlashAttention, Flex's Triton templates, ours (model.attention_backend=triton: `_attention_*`;
+    # session 60's lease profiled them as `_forward_kernel`, `_backward_keys_kernel`, ...)
+    ("attention", r"sdpa|fmha|flash|attention|triton_tem|^_(forward|backward_keys|backward_queries)_kernel$"),
+    # ours (model.bias_activation=triton; session 60's lease: `_backward_kernel`, its forward merged with
+    # the attention's `_forward_kernel`)
+    ("bias + activation (ours)", r"^_bias_activation_|^_backward_kernel$"),
     ("matmul", r"nvjet|gemm|cutlass|xmma|cublas"),
     ("Inductor's fused kernels", r"^triton_"),
     ("optimizer", r"multi_tensor_apply|adam"),

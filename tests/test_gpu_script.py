@@ -163,16 +163,32 @@ def test_every_row_the_lease_names_is_a_command_of_its_step(tmp_path):
         assert names and set(names) <= commands, (line, sorted(commands))
 
 
+def _profile_summary(profile):
+    """benchmarks/profile_summary.py's output on `profile`, and its kinds -> (ms per update, share %)."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks/profile_summary.py"), str(profile)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    share = {m.group(1).strip(): (float(m.group(2)), float(m.group(3)))
+             for m in re.finditer(r"^  (\S.*?)\s+([0-9.]+)\s+([0-9.]+)%", run.stdout, re.M)}
+    return run.stdout, share
+
+
 def test_the_profile_summary_sums_a_leases_kernels_by_kind():
     """benchmarks/profile_summary.py on session 24's H200 profile of the flat, compiled loop (committed
     with the lease's logs): 107.0 ms of kernels per update (the table's footer over the log's 3
     updates), half of it cuDNN's attention, a fifth the matmuls, as BENCHMARKS.md reads it by hand."""
     profile = ROOT / "benchmarks/results/gpu-h200/lease3-loop-2048-flat-compiled.profile.txt"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks/profile_summary.py"), str(profile)],
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    assert "107.0 ms of kernels per update (3 updates)" in run.stdout
-    share = {m.group(1).strip(): (float(m.group(2)), float(m.group(3)))
-             for m in re.finditer(r"^  (\S.*?)\s+([0-9.]+)\s+([0-9.]+)%", run.stdout, re.M)}
+    out, share = _profile_summary(profile)
+    assert "107.0 ms of kernels per update (3 updates)" in out
     assert 48 < share["attention"][1] < 51 and 19 < share["matmul"][1] < 22, share
     assert abs(sum(ms for ms, _ in share.values()) - 107.0) < 0.5  # every kernel counted once
+
+
+def test_the_profile_summary_counts_our_triton_kernels_as_attention():
+    """Session 60's lease profiled model.attention_backend=triton's kernels under their first names
+    (`_forward_kernel`, `_backward_keys_kernel`, `_backward_queries_kernel`): attention, not "other" —
+    40% of the 151.5 ms of kernels per update at micro-batch 16, the matmuls 31%."""
+    profile = ROOT / "benchmarks/results/gpu-h200/lease7-loop-2048-triton-flat-micro16.profile.txt"
+    out, share = _profile_summary(profile)
+    assert "151.5 ms of kernels per update (3 updates)" in out
+    assert 39 < share["attention"][1] < 41 and 30 < share["matmul"][1] < 32 and share["other"][1] < 1, share

@@ -124,8 +124,8 @@ def _strip(Y, B, start, cols, N, F, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(Y, B, OUT, N, F, ROWS: tl.constexpr, ACTIVATION: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+def _bias_activation_forward_kernel(Y, B, OUT, N, F, ROWS: tl.constexpr, ACTIVATION: tl.constexpr,
+                                    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
     """OUT = activation(y + b) over rows [pid1 · ROWS, +ROWS) of columns [pid0 · BLOCK_F, +BLOCK_F) of Y, OUT
     [N, F] (row-major); B [F]. HALF: y, b and OUT in one 16-bit dtype (else OUT is fp32)."""
     cols = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -135,9 +135,9 @@ def _forward_kernel(Y, B, OUT, N, F, ROWS: tl.constexpr, ACTIVATION: tl.constexp
 
 
 @triton.jit
-def _backward_kernel(G, Y, B, DY, PARTIAL, N, F, ROWS: tl.constexpr, ACTIVATION: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
-    """DY = g · activation'(y + b) over `_forward_kernel`'s strip of G, Y, DY [N, F]; PARTIAL[pid1, cols] =
+def _bias_activation_backward_kernel(G, Y, B, DY, PARTIAL, N, F, ROWS: tl.constexpr, ACTIVATION: tl.constexpr,
+                                     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+    """DY = g · activation'(y + b) over the forward kernel's strip of G, Y, DY [N, F]; PARTIAL[pid1, cols] =
     the strip's Σ_rows dy. HALF: dy is rounded to the 16-bit dtype before the sum too, as autograd's
     activation backward rounds it (else, an fp32 bias under autocast, the sum is of fp32 values)."""
     cols = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -165,8 +165,8 @@ def _tuned(kernel: triton.JITFunction) -> triton.runtime.Autotuner:
     return autotuned(kernel, configs, key=["F", "ACTIVATION", "HALF"])
 
 
-_forward = _tuned(_forward_kernel)
-_backward = _tuned(_backward_kernel)
+_forward = _tuned(_bias_activation_forward_kernel)
+_backward = _tuned(_bias_activation_backward_kernel)
 
 
 def _grid(n: int, f: int):

@@ -69,11 +69,12 @@ def _row_terms(LSE, DELTA, bh, offs, S):
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
-                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sgb, span_stride,
-                    H, S, qk_scale, offset, keep_scale, half_window,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                    HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr, DROPPED: tl.constexpr):
+def _attention_forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
+                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, sgb, span_stride,
+                              H, S, qk_scale, offset, keep_scale, half_window,
+                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                              DROPPED: tl.constexpr):
     start_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,12 +117,12 @@ def _forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, SEED,
 
 
 @triton.jit
-def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS, QBITS,
-                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
-                          sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                          DROPPED: tl.constexpr):
+def _attention_backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS, QBITS,
+                                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
+                                    sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
+                                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                                    DROPPED: tl.constexpr):
     """dK, dV of one block of keys, over every block of queries. DK and DV have the strides sx*."""
     start_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -164,12 +165,12 @@ def _backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS
 
 
 @triton.jit
-def _backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUPS, SPANS, QBITS,
-                             sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
-                             sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                             DROPPED: tl.constexpr, SLOPE_GRAD: tl.constexpr):
+def _attention_backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLOPES, GROUPS, SPANS, QBITS,
+                                       sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
+                                       sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
+                                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                       HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                                       DROPPED: tl.constexpr, SLOPE_GRAD: tl.constexpr):
     """dQ of one block of queries, over every block of keys. DQ has the strides sx*. SLOPE_GRAD: also each
     query's share of the slopes' gradient, DSLOPES [b, H, S, 2] (before, after; summed by the caller:
     deterministic, whatever the block size)."""
@@ -233,11 +234,11 @@ _TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "HAS_WINDOW", "DROPPE
 # that spill registers with dropout on sm_90a (benchmarks/triton_static.py), e.g. the forward's 128 x 64
 # and dK/dV's 64 x 64 at 4 warps, and dK/dV's 64 x 64 at 8 warps, whose two warpgroups each computed the
 # whole tile (twice the matmuls and exp2 per score)
-_forward = _autotuned(_forward_kernel, [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+_forward = _autotuned(_attention_forward_kernel, [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
                                          (64, 32, 4, 3)], _TUNING_KEY)
-_backward_keys = _autotuned(_backward_keys_kernel, [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+_backward_keys = _autotuned(_attention_backward_keys_kernel, [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
                                                     (16, 128, 8, 3), (32, 64, 4, 4)], _TUNING_KEY)
-_backward_queries = _autotuned(_backward_queries_kernel, [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
+_backward_queries = _autotuned(_attention_backward_queries_kernel, [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
                                                           (64, 64, 4, 3), (64, 32, 4, 4)], [*_TUNING_KEY, "SLOPE_GRAD"])
 
 
