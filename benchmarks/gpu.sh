@@ -141,7 +141,7 @@ for s in $STEPS; do
             data.packing=packed $PROFILE" 60
         # the recipe's attention dropout on packed micro-batches of 16 with the FFN kernels (session 60's best
         # pieces: 29.9% MFU), without attention dropout, and with the head and its loss compiled; large at
-        # micro-batch 8 (30-34%, the GPU waiting for the host 29% of an update) and 16
+        # micro-batch 8 (30-34%) and 16
         TRITON_BEST="train.engine=flat train.compile=true model.attention_backend=triton model.bias_activation=triton \
             data.packing=packed $PROFILE"
         train_run packed-2048-triton-flat-micro16-ffn 2048 16 "$TRITON_BEST" 30
