@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import sys
 
 import pytest
@@ -19,6 +20,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # in a worker; a serial run keeps torch's default
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+# The tests of a terminal's Ctrl-C (test_signals.py) need SIGINT delivered as from a terminal. A command started
+# with SIGINT ignored (a shell's background job: `make test &`; session 60's `(CI=true .ci/run &)` had 2
+# failures, then 14 errors from test_signals.py's check) passes that on to every process, pytest-xdist's workers
+# and the processes the tests start: Python's own handler back in each (a started process then gets SIGINT's
+# default again at exec, as from a terminal).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # `make test` gives each pytest-xdist worker a test file at a time, in collection order (the Makefile turns
 # xdist's own order, by test count, off): the longest files go first, so the last to start are short ones and

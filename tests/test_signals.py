@@ -23,9 +23,10 @@ pytestmark = pytest.mark.faults
 @pytest.fixture(autouse=True)
 def _sigint_as_a_terminal_delivers_it():
     """What these tests assert presumes SIGINT reaches this process and the ones it starts as from a
-    terminal. A session-60 suite run had two SIGINT tests fail as if it did not (a glue process that ran to
-    its end, a raised SIGINT that raised nothing); both passed alone, and the cause was not found. Should
-    it happen again, this names the state the test found, instead of a failed assertion about megamlm."""
+    terminal. A session-60 suite run, started as a background job (SIGINT ignored, conftest.py now undoes
+    that), had two SIGINT tests fail as if it did not (a glue process that ran to its end, a raised SIGINT
+    that raised nothing). Should the state differ again, this names it, instead of a failed assertion
+    about megamlm."""
     blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     handler = signal.getsignal(signal.SIGINT)
     assert not blocked and handler is signal.default_int_handler, (
