@@ -14,8 +14,6 @@ from megamlm.errors import MegamlmError, did_you_mean
 from megamlm.files import read_text
 
 
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
 
