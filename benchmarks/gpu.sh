@@ -128,30 +128,24 @@ for s in $STEPS; do
         # [32,768, 3,072] (exits 1 where the kernels' error exceeds twice eager's)
         step bias-activation 150 $PY benchmarks/bias_activation.py --device cuda --rows 32768 $SMOKE_BIAS
         # the best measured loop (flat, compiled, zero-clap with the recipe's attention dropout 0.1) on the kernels
-        train_run loop-2048-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
-            $PROFILE" 60
-        train_run loop-2048-triton-flat-micro16 2048 16 "train.engine=flat train.compile=true \
-            model.attention_backend=triton $PROFILE" 30
+        TRITON_FLAT="train.engine=flat train.compile=true model.attention_backend=triton $PROFILE"
+        train_run loop-2048-triton-flat 2048 8 "$TRITON_FLAT" 60
+        train_run loop-2048-triton-flat-micro16 2048 16 "$TRITON_FLAT" 30
         # the same with the FFN's bias + GELU in our kernels (Inductor's backward: two passes, libdevice's erf)
-        train_run loop-2048-triton-flat-micro16-ffn 2048 16 "train.engine=flat train.compile=true \
-            model.attention_backend=triton model.bias_activation=triton $PROFILE" 30
-        train_run loop-2048-large-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
-            $PROFILE" 40 configs/pile/large-zero-clap.yaml
-        train_run packed-2048-triton-flat 2048 8 "train.engine=flat train.compile=true model.attention_backend=triton \
-            data.packing=packed $PROFILE" 60
+        train_run loop-2048-triton-flat-micro16-ffn 2048 16 "$TRITON_FLAT model.bias_activation=triton" 30
+        train_run loop-2048-large-triton-flat 2048 8 "$TRITON_FLAT" 40 configs/pile/large-zero-clap.yaml
+        train_run packed-2048-triton-flat 2048 8 "$TRITON_FLAT data.packing=packed" 60
         # the recipe's attention dropout on packed micro-batches of 16 with the FFN kernels (session 60's best
         # pieces: 29.9% MFU), without attention dropout, and with the head and its loss compiled; large at
         # micro-batch 8 (30-34%) and 16
-        TRITON_BEST="train.engine=flat train.compile=true model.attention_backend=triton model.bias_activation=triton \
-            data.packing=packed $PROFILE"
+        TRITON_BEST="$TRITON_FLAT model.bias_activation=triton data.packing=packed"
         train_run packed-2048-triton-flat-micro16-ffn 2048 16 "$TRITON_BEST" 30
         train_run packed-2048-triton-flat-micro16-ffn-nodropout 2048 16 "$TRITON_BEST model.attention_dropout=0" 30
         train_run packed-2048-triton-flat-micro16-ffn-head 2048 16 "$TRITON_BEST train.compile_head=true" 30
         train_run packed-2048-large-triton-flat-ffn 2048 8 "$TRITON_BEST" 30 configs/pile/large-zero-clap.yaml
         train_run packed-2048-large-triton-flat-ffn-micro16 2048 16 "$TRITON_BEST" 30 configs/pile/large-zero-clap.yaml
         # the bound without the recipe's attention dropout (ModernBERT's choice): packed, nothing padded
-        train_run packed-2048-triton-flat-nodropout 2048 16 "train.engine=flat train.compile=true \
-            model.attention_backend=triton data.packing=packed model.attention_dropout=0 $PROFILE" 30 ;;
+        train_run packed-2048-triton-flat-nodropout 2048 16 "$TRITON_FLAT data.packing=packed model.attention_dropout=0" 30 ;;
     throughput)
         bench base-baseline 240 --model base --batch 8
         bench base-zero-clap-sdpa 240 --model base --batch 8 --variant zero-clap
