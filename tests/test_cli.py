@@ -1,5 +1,6 @@
 """The `megamlm` command as a user runs it: the smoke main job, parameter counts, config errors."""
 
+import io
 import os
 import re
 import subprocess
@@ -64,6 +65,49 @@ def test_config_error_is_one_line_without_traceback():
         "megamlm: config error: command line: parallel.tensor_parallel=3 does not divide "
         f"model.num_attention_heads=4; allowed: 1, 2, 4 (model.num_attention_heads set in "
         f"{ROOT}/configs/model/tiny.yaml)"]
+
+
+class _Writes(io.StringIO):
+    """A stream that records each write call (one call: one write(2) on an unbuffered stdout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.flushes = [], 0
+
+    def write(self, text):
+        self.calls.append(text)
+        return super().write(text)
+
+    def flush(self):
+        self.flushes += 1
+
+
+def test_a_line_is_one_write_so_processes_sharing_a_log_never_split_it():
+    """CI's `glue --parallel 2` log read "RTE ... epoch 172/300 ... | 0sSTS-B: finished (1 of 3 tasks)": under
+    PYTHONUNBUFFERED=1 `print` wrote the text and its newline in two calls, and the parent's line landed
+    between a task process's two. `print_line` hands a line over in one call, flushed; with many processes
+    writing lines at once into one pipe, each line arrives whole."""
+    from megamlm.console import print_line
+
+    stream = _Writes()
+    print("a line", file=stream, flush=True)
+    assert stream.calls == ["a line", "\n"]  # why the helper exists
+    stream = _Writes()
+    print_line("a line", stream)
+    assert stream.calls == ["a line\n"] and stream.flushes == 1
+    code = "import sys; from megamlm.console import print_line\n" \
+           "for i in range(3000): print_line(f'{sys.argv[1]} {i} ' + 'x' * 60)"
+    env = shell_environment(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    read, write = os.pipe()
+    writers = [subprocess.Popen([sys.executable, "-c", code, name], stdout=write, env=env) for name in "ab"]
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        lines = pipe.read().splitlines()
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    assert len(lines) == 6000
+    assert all(re.fullmatch(r"[ab] \d+ x{60}", line) for line in lines), [x for x in lines if "x" * 60 not in x][:3]
+    for name in "ab":
+        assert [int(line.split()[1]) for line in lines if line[0] == name] == list(range(3000))
 
 
 def test_megamlms_warnings_are_one_line_and_other_packages_keep_pythons_format():

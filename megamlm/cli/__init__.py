@@ -18,6 +18,7 @@ from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.cli.torchrun import (INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, launch_problem, launches_ranks,
                                   relaunch_with_torchrun)
 from megamlm.config import Config, ConfigError, load_config, load_config_and_origins
+from megamlm.console import print_line
 from megamlm.convert import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line, peer_gone, warnings_as_lines
 from megamlm.files import RUN_FINAL, check_writable
@@ -373,11 +374,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
             return relaunch_with_torchrun(cfg, args, argv)
         return VERBS[args.verb][0](cfg, args)
     except KeyboardInterrupt:
-        print(f"megamlm: {args.verb}: interrupted", file=sys.stderr)
+        print_line(f"megamlm: {args.verb}: interrupted", sys.stderr)
         return INTERRUPTED_EXIT
     except Stopped as err:  # a training has its own handling from its first update on (it saves)
         when = " before the first update (nothing to save)" if args.verb == "train" else ""
-        print(f"megamlm: {args.verb}: stopped: {err}{when}", file=sys.stderr)
+        print_line(f"megamlm: {args.verb}: stopped: {err}{when}", sys.stderr)
         return 128 + err.signum
     except (MegamlmError, OSError) as err:
         if debug:

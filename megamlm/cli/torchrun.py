@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from megamlm.config import Config
+from megamlm.console import print_line
 from megamlm.errors import MegamlmError, check_ranges
 from megamlm.stop_signals import STOP_SIGNALS
 
@@ -33,7 +34,7 @@ RECORD_KEY = "megamlm"
 def failed(line: str, code: int) -> int:
     """Print a failure's one line and return its exit code; under torchrun, also record both for the
     process that launched the ranks."""
-    print(line, file=sys.stderr)
+    print_line(line, sys.stderr)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         now = time.time()
         with contextlib.suppress(OSError):  # the line is printed; the record only orders the ranks' lines
@@ -195,11 +196,11 @@ def relaunch_with_torchrun(cfg: Config, args, argv: list[str]) -> int:
             return code
         how = f"signal {err.failures[rank].signal_name()}" if code < 0 else f"exit code {code}"
         here = " on this machine" if args.nodes > 1 else ""
-        print(f"megamlm: train: {len(err.failures)} of {args.nproc} ranks{here} failed, rank {rank} first ({how}); "
-              f"what each said is above", file=sys.stderr)
+        print_line(f"megamlm: train: {len(err.failures)} of {args.nproc} ranks{here} failed, rank {rank} first "
+                   f"({how}); what each said is above", sys.stderr)
         return code if code > 0 else 1
     except SignalException as err:  # before the ranks started, one torchrun kept (SIGHUP, SIGQUIT), or no /proc
-        print(f"megamlm: train: stopped: {err}", file=sys.stderr)
+        print_line(f"megamlm: train: stopped: {err}", sys.stderr)
         return 128 + err.sigval
     finally:
         logging.disable(logging.NOTSET)

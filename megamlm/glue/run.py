@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megamlm.config import Config, ParallelConfig
+from megamlm.console import print_line
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.errors import check_ranges, warnings_as_lines
 from megamlm.glue.finetune import FinetuneOptions, SentenceClassifier, finetune
@@ -113,11 +114,6 @@ def folder_tensors(saved: ModelFolder) -> dict:
     """A model folder's tensors a classification head may start from: the model's, and its classification
     heads' as `classification_heads.<name>.*` (fairseq's names)."""
     return {**saved.full, **{names.CLASSIFICATION_HEADS + name: tensor for name, tensor in saved.heads.items()}}
-
-
-def print_line(text: str) -> None:
-    """A GLUE run's progress line, on stdout at once (a job's log, a pipe: not when a buffer fills)."""
-    print(text, flush=True)
 
 
 def _spawned(args) -> dict:

@@ -9,6 +9,8 @@ import os
 import time
 from pathlib import Path
 
+from megamlm.console import print_line
+
 
 class Log:
     """Human lines on stdout and JSON lines in run_dir/log.jsonl (rank 0), TensorBoard scalars.
@@ -39,7 +41,7 @@ class Log:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.tb.add_scalar(f"{kind}/{key}", value, step)
         if text:
-            print(text, flush=True)
+            print_line(text)
 
     def drop_after(self, step: int) -> None:
         """After a resume from `step`: drop the lines of updates after it (they are redone), so that

@@ -19,6 +19,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from megamlm.console import print_line
+
 WARM_UP = 2
 """Updates run before recording starts (the first compiles under train.compile / Flex)."""
 
@@ -91,7 +93,7 @@ class UpdateProfiler:
         if on_device:  # what keeps the host busy while the GPU waits
             report += "\n" + table("self_cpu_time_total", 25)
         self.path.write_text(report)
-        print(table(by_time, 30), flush=True)
+        print_line(table(by_time, 30))
         per_update = wall / self.recorded
         host = {e.key.removeprefix(_PHASE_PREFIX): e.cpu_time_total / 1e3 / self.recorded
                 for e in averages if e.key.startswith(_PHASE_PREFIX)}  # ms per update
