@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from megamlm.config import DataConfig
+from megamlm.console import print_line
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
 from megamlm.data.documents import BuildStats, Problem, ShardError, document_lines, skip, skipped_summary
 from megamlm.data.progress import progress_bar
@@ -261,9 +262,9 @@ def ensure_shards(data, tokenizer: Tokenizer, progress: bool = True) -> Path:
             raise
         # another job on the same data.shards finished its build first (builds are deterministic): as if
         # it had been there at the start, instead of failing with "already holds shards" after the work
-        print(f"{folder}: built meanwhile by another process; using that build")
+        print_line(f"{folder}: built meanwhile by another process; using that build")
         return folder
-    print(summary_table(manifest))
+    print_line(summary_table(manifest))
     return folder
 
 
