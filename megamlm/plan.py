@@ -14,8 +14,9 @@ Memory per GPU (bytes; P = parameters, TP/DP the parallel degrees, w = 2 for bf1
                its layers: b · s² · w per pattern with a window or model.document_mask, b · a/TP · s² · w
                with a score term (ALiBi); at most that for packed rows (one [L, L] block per sample)
 Wall time = flops/token (the objective's) · token slots · updates / (GPUs · peak · MFU), with the MFU
-megamlm's loop measured for the run's train.engine and train.compile (train.flops.LOOP_MFU) unless --mfu
-gives one; the line says which it assumed, on which GPU. Of the slots,
+megamlm's loop measured for the run's train.engine and train.compile (train.flops.LOOP_MFU), or for the
+fastest settings where the run has every one of configs/gpu/fastest.yaml's (train.flops.FASTEST_LOOP_MFU),
+unless --mfu gives one; the line says which it assumed, on which GPU. Of the slots,
 the fill (real tokens / slots) trains: measured 0.99 for data.packing=packed (best fit) and 0.745 padded
 (the reference's `complete` samples of Pile-like documents at 2048; BENCHMARKS.md); the training log's
 `fill` column gives a run's own.
@@ -29,8 +30,9 @@ precision and ZeRO stage), train.keep_last + 1 of them at once while a save is w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from megamlm.config import Config, ConfigError
+from megamlm.config import Config, ConfigError, load_config_and_origins
 from megamlm.errors import check_ranges, did_you_mean
 from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.positions import POSITIONS
@@ -38,7 +40,11 @@ from megamlm.objectives import get_objective
 from megamlm.parallel import check_world_size
 from megamlm.train.checkpoint import checkpoint_bytes
 from megamlm.train.engine import deepspeed_config
-from megamlm.train.flops import GPU_PEAKS, LOOP_MFU, LOOP_MFU_MEASURED_ON
+from megamlm.train.flops import FASTEST_LOOP_MFU, GPU_PEAKS, LOOP_MFU, LOOP_MFU_MEASURED_ON
+
+FASTEST_SETTINGS = Path("configs/gpu/fastest.yaml")
+"""The overlay of the fastest settings measured (FASTEST_LOOP_MFU), in the repository beside the package; an
+install without configs/ has none, and the plan assumes LOOP_MFU's."""
 
 FILL = {"packed": 0.99, "padded": 0.745}
 """Default fill by data.packing (see the module docstring)."""
@@ -151,10 +157,25 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float 
 
 
 def _measured_mfu(cfg: Config) -> tuple[float, str]:
-    """The loop's measured MFU for this run's engine and compilation, and the words that say so."""
+    """The loop's measured MFU for this run's settings (the fastest's, or its engine's and compilation's), and the
+    words that say so."""
+    if _has_settings(cfg, FASTEST_SETTINGS):
+        return FASTEST_LOOP_MFU, (f"megamlm's loop as measured with {FASTEST_SETTINGS}'s settings, "
+                                  f"{LOOP_MFU_MEASURED_ON}; --mfu")
     train = cfg.train
     how = f"train.engine={train.engine}, {'compiled' if train.compile else 'eager'}"
     return LOOP_MFU[train.engine, train.compile], f"megamlm's loop as measured for {how}, {LOOP_MFU_MEASURED_ON}; --mfu"
+
+
+def _has_settings(cfg: Config, overlay: Path) -> bool:
+    """Whether `cfg` has every value the overlay file (under the repository) sets; False where it is absent."""
+    path = Path(__file__).resolve().parents[1] / overlay
+    if not path.is_file():
+        return False
+    wanted, origins = load_config_and_origins([path])
+    have, values = cfg.to_dict(), wanted.to_dict()
+    return all(have[section][key] == values[section][key]
+               for section, _, key in (dotted.partition(".") for dotted in origins))
 
 
 def reduction(cfg: Config, dp: int) -> str:

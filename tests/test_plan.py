@@ -110,6 +110,29 @@ def test_the_wall_time_assumes_the_loops_measured_mfu_and_says_so(engine, compil
     assert given.hours == pytest.approx(flops / (0.35 * 8 * 989e12) / 3600) == pytest.approx(10.79, abs=0.01)
 
 
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (CONFIGS / "pile").glob("*-*.yaml")))
+def test_the_fastest_settings_overlay_every_pile_recipe_and_the_plan_assumes_their_measured_mfu(recipe):
+    """configs/gpu/fastest.yaml after a Pile recipe: a config that validates, the batch the recipe asks for, and the
+    plan's wall time at the MFU those settings measured (29.9%, not the 20% of flat + compiled alone); without one
+    of them (micro-batch 8, the sdpa backend) the plan falls back to the engine's."""
+    from megamlm.train.flops import FASTEST_LOOP_MFU, LOOP_MFU
+
+    fastest = [CONFIGS / "pile" / recipe, CONFIGS / "gpu/fastest.yaml"]
+    cfg = load_config(fastest)
+    # how the run executes, nothing of what it trains (the recipe's model, optimizer, 512 rows per update)
+    assert set(cfg.changes_since(load_config(fastest[:1]).to_dict())) <= {
+        "train.engine", "train.compile", "train.micro_batch_size", "model.attention_backend", "model.bias_activation",
+        "data.packing"}
+    assert (cfg.train.engine, cfg.model.attention_backend, cfg.data.packing, cfg.train.global_batch_size) == (
+        "flat", "triton", "packed", 512)
+    plan = make_plan(cfg, 1, 8, "H100")
+    assert plan.mfu == FASTEST_LOOP_MFU == 0.299 and (plan.micro, plan.accumulation) == (16, 4)
+    assert ("8 H100 at MFU 29.9% (megamlm's loop as measured with configs/gpu/fastest.yaml's settings, roberta.base "
+            "at 2048 on an H200; --mfu)") in plan.table(80)
+    for missing in ("train.micro_batch_size=8", "model.attention_backend=sdpa"):
+        assert make_plan(load_config(fastest, [missing]), 1, 8, "H100").mfu == LOOP_MFU["flat", True]
+
+
 def test_the_wall_time_of_a_short_run_is_in_minutes_or_seconds():
     cfg = load_config([CONFIGS / "demo.yaml"])
     assert make_plan(cfg, 1, 1, "H100", 0.35).table(80).splitlines()[-1].startswith("wall time     1 s: ")

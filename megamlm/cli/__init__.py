@@ -254,7 +254,8 @@ def _add_plan_args(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--mfu", type=float, default=None,
                         help="model FLOPs utilization to assume (default: what megamlm's loop measured for the "
-                             "config's train.engine and train.compile on an H200; the wall-time line says which)")
+                             "config's train.engine and train.compile on an H200, or for configs/gpu/fastest.yaml's "
+                             "settings where the config has them all; the wall-time line says which)")
     parser.add_argument("--fill", type=float, default=None,
                         help="real tokens / token slots to assume (default: 0.99 packed, 0.745 padded, "
                              "measured; a run's own: the `fill` column of its log; its shards' padded: "

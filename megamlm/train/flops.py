@@ -25,6 +25,11 @@ LOOP_MFU = {("deepspeed", False): 0.12, ("deepspeed", True): 0.13, ("flat", Fals
 `loop-2048-compiled` 12.7-14.5%, `loop-2048-flat` 15.3-17.0%, `loop-2048-flat-compiled` 19.8-20.4%).
 `megamlm plan` assumes it where --mfu is not given; roberta.large measured higher (18% and 25%). A lease that
 measures a faster loop updates it."""
+FASTEST_LOOP_MFU = 0.299
+"""MFU of the loop with the fastest settings measured (configs/gpu/fastest.yaml: flat, compiled, micro-batch 16,
+our Triton attention and FFN kernels, packed rows): roberta.base zero-clap at 2048, bf16, the recipe's attention
+dropout 0.1, one H200 (BENCHMARKS.md, Session 60: `packed-2048-triton-flat-micro16-ffn` 29.8-29.9%). `megamlm
+plan` assumes it for a run with every one of those settings, LOOP_MFU's otherwise."""
 LOOP_MFU_MEASURED_ON = "roberta.base at 2048 on an H200"
 """What LOOP_MFU was measured on, in the words `megamlm plan` prints."""
 
