@@ -99,12 +99,13 @@ bench() {  # bench NAME LIMIT_SECONDS ARGUMENTS...: benchmarks/train_throughput.
     step "$name" "$limit" $TP "$@" $SMOKE_BENCH
 }
 
-train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES [CONFIG]: 2 micro-batches per update
-    # (the row's OVERRIDES come after the common ones, so they win: the last value of a key is the one)
-    local name=$1 length=${SMOKE_LENGTH:-$2} micro=$3 extra=$4 updates=$5
-    local config=${6:-configs/pile/base-zero-clap.yaml}
+train_run() {  # train_run NAME LENGTH MICRO_BATCH OVERRIDES UPDATES [CONFIGS]: 2 micro-batches per update
+    # (the row's OVERRIDES come after the common ones, so they win: the last value of a key is the one;
+    # CONFIGS: one file, or a recipe and the overlays after it, space-separated)
+    local name=$1 length=${SMOKE_LENGTH:-$2} micro=$3 extra=$4 updates=$5 config configs=()
+    for config in ${6:-configs/pile/base-zero-clap.yaml}; do configs+=(--config "$config"); done
     [ -z "$SMOKE_LENGTH" ] || { micro=1 updates=3; }
-    step "$name" 420 $PY -m megamlm train --overwrite --config "$config" \
+    step "$name" 420 $PY -m megamlm train --overwrite "${configs[@]}" \
         "data.build_from=[data/wikitext-103/valid.txt,data/wikitext-103/test.txt]" \
         data.shards=$SHARDS/gpu-wikitext-103-s$length data.seq_length=$length model.max_positions=$length \
         data.long_docs=split data.valid_fraction=0.02 train.precision=bf16 \
@@ -135,15 +136,17 @@ for s in $STEPS; do
         train_run loop-2048-triton-flat-micro16-ffn 2048 16 "$TRITON_FLAT model.bias_activation=triton" 30
         train_run loop-2048-large-triton-flat 2048 8 "$TRITON_FLAT" 40 configs/pile/large-zero-clap.yaml
         train_run packed-2048-triton-flat 2048 8 "$TRITON_FLAT data.packing=packed" 60
-        # the recipe's attention dropout on packed micro-batches of 16 with the FFN kernels (session 60's best
-        # pieces: 29.9% MFU), without attention dropout, and with the head and its loss compiled; large at
-        # micro-batch 8 (30-34%) and 16
-        TRITON_BEST="$TRITON_FLAT model.bias_activation=triton data.packing=packed"
-        train_run packed-2048-triton-flat-micro16-ffn 2048 16 "$TRITON_BEST" 30
-        train_run packed-2048-triton-flat-micro16-ffn-nodropout 2048 16 "$TRITON_BEST model.attention_dropout=0" 30
-        train_run packed-2048-triton-flat-micro16-ffn-head 2048 16 "$TRITON_BEST train.compile_head=true" 30
-        train_run packed-2048-large-triton-flat-ffn 2048 8 "$TRITON_BEST" 30 configs/pile/large-zero-clap.yaml
-        train_run packed-2048-large-triton-flat-ffn-micro16 2048 16 "$TRITON_BEST" 30 configs/pile/large-zero-clap.yaml
+        # configs/gpu/fastest.yaml, the overlay `megamlm plan` assumes 29.9% for (session 60: TRITON_FLAT with
+        # the FFN kernels, packed, micro-batch 16; its settings, measured as that file): with the recipe's attention
+        # dropout, without it, and with the head and its loss compiled; large at micro-batch 8 (30-34%) and 16
+        BASE_FASTEST="configs/pile/base-zero-clap.yaml configs/gpu/fastest.yaml"
+        LARGE_FASTEST="configs/pile/large-zero-clap.yaml configs/gpu/fastest.yaml"
+        train_run packed-2048-triton-flat-micro16-ffn 2048 16 "$PROFILE" 30 "$BASE_FASTEST"
+        train_run packed-2048-triton-flat-micro16-ffn-nodropout 2048 16 "$PROFILE model.attention_dropout=0" 30 \
+            "$BASE_FASTEST"
+        train_run packed-2048-triton-flat-micro16-ffn-head 2048 16 "$PROFILE train.compile_head=true" 30 "$BASE_FASTEST"
+        train_run packed-2048-large-triton-flat-ffn 2048 8 "$PROFILE" 30 "$LARGE_FASTEST"
+        train_run packed-2048-large-triton-flat-ffn-micro16 2048 16 "$PROFILE" 30 "$LARGE_FASTEST"
         # the bound without the recipe's attention dropout (ModernBERT's choice): packed, nothing padded
         train_run packed-2048-triton-flat-nodropout 2048 16 "$TRITON_FLAT data.packing=packed model.attention_dropout=0" 30 ;;
     throughput)

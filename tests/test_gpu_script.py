@@ -132,6 +132,21 @@ def test_every_training_row_parses_and_its_config_loads_at_full_size(tmp_path):
         assert cfg.data.seq_length in (2048, 8192) and cfg.train.run_dir == f"runs/{name}", name
 
 
+def test_the_rows_of_the_fastest_settings_run_the_overlay_file_plan_assumes(tmp_path):
+    """`megamlm plan` assumes FASTEST_LOOP_MFU for configs/gpu/fastest.yaml's settings: the rows that measure it
+    run that file after the recipe, with nothing of it overridden but the micro-batch they are named for."""
+    from megamlm.cli import build_parser
+    from megamlm.config import load_config_and_origins
+
+    rows, _ = _listed(tmp_path, "triton")
+    _, overlay = load_config_and_origins([ROOT / "configs/gpu/fastest.yaml"])
+    for name in ("packed-2048-triton-flat-micro16-ffn", "packed-2048-large-triton-flat-ffn"):
+        args = build_parser().parse_args(rows[name][2:])
+        assert args.config[-1] == "configs/gpu/fastest.yaml", (name, args.config)
+        overridden = {override.partition("=")[0] for override in args.overrides} & set(overlay)
+        assert overridden == {"train.micro_batch_size"}, (name, overridden)
+
+
 def test_a_lease_runs_only_the_named_rows_and_skips_what_its_deadline_leaves_no_time_for(tmp_path):
     """GPU_SH_ONLY picks rows out of the steps (benchmarks/gpu_lease.sh: most wanted first);
     GPU_SH_DEADLINE skips a command with under 45 s left, so the call ends before the lease does."""
