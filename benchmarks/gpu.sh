@@ -44,6 +44,7 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_ROWS="--device cpu --rows 1000 --rounds 1"
     SMOKE_HASH="--device cpu --shape 1,2,64,64 --rounds 1"
     SMOKE_TRITON="--device cpu --lengths 40 --batch 2 --heads 2 --head-dim 16 --dtype fp32"
+    SMOKE_CANDIDATES="--device cpu --length 96 --batch 2 --heads 2 --head-dim 16 --dtype fp32 --repeats 1"
     SMOKE_BIAS="--device cpu --rows 300 --ffn 40 --dtype fp32 --rounds 1 --no-compile"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
     # (train.global_batch_size: the recipe rows' 16 micro-batches per update are 2 here, still accumulated;
@@ -56,7 +57,7 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs SHARDS=${GPU_SH_SHARDS:-$LOG_DIR/cache}
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_BIAS="" SMOKE_HEAD=""
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_CANDIDATES="" SMOKE_BIAS="" SMOKE_HEAD=""
     SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SHARDS=cache SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
@@ -118,10 +119,14 @@ for s in $STEPS; do
     case $s in
     triton)
         # the compiled kernels against the fp64 reference first (tests run them in Triton's interpreter);
-        # 6 feature variants x 2 lengths x 15 autotuner candidates to compile, each variant's at once
-        # (triton_kernels `_compile_at_once`; one by one if that fails: the limit allows for it); Triton's
-        # cache keeps them for the rows below
+        # 6 feature variants x 2 lengths x 19 autotuner candidates to compile, each variant's at once
+        # (triton_autotune `compile_at_once`; one by one if that fails: the limit allows for it); Triton's
+        # cache keeps them for the rows below. -2048: the loop's length only (half the compiling)
         step triton-check 420 $PY benchmarks/triton_check.py $SMOKE_TRITON
+        step triton-check-2048 300 $PY benchmarks/triton_check.py --lengths 2048 $SMOKE_TRITON
+        # every autotuner candidate timed alone at the loop's shape (base, packed, micro-batch 16, dropout
+        # 0.1): dK/dV's two orientations side by side
+        step triton-candidates 240 $PY benchmarks/triton_candidates.py $SMOKE_CANDIDATES
         # beside cuDNN (bias, with and without dropout) and Flex at the loop's micro-batch of 8
         step triton-attention 240 $PY benchmarks/attention.py --lengths 2048 --dtype bf16 --heads 12 --batch 8 \
             --kernels "sdpa,flex score_mod,triton" $SMOKE_ATTENTION

@@ -106,6 +106,15 @@ def compile_sass(launch: triton_kernels.Launch, config: triton.Config, arch: int
     return int(match.group(1)), int(match.group(2)), sass
 
 
+def describe(config: triton.Config) -> str:
+    """An attention kernel's candidate as the tables name it: "BLOCK_M × BLOCK_N, warps, stages", and dK/dV's
+    orientation (triton_kernels `_attention_backward_keys_kernel`: keys or queries along the score tiles' rows)."""
+    text = f"{config.kwargs['BLOCK_M']} × {config.kwargs['BLOCK_N']}, {config.num_warps}, {config.num_stages}"
+    if "TRANSPOSED" in config.kwargs:
+        text += ", " + ("keys" if config.kwargs["TRANSPOSED"] else "queries") + " along rows"
+    return text
+
+
 def loops(sass: str) -> list[list[str]]:
     """The opcodes of each loop (a backward branch's target up to the branch), in address order: the
     kernels' masked blocks' loop, then their whole blocks' two (keys before, keys after the queries:
@@ -237,7 +246,7 @@ def main() -> None:
     for kernel in attention:
         configs = steps["ALiBi"][kernel].kernel.configs
         for config in configs[:1] if args.first_only else configs:
-            shape = f"{config.kwargs['BLOCK_M']} × {config.kwargs['BLOCK_N']}, {config.num_warps}, {config.num_stages}"
+            shape = describe(config)
             for variant, step in steps.items():
                 registers, stack, sass = compile_sass(step[kernel], config, args.arch)
                 bodies = loops(sass)

@@ -23,7 +23,8 @@ STEPS = re.search(r"STEPS=\$\{\*:-([^}]*)\}", SCRIPT.read_text()).group(1).split
 DONE = {"train_throughput.py": "megamlm / ", "attention.py": "sdpa, no bias (reference)", "megamlm train": "done: ",
         "host_overhead.py": "megamlm, megatron linears", "row_normalize.py": "l2_normalize (megamlm)",
         "head_memory.py": "saved: the head's peak", "dropout_hash.py": "int32 lanes (kept_at_level)",
-        "triton_check.py": "triton_check: every case within", "bias_activation.py": "megamlm triton "}
+        "triton_check.py": "triton_check: every case within", "bias_activation.py": "megamlm triton ",
+        "triton_candidates.py": "| dQ | "}
 
 
 def _run(log_dir: Path, step: str, **env) -> subprocess.CompletedProcess:

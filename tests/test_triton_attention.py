@@ -80,6 +80,32 @@ def test_the_kernels_visit_only_the_blocks_a_group_or_window_reaches(layout, win
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize(("alibi", "layout", "window"), [
+    ("offset", "whole-rows", None), (None, "whole-rows", None), ("symmetric", "documents", None),
+    ("offset", "padded", None), ("offset", "packed", None), ("offset", "whole-rows", 130)])
+def test_dk_dv_with_queries_along_rows_gives_the_reference(monkeypatch, alibi, layout, window, p):
+    """dK/dV's other orientation (`_attention_backward_keys_kernel` TRANSPOSED=False, among the autotuner's
+    candidates on a GPU; the interpreter runs the first, keys along rows): score tiles [BM, BN] as the
+    forward's, Pᵀ and dSᵀ transposed for the products. The same cases against the reference."""
+    import triton
+
+    from megamlm.model import triton_kernels
+
+    (config,) = triton_kernels._backward_keys.configs
+    assert config.kwargs["TRANSPOSED"]  # what the other tests run
+    monkeypatch.setattr(triton_kernels._backward_keys, "configs",
+                        [triton.Config({**config.kwargs, "TRANSPOSED": False}, num_warps=1, num_stages=1)])
+    s = 300 if layout == "packed" or window else 100
+    groups = _packed_groups(s) if layout == "packed" else None
+    if layout in ("padded", "documents"):
+        groups = torch.zeros(2, s, dtype=torch.int32)
+        groups[1, 80:] = -1
+        if layout == "documents":
+            groups[0, 11:], groups[0, 70:], groups[1, 5:80] = 1, 2, 1
+    _assert_kernels_give_the_reference(2, 2 if s == 300 else 3, s, alibi, groups, p, window)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
 @pytest.mark.parametrize("layout", ["whole-rows", "packed"])
 def test_learned_slopes_before_and_after_the_query_get_the_reference_gradient(layout, p):
     """Learned ALiBi (alibi_mode=learned): slopes [2, np] that differ before and after the query; their
@@ -229,6 +255,39 @@ def test_the_whole_blocks_loop_issues_fewer_instructions_than_the_masked_one_and
         assert stack == 0 and whole < 0.8 * masked, row
         wholes.append(whole)
     assert wholes[1] < 1.75 * wholes[0], rows[:2]
+
+
+_ORIENTATIONS = """
+import torch
+from benchmarks.triton_static import compile_sass, launches, loop_costs, loops
+launch = launches(8, 2048, 12, 64, torch.bfloat16, 0.1, False)["dK/dV"]
+for transposed, block_m, block_n, warps in ((True, 64, 128, 8), (False, 64, 64, 4)):
+    config = next(c for c in launch.kernel.configs if c.kwargs == {"BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "TRANSPOSED": transposed} and c.num_warps == warps and c.num_stages == 2)
+    registers, stack, sass = compile_sass(launch, config, 90)
+    masked, *whole = loops(sass)
+    print(stack, sum(loop_costs(max(whole, key=len), config)[0].values()))
+"""
+
+
+def test_dk_dv_with_queries_along_rows_issues_fewer_instructions_per_score():
+    """Why dK/dV has a second orientation: compiled for sm_90 as a training step launches it (ALiBi and
+    attention dropout), the fewest-instruction candidate of each orientation, neither spilling: in the whole
+    blocks' loop queries along rows issue fewer instructions per score, each thread's per-query terms being
+    2 rows', not 16 columns' (thread slots per score, 64 x 128 keys along rows against 64 x 64 queries along
+    rows: 22.5 against 19.1 with Triton 3.6, the leases'; 21.6 against 20.0 with Triton 3.9). The GPU's
+    autotuner times both."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _ORIENTATIONS], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    (keys_stack, keys_rows), (queries_stack, queries_rows) = (line.split() for line in run.stdout.splitlines())
+    assert keys_stack == queries_stack == "0"
+    assert float(queries_rows) < 0.95 * float(keys_rows), run.stdout
 
 
 _COMPILE_HOOK = """

@@ -16,7 +16,7 @@ def compile_at_once(kernel: triton.JITFunction) -> Callable[..., list[triton.Con
     """The autotuner's `early_config_prune` hook for `kernel`, which it calls once per new tuning key before
     it compiles and times the candidates one after another: compile them all first, at once (Triton's
     AsyncCompileMode on a thread pool: LLVM's passes and ptxas run outside the GIL), so that the timing finds
-    them compiled. 15 candidates per training step's attention kernels, 180 in benchmarks/triton_check.py, at
+    them compiled. 19 candidates per training step's attention kernels, 228 in benchmarks/triton_check.py, at
     ~1.5 s each. Prunes nothing; on any failure the candidates compile one by one, as without the hook."""
 
     def compile_all(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:

@@ -82,17 +82,18 @@ def whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset, KE
 @triton.jit
 def block_scores(qk, GROUPS, b, sgb, own_group, offs_m, offs_n, start_m, start_n, before, after, S, qk_scale,
                  offset, half_window, KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, OWN_KEYS: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """(scores less a query term, the query term [BLOCK_M]) of a block pair from qk = q·kᵀ (its transpose
     when TRANSPOSED): `whole_block_scores` for whole blocks (KIND, `stretches`), else `scores` (term 0).
-    own_group: the groups of the program's block (queries, or keys when TRANSPOSED); the loop's block's are
-    loaded here."""
+    own_group: the groups of the program's block (queries, or keys when OWN_KEYS: the loop is over queries);
+    the loop's block's are loaded here."""
     if KIND != MASKED:
         qk, query_term = whole_block_scores(qk, start_m, start_n, before, after, qk_scale, offset,
-                                            (KIND == LATER) != TRANSPOSED, HAS_ALIBI, TRANSPOSED, BLOCK_M,
+                                            (KIND == LATER) != OWN_KEYS, HAS_ALIBI, TRANSPOSED, BLOCK_M,
                                             BLOCK_N)
     else:
-        if TRANSPOSED:
+        if OWN_KEYS:
             q_group = groups_of(GROUPS, b, sgb, offs_m, S, HAS_GROUPS, True)
             k_group = own_group
         else:

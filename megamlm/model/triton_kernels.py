@@ -2,7 +2,8 @@
 the backend): bidirectional attention with ALiBi's score term (slopes for keys before and after the
 query, and their gradient where they are learned), key padding, documents, packed samples, sliding
 windows and attention dropout, forward and backward, FlashAttention's way (online softmax; the backward
-recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ).
+recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ). dK/dV's score
+tiles come in two orientations, keys or queries along rows; the autotuner times both.
 
 The dropout mask (flex.py's), hashed per query and pair of keys: triton_dropout.py.
 
@@ -96,7 +97,7 @@ def _attention_forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, S
             qk = tl.dot(q, tl.trans(k))  # [BM, hn] x [hn, BN] -> [BM, BN]
             qk, query_term = block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
                                           before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
-                                          HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
+                                          HAS_GROUPS, HAS_WINDOW, False, False, BLOCK_M, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(qk, 1) + query_term)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: nothing to rescale
             p = tl.math.exp2(qk - (m_safe - query_term)[:, None])
@@ -117,13 +118,46 @@ def _attention_forward_kernel(Q, K, V, OUT, LSE, QBITS, SLOPES, GROUPS, SPANS, S
 
 
 @triton.jit
+def _score_tile(queries, keys, TRANSPOSED: tl.constexpr):
+    """queries · keysᵀ [BM, BN] ([BM, hn] x [hn, BN]), or its transpose keys · queriesᵀ [BN, BM] (TRANSPOSED)."""
+    if TRANSPOSED:  # (one return: the two tiles' shapes differ)
+        tile = tl.dot(keys, tl.trans(queries))
+    else:
+        tile = tl.dot(queries, tl.trans(keys))
+    return tile
+
+
+@triton.jit
+def _per_query(x, TRANSPOSED: tl.constexpr):
+    """A [BM] vector of the queries against a score tile: [BM, 1], or [1, BM] against the transpose."""
+    if TRANSPOSED:
+        column = x[None, :]
+    else:
+        column = x[:, None]
+    return column
+
+
+@triton.jit
+def _keys_first(tile, TRANSPOSED: tl.constexpr):
+    """A score tile as the left operand of a product over queries, [BN, BM]: the transpose of a [BM, BN] tile
+    (Triton passes it to the tensor cores through shared memory, transposed there)."""
+    if not TRANSPOSED:
+        tile = tl.trans(tile)
+    return tile
+
+
+@triton.jit
 def _attention_backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS, QBITS,
                                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
                                     sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                                    DROPPED: tl.constexpr):
-    """dK, dV of one block of keys, over every block of queries. DK and DV have the strides sx*."""
+                                    DROPPED: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """dK, dV of one block of keys, over every block of queries. DK and DV have the strides sx*. TRANSPOSED
+    (the autotuner's choice): the score tiles are [BN, BM], keys along rows, as dK and dV accumulate them; else
+    [BM, BN], queries along rows as in the forward: each thread then holds 2 rows' per-query terms (lse, delta,
+    ALiBi's query term, the dropout hash's query bits), not 16 columns' (the MMA tile's layout), and Pᵀ and
+    dSᵀ pass through shared memory."""
     start_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,20 +178,20 @@ def _attention_backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GRO
             q = _load_rows(Q, b, h, offs_m, sqb, sqh, sqs, S, HEAD_DIM)
             do = _load_rows(DO, b, h, offs_m, sdb, sdh, sds, S, HEAD_DIM)
             lse, delta = _row_terms(LSE, DELTA, bh, offs_m, S)
-            qk_t = tl.dot(k, tl.trans(q))  # [BN, hn] x [hn, BM] -> [BN, BM]: the scores transposed
-            qk_t, query_term = block_scores(qk_t, GROUPS, b, sgb, k_group, offs_m, offs_n, start_m,
-                                            start_n * BLOCK_N, before, after, S, qk_scale, offset, half_window,
-                                            KIND, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True, BLOCK_M, BLOCK_N)
-            p_t = tl.math.exp2(qk_t - (lse - query_term)[None, :])  # [BN, BM]: the probabilities transposed
-            dp_t = tl.dot(v, tl.trans(do))  # [BN, hn] x [hn, BM]: dO · vᵀ transposed
+            qk = _score_tile(q, k, TRANSPOSED)
+            qk, query_term = block_scores(qk, GROUPS, b, sgb, k_group, offs_m, offs_n, start_m, start_n * BLOCK_N,
+                                          before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
+                                          HAS_GROUPS, HAS_WINDOW, True, TRANSPOSED, BLOCK_M, BLOCK_N)
+            p = tl.math.exp2(qk - _per_query(lse - query_term, TRANSPOSED))
+            dp = _score_tile(do, v, TRANSPOSED)  # dO · vᵀ
             if DROPPED > 0:  # (the keep scale once, at the end: `backward_launches`)
-                levels = key_levels(saved_query_bits(QBITS, bh, offs_m, S), start_n * BLOCK_N, BLOCK_N, True)
-                dv += tl.dot(operand(drop(p_t, levels, DROPPED), DO.dtype.element_ty), do)
-                dp_t = drop(dp_t, levels, DROPPED)
+                levels = key_levels(saved_query_bits(QBITS, bh, offs_m, S), start_n * BLOCK_N, BLOCK_N, TRANSPOSED)
+                dv += tl.dot(_keys_first(operand(drop(p, levels, DROPPED), DO.dtype.element_ty), TRANSPOSED), do)
+                dp = drop(dp, levels, DROPPED)
             else:
-                dv += tl.dot(operand(p_t, DO.dtype.element_ty), do)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(operand(ds_t, Q.dtype.element_ty), q)
+                dv += tl.dot(_keys_first(operand(p, DO.dtype.element_ty), TRANSPOSED), do)
+            ds = p * (dp - _per_query(delta, TRANSPOSED))
+            dk += tl.dot(_keys_first(operand(ds, Q.dtype.element_ty), TRANSPOSED), q)
     dk *= sm_scale * keep_scale
     dv *= keep_scale
     _store_rows(DK, dk, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
@@ -198,7 +232,7 @@ def _attention_backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLO
             qk = tl.dot(q, tl.trans(k))  # [BM, hn] x [hn, BN] -> [BM, BN]
             qk, query_term = block_scores(qk, GROUPS, b, sgb, q_group, offs_m, offs_n, start_m * BLOCK_M, start_n,
                                           before, after, S, qk_scale, offset, half_window, KIND, HAS_ALIBI,
-                                          HAS_GROUPS, HAS_WINDOW, False, BLOCK_M, BLOCK_N)
+                                          HAS_GROUPS, HAS_WINDOW, False, False, BLOCK_M, BLOCK_N)
             p = tl.math.exp2(qk - (lse - query_term)[:, None])
             dp = tl.dot(do, tl.trans(v))  # [BM, hn] x [hn, BN]
             if DROPPED > 0:
@@ -216,28 +250,36 @@ def _attention_backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLO
         tl.store(DSLOPES + (bh * S + offs_m) * 2 + 1, d_after * keep_scale, mask=offs_m < S)
 
 
-def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, warps, stages) candidates for the autotuner; the interpreter runs one small one."""
+def _configs(candidates: list[tuple]) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, warps, stages[, {another constexpr: its value}]) candidates for the autotuner; the
+    interpreter runs one small one, with the first candidate's other constexprs."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in candidates]
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, **_constants(candidates[0])}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1], **_constants(c)}, num_warps=c[2], num_stages=c[3])
+            for c in candidates]
 
 
-def _autotuned(kernel: triton.JITFunction, candidates: list[tuple[int, int, int, int]],
-               key: list[str]) -> triton.runtime.Autotuner:
+def _constants(candidate: tuple) -> dict:
+    return candidate[4] if len(candidate) > 4 else {}
+
+
+def _autotuned(kernel: triton.JITFunction, candidates: list[tuple], key: list[str]) -> triton.runtime.Autotuner:
     return autotuned(kernel, _configs(candidates), key)
 
 
 _TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "HAS_WINDOW", "DROPPED"]
+_KEYS_ROWS, _QUERY_ROWS = {"TRANSPOSED": True}, {"TRANSPOSED": False}  # dK/dV's two orientations
 # (BLOCK_M, BLOCK_N, warps, stages) for head dim 64 on Hopper (FlashAttention-2's and Triton's tutorial's
 # shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse). Left out: those
 # that spill registers with dropout on sm_90a (benchmarks/triton_static.py), e.g. the forward's 128 x 64
 # and dK/dV's 64 x 64 at 4 warps, and dK/dV's 64 x 64 at 8 warps, whose two warpgroups each computed the
-# whole tile (twice the matmuls and exp2 per score)
+# whole tile (twice the matmuls and exp2 per score); dK/dV with queries along rows spills at 128 keys
 _forward = _autotuned(_attention_forward_kernel, [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
                                          (64, 32, 4, 3)], _TUNING_KEY)
-_backward_keys = _autotuned(_attention_backward_keys_kernel, [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
-                                                    (16, 128, 8, 3), (32, 64, 4, 4)], _TUNING_KEY)
+_backward_keys = _autotuned(_attention_backward_keys_kernel, [
+    (32, 128, 8, 3, _KEYS_ROWS), (64, 128, 8, 2, _KEYS_ROWS), (64, 128, 8, 3, _KEYS_ROWS), (16, 128, 8, 3, _KEYS_ROWS),
+    (32, 64, 4, 4, _KEYS_ROWS), (64, 64, 4, 3, _QUERY_ROWS), (64, 64, 4, 2, _QUERY_ROWS), (128, 64, 8, 2, _QUERY_ROWS),
+    (128, 64, 8, 3, _QUERY_ROWS)], _TUNING_KEY)
 _backward_queries = _autotuned(_attention_backward_queries_kernel, [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
                                                           (64, 64, 4, 3), (64, 32, 4, 4)], [*_TUNING_KEY, "SLOPE_GRAD"])
 
