@@ -125,7 +125,7 @@ for s in $STEPS; do
         step triton-check 420 $PY benchmarks/triton_check.py $SMOKE_TRITON
         step triton-check-2048 300 $PY benchmarks/triton_check.py --lengths 2048 $SMOKE_TRITON
         # every autotuner candidate timed alone at the loop's shape (base, packed, micro-batch 16, dropout
-        # 0.1): dK/dV's two orientations side by side
+        # 0.1), each one's results against the first's: dK/dV's two orientations side by side
         step triton-candidates 240 $PY benchmarks/triton_candidates.py $SMOKE_CANDIDATES
         # beside cuDNN (bias, with and without dropout) and Flex at the loop's micro-batch of 8
         step triton-attention 240 $PY benchmarks/attention.py --lengths 2048 --dtype bf16 --heads 12 --batch 8 \

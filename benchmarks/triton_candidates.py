@@ -9,7 +9,8 @@ along rows). The autotuner's log (TRITON_PRINT_AUTOTUNING=1) names only its pick
 Packed rows are samples of 204-921 positions at 2048 (a fixed generator) filling each row, the free tail
 shorter than the next sample, as data.packing=packed lays them out. Prints per kernel and candidate the
 time of one call (--repeats calls queued back to back per window, the median of 5 windows) and its rate
-over the scores its queries see.
+over the scores its queries see, and how far its results are from the first candidate's (block sizes change
+the order of the sums: bf16-rounding differences; a miscompiled candidate would stand out).
 """
 
 from __future__ import annotations
@@ -95,24 +96,30 @@ def main() -> None:
     forward()  # through the autotuner: out, lse and the query bits for the backward
     do = torch.randn(out.shape, generator=gen).to(args.device, dtype)
     delta = softmax_row_terms(do, out, constants[2])
-    (keys, queries), _ = backward_launches(do, q, k, v, delta, lse, query_bits, *pattern, *constants, False)
+    (keys, queries), (dq, dk, dv, _) = backward_launches(do, q, k, v, delta, lse, query_bits, *pattern, *constants,
+                                                          False)
     seen = seen_scores(groups, b, s) * np_
     print(f"model.attention_backend=triton's candidates on {args.device}"
           f"{f' ({torch.cuda.get_device_name()})' if args.device == 'cuda' else ''}: batch {b} x {s}, {args.layout}, "
           f"{np_} heads of {hn}, {args.dtype}, ALiBi offset, dropout {args.dropout}; triton {triton.__version__}; "
-          f"{seen / (np_ * b * s * s):.1%} of the scores seen")
-    print("| kernel | BLOCK_M × BLOCK_N, warps, stages | ms | TFLOP/s over the scores seen |")
-    print("|---|---|---:|---:|")
+          f"{seen / (np_ * b * s * s):.1%} of the scores seen; the last column: the largest difference of the "
+          "candidate's results from the first's, over their largest magnitude")
+    print("| kernel | BLOCK_M × BLOCK_N, warps, stages | ms | TFLOP/s over the scores seen | results vs the first |")
+    print("|---|---|---:|---:|---:|")
     # matmuls per score seen: forward q·kᵀ, p·v; dK/dV q·kᵀ, dO·vᵀ, pᵀ·dO, dSᵀ·q; dQ q·kᵀ, dO·vᵀ, dS·k
-    for name, launch, matmuls in (("forward", forward, 2), ("dK/dV", keys, 4), ("dQ", queries, 3)):
-        results = [(config, milliseconds(candidate_call(launch, config), args.repeats, device))
-                   for config in launch.kernel.configs]
-        fastest = min(ms for _, ms in results)
-        for config, ms in results:
+    for name, launch, matmuls, results in (("forward", forward, 2, [out]), ("dK/dV", keys, 4, [dk, dv]),
+                                           ("dQ", queries, 3, [dq])):
+        rows, first = [], None
+        for config in launch.kernel.configs:
+            ms = milliseconds(candidate_call(launch, config), args.repeats, device)
+            got = torch.cat([t.float().flatten() for t in results])
+            first = got if first is None else first
+            rows.append((config, ms, ((got - first).abs().max() / first.abs().max()).item()))
+        fastest = min(ms for _, ms, _ in rows)
+        for config, ms, difference in rows:
             rate = f"{matmuls * 2 * hn * seen / ms / 1e9:.0f}"
             cells = (f"**{ms:.3f}**", f"**{rate}**") if ms == fastest else (f"{ms:.3f}", rate)
-            print(f"| {name} | {describe(config)} | {cells[0]} | {cells[1]} |", flush=True)
-
+            print(f"| {name} | {describe(config)} | {cells[0]} | {cells[1]} | {difference:.1e} |", flush=True)
 
 if __name__ == "__main__":
     main()

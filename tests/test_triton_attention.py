@@ -260,7 +260,7 @@ def test_the_whole_blocks_loop_issues_fewer_instructions_than_the_masked_one_and
 _ORIENTATIONS = """
 import torch
 from benchmarks.triton_static import compile_sass, launches, loop_costs, loops
-launch = launches(8, 2048, 12, 64, torch.bfloat16, 0.1, False)["dK/dV"]
+launch = launches(8, 2048, 12, 64, torch.bfloat16, 0.0, False)["dK/dV"]
 for transposed, block_m, block_n, warps in ((True, 64, 128, 8), (False, 64, 64, 4)):
     config = next(c for c in launch.kernel.configs if c.kwargs == {"BLOCK_M": block_m, "BLOCK_N": block_n,
                   "TRANSPOSED": transposed} and c.num_warps == warps and c.num_stages == 2)
@@ -271,12 +271,12 @@ for transposed, block_m, block_n, warps in ((True, 64, 128, 8), (False, 64, 64, 
 
 
 def test_dk_dv_with_queries_along_rows_issues_fewer_instructions_per_score():
-    """Why dK/dV has a second orientation: compiled for sm_90 as a training step launches it (ALiBi and
-    attention dropout), the fewest-instruction candidate of each orientation, neither spilling: in the whole
-    blocks' loop queries along rows issue fewer instructions per score, each thread's per-query terms being
-    2 rows', not 16 columns' (thread slots per score, 64 x 128 keys along rows against 64 x 64 queries along
-    rows: 22.5 against 19.1 with Triton 3.6, the leases'; 21.6 against 20.0 with Triton 3.9). The GPU's
-    autotuner times both."""
+    """Why dK/dV has a second orientation: compiled for sm_90 as a training step launches it (ALiBi), the
+    fewest-instruction candidate of each orientation, neither spilling: in the whole blocks' loop queries along
+    rows issue fewer instructions per score, each thread's per-query terms being 2 rows', not 16 columns'
+    (thread slots per score, 64 x 128 keys along rows against 64 x 64 queries along rows: 15.0 against 12.0
+    with Triton 3.6, the leases'; 14.7 against 13.1 with Triton 3.9; with the recipe's attention dropout
+    21.5 against 19.1 and 20.7 against 20.0). The GPU's autotuner times both."""
     import os
     import subprocess
     import sys
@@ -287,7 +287,7 @@ def test_dk_dv_with_queries_along_rows_issues_fewer_instructions_per_score():
     assert run.returncode == 0, run.stderr[-2000:]
     (keys_stack, keys_rows), (queries_stack, queries_rows) = (line.split() for line in run.stdout.splitlines())
     assert keys_stack == queries_stack == "0"
-    assert float(queries_rows) < 0.95 * float(keys_rows), run.stdout
+    assert float(queries_rows) < 0.92 * float(keys_rows), run.stdout
 
 
 _COMPILE_HOOK = """

@@ -186,11 +186,17 @@ def _attention_backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GRO
             dp = _score_tile(do, v, TRANSPOSED)  # dO · vᵀ
             if DROPPED > 0:  # (the keep scale once, at the end: `backward_launches`)
                 levels = key_levels(saved_query_bits(QBITS, bh, offs_m, S), start_n * BLOCK_N, BLOCK_N, TRANSPOSED)
-                dv += tl.dot(_keys_first(operand(drop(p, levels, DROPPED), DO.dtype.element_ty), TRANSPOSED), do)
-                dp = drop(dp, levels, DROPPED)
+                kept_p = drop(p, levels, DROPPED)
+                dv += tl.dot(_keys_first(operand(kept_p, DO.dtype.element_ty), TRANSPOSED), do)
+                if TRANSPOSED:  # p · (kept(dP) - delta) with one select: kept(p) · dP - p · delta (a product and
+                    # an FMA, as the difference and product were); with queries along rows the 64 x 64 tiles then
+                    # spill registers (benchmarks/triton_static.py), so they keep the second select
+                    ds = kept_p * dp - p * _per_query(delta, TRANSPOSED)
+                else:
+                    ds = p * (drop(dp, levels, DROPPED) - _per_query(delta, TRANSPOSED))
             else:
                 dv += tl.dot(_keys_first(operand(p, DO.dtype.element_ty), TRANSPOSED), do)
-            ds = p * (dp - _per_query(delta, TRANSPOSED))
+                ds = p * (dp - _per_query(delta, TRANSPOSED))
             dk += tl.dot(_keys_first(operand(ds, Q.dtype.element_ty), TRANSPOSED), q)
     dk *= sm_scale * keep_scale
     dv *= keep_scale
