@@ -278,8 +278,8 @@ _KEYS_ROWS, _QUERY_ROWS = {"TRANSPOSED": True}, {"TRANSPOSED": False}  # dK/dV's
 # (BLOCK_M, BLOCK_N, warps, stages) for head dim 64 on Hopper (FlashAttention-2's and Triton's tutorial's
 # shapes: the forward and dQ hold a block of queries and stream keys, dK/dV the reverse). Left out: those
 # that spill registers with dropout on sm_90a (benchmarks/triton_static.py), e.g. the forward's 128 x 64
-# and dK/dV's 64 x 64 at 4 warps, and dK/dV's 64 x 64 at 8 warps, whose two warpgroups each computed the
-# whole tile (twice the matmuls and exp2 per score); dK/dV with queries along rows spills at 128 keys
+# and dK/dV's 64 x 64 at 4 warps with keys along rows (with queries along rows: at 128 keys), and dK/dV's
+# 64 x 64 at 8 warps, whose two warpgroups each computed the whole tile (twice the matmuls and exp2 per score)
 _forward = _autotuned(_attention_forward_kernel, [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
                                          (64, 32, 4, 3)], _TUNING_KEY)
 _backward_keys = _autotuned(_attention_backward_keys_kernel, [
