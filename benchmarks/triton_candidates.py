@@ -84,23 +84,23 @@ def main() -> None:
     b, np_, s, hn = args.batch, args.heads, args.length, args.head_dim
     gen = torch.Generator().manual_seed(0)
     # [s, b, np, 3 hn]: the layer's fused projection; q, k, v views of it, permuted to [b, np, s, hn]
-    mixed = torch.randn(s, b, np_, 3 * hn, generator=gen).to(args.device, dtype)
+    mixed = torch.randn(s, b, np_, 3 * hn, generator=gen).to(device, dtype)
     q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.split(hn, -1))
-    groups = packed_groups(b, s, args.device) if args.layout == "packed" else None
+    groups = packed_groups(b, s, device) if args.layout == "packed" else None
     spans = kernel_spans(groups) if groups is not None else None
     slopes = torch.tensor(alibi_slopes(np_), device=device).expand(2, -1)  # before and after the query
-    seed = torch.tensor(1234, device=args.device)
+    seed = torch.tensor(1234, device=device)
     pattern = (slopes, groups, spans)
     constants = (hn ** -0.5, 0.5, dropped_levels(args.dropout), -1)
     forward, (out, lse, query_bits) = forward_launch(q, k, v, *pattern, seed, *constants)
     forward()  # through the autotuner: out, lse and the query bits for the backward
-    do = torch.randn(out.shape, generator=gen).to(args.device, dtype)
+    do = torch.randn(out.shape, generator=gen).to(device, dtype)
     delta = softmax_row_terms(do, out, constants[2])
     (keys, queries), (dq, dk, dv, _) = backward_launches(do, q, k, v, delta, lse, query_bits, *pattern, *constants,
                                                           False)
     seen = seen_scores(groups, b, s) * np_
-    print(f"model.attention_backend=triton's candidates on {args.device}"
-          f"{f' ({torch.cuda.get_device_name()})' if args.device == 'cuda' else ''}: batch {b} x {s}, {args.layout}, "
+    print(f"model.attention_backend=triton's candidates on {device}"
+          f"{f' ({torch.cuda.get_device_name()})' if device.type == 'cuda' else ''}: batch {b} x {s}, {args.layout}, "
           f"{np_} heads of {hn}, {args.dtype}, ALiBi offset, dropout {args.dropout}; triton {triton.__version__}; "
           f"{seen / (np_ * b * s * s):.1%} of the scores seen; the last column: the largest difference of the "
           "candidate's results from the first's, over their largest magnitude")
@@ -120,6 +120,7 @@ def main() -> None:
             rate = f"{matmuls * 2 * hn * seen / ms / 1e9:.0f}"
             cells = (f"**{ms:.3f}**", f"**{rate}**") if ms == fastest else (f"{ms:.3f}", rate)
             print(f"| {name} | {describe(config)} | {cells[0]} | {cells[1]} | {difference:.1e} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

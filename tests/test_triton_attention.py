@@ -50,14 +50,22 @@ def _assert_kernels_give_the_reference(b, np_, s, alibi, groups, p, window=None)
 @pytest.mark.parametrize("layout", ["whole-rows", "padded", "documents"])
 @pytest.mark.parametrize("alibi", ["offset", "symmetric", None])
 def test_the_kernels_give_eager_attention_and_its_gradients(alibi, layout, p):
-    b, np_, s = 2, 3, 100  # two of the interpreter's 64-wide blocks, the second partial
-    groups = None
-    if layout != "whole-rows":
-        groups = torch.zeros(b, s, dtype=torch.int32)
-        groups[1, 80:] = -1  # padding
-        if layout == "documents":
-            groups[0, 11:], groups[0, 70:], groups[1, 5:80] = 1, 2, 1  # documents across the block edge
-    _assert_kernels_give_the_reference(b, np_, s, alibi, groups, p)
+    _assert_kernels_give_the_reference(2, 3, 100, alibi, _layout_groups(layout, 100), p)
+
+
+def _layout_groups(layout: str, s: int) -> torch.Tensor | None:
+    """Two rows' groups: whole rows (None); padded (row 1 from 80 on); documents across the block edge (and the
+    padding); packed (`_packed_groups`). 100 positions: two of the interpreter's 64-wide blocks, the second
+    partial."""
+    if layout == "packed":
+        return _packed_groups(s)
+    if layout == "whole-rows":
+        return None
+    groups = torch.zeros(2, s, dtype=torch.int32)
+    groups[1, 80:] = -1  # padding
+    if layout == "documents":
+        groups[0, 11:], groups[0, 70:], groups[1, 5:80] = 1, 2, 1
+    return groups
 
 
 def _packed_groups(s: int) -> torch.Tensor:
@@ -96,13 +104,7 @@ def test_dk_dv_with_queries_along_rows_gives_the_reference(monkeypatch, alibi, l
     monkeypatch.setattr(triton_kernels._backward_keys, "configs",
                         [triton.Config({**config.kwargs, "TRANSPOSED": False}, num_warps=1, num_stages=1)])
     s = 300 if layout == "packed" or window else 100
-    groups = _packed_groups(s) if layout == "packed" else None
-    if layout in ("padded", "documents"):
-        groups = torch.zeros(2, s, dtype=torch.int32)
-        groups[1, 80:] = -1
-        if layout == "documents":
-            groups[0, 11:], groups[0, 70:], groups[1, 5:80] = 1, 2, 1
-    _assert_kernels_give_the_reference(2, 2 if s == 300 else 3, s, alibi, groups, p, window)
+    _assert_kernels_give_the_reference(2, 2 if s == 300 else 3, s, alibi, _layout_groups(layout, s), p, window)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
