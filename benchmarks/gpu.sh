@@ -150,6 +150,11 @@ for s in $STEPS; do
         train_run packed-2048-triton-flat-micro16-ffn-nodropout 2048 16 "$PROFILE model.attention_dropout=0" 30 \
             "$BASE_FASTEST"
         train_run packed-2048-triton-flat-micro16-ffn-head 2048 16 "$PROFILE train.compile_head=true" 30 "$BASE_FASTEST"
+        # the recipe's own update, 32 micro-batches of 16 (the rows above take 2): what the optimizer, the engine's
+        # per-update work and the GPU's idle time between updates (4-6% at micro-batch 16, lease 8) cost the Pile run
+        # (one update profiled: its 32 micro-batches are 16 of the other rows' updates)
+        train_run packed-2048-triton-flat-micro16-ffn-accum32 2048 16 \
+            "train.profile_updates=1 train.global_batch_size=512" 20 "$BASE_FASTEST"
         train_run packed-2048-large-triton-flat-ffn 2048 8 "$PROFILE" 30 "$LARGE_FASTEST"
         train_run packed-2048-large-triton-flat-ffn-micro16 2048 16 "$PROFILE" 30 "$LARGE_FASTEST"
         # the bound without the recipe's attention dropout (ModernBERT's choice): packed, nothing padded

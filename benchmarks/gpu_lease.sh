@@ -36,7 +36,8 @@ cat "$LOGS/device.txt"
 # autotuner's candidates) checked against the fp64 reference and timed beside the other candidates, then
 # the base row with the recipe's dropout again (29.9% on lease 8) and beside it with the head and its loss
 # compiled (lease 8's profile: ~7 ms of its 152 ms of kernels per update are the eager loss's passes over
-# [n, V]), large at micro-batch 16, base with the FFN kernels and no attention dropout, the FFN kernels' benchmark (now timed
+# [n, V]), the same row with the recipe's 32 micro-batches per update (the Pile run's loop), large at micro-batch
+# 16, base with the FFN kernels and no attention dropout, the FFN kernels' benchmark (now timed
 # over calls queued back to back) and the attention kernels with the autotuner's picks printed; then the loop
 # on dropout-free Flex, the packed rows on Flex, the Pile recipe's update, CUDA graphs on DeepSpeed,
 # ModernBERT, 8192, the host-overhead step. A second call (LEASE_ROWS) takes what is left.
@@ -45,7 +46,8 @@ export TRITON_PRINT_AUTOTUNING=1  # each kernel's pick per shape, into the row's
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
     "triton triton-check-2048 triton-candidates packed-2048-triton-flat-micro16-ffn packed-2048-triton-flat-micro16-ffn-head"
-    "triton packed-2048-large-triton-flat-ffn-micro16 packed-2048-triton-flat-micro16-ffn-nodropout"
+    "triton packed-2048-triton-flat-micro16-ffn-accum32 packed-2048-large-triton-flat-ffn-micro16"
+    "triton packed-2048-triton-flat-micro16-ffn-nodropout"
     "triton bias-activation triton-attention"
     "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16"
     "triton loop-2048-large-triton-flat packed-2048-triton-flat-nodropout"
