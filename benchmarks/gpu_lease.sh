@@ -45,9 +45,8 @@ export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-4096,8192} ATTENTION_LENGTHS=${ATT
 export TRITON_PRINT_AUTOTUNING=1  # each kernel's pick per shape, into the row's log: what to tune next
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "triton triton-check-2048 triton-candidates packed-2048-triton-flat-micro16-ffn packed-2048-triton-flat-micro16-ffn-head"
-    "triton packed-2048-triton-flat-micro16-ffn-accum32 packed-2048-large-triton-flat-ffn-micro16"
-    "triton packed-2048-triton-flat-micro16-ffn-nodropout"
+    "triton triton-check-2048 triton-candidates packed-2048-triton-flat-micro16-ffn packed-2048-triton-flat-micro16-ffn-head packed-2048-triton-flat-micro16-ffn-accum32"
+    "triton packed-2048-large-triton-flat-ffn-micro16 packed-2048-triton-flat-micro16-ffn-nodropout"
     "triton bias-activation triton-attention"
     "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16"
     "triton loop-2048-large-triton-flat packed-2048-triton-flat-nodropout"
