@@ -47,6 +47,7 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_CANDIDATES="--device cpu --length 96 --batch 2 --heads 2 --head-dim 16 --dtype fp32 --repeats 1"
     SMOKE_BIAS="--device cpu --rows 300 --ffn 40 --dtype fp32 --rounds 1 --no-compile"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
+    SMOKE_LOADER="--seq-length 128 --micro-batch 2 --workers 1 --updates 2 --rounds 1 --busy-ms 1"
     # (train.global_batch_size: the recipe rows' 16 micro-batches per update are 2 here, still accumulated;
     # 32 took two of the loop step's toy minutes. One head and one sequence per micro-batch: Triton's
     # interpreter runs a program per head, sequence and block of queries, one after another, and the Triton
@@ -57,7 +58,7 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs SHARDS=${GPU_SH_SHARDS:-$LOG_DIR/cache}
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_CANDIDATES="" SMOKE_BIAS="" SMOKE_HEAD=""
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_CANDIDATES="" SMOKE_BIAS="" SMOKE_HEAD="" SMOKE_LOADER=""
     SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SHARDS=cache SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
@@ -199,7 +200,13 @@ for s in $STEPS; do
     profile)
         bench profile-base-baseline 240 --model base --batch 8 --rounds 1 --profile
         # launch-bound steps: megamlm (one-rank plain linears, megatron's) vs transformers, host time per step
-        step host-overhead 120 $PY benchmarks/host_overhead.py --device cuda $SMOKE_HOST ;;
+        step host-overhead 120 $PY benchmarks/host_overhead.py --device cuda $SMOKE_HOST
+        # the trainer's next() per update with the loader's workers handing it their batches, and through torch's
+        # pin-memory thread (the loop's way on a GPU since session 63); the loop rows' shards where they are built
+        handover_shards=$SHARDS/gpu-wikitext-103-s2048
+        [ -d "$handover_shards" ] || handover_shards=""
+        step loader-handover 120 $PY benchmarks/loader_handover.py ${handover_shards:+--shards "$handover_shards"} \
+            $SMOKE_LOADER ;;
     loop)
         # train.profile_updates: the loop's own top kernels and the GPU's busy share (train/profiling.py),
         # recorded on updates 3-5, inside the first 10 that BENCHMARKS.md's ranges leave out

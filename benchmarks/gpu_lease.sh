@@ -47,6 +47,7 @@ export TRITON_PRINT_AUTOTUNING=1  # each kernel's pick per shape, into the row's
 ROWS=(
     "triton triton-check-2048 triton-candidates packed-2048-triton-flat-micro16-ffn packed-2048-triton-flat-micro16-ffn-head packed-2048-triton-flat-micro16-ffn-accum32"
     "triton packed-2048-large-triton-flat-ffn-micro16 packed-2048-triton-flat-micro16-ffn-nodropout"
+    "profile loader-handover"
     "triton bias-activation triton-attention"
     "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16"
     "triton loop-2048-large-triton-flat packed-2048-triton-flat-nodropout"

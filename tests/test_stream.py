@@ -202,6 +202,28 @@ def test_batches_are_padded_to_a_multiple_of_8_and_start_with_bos(shard_dir):
     assert not batch.target_mask[batch.inputs == 1].any()
 
 
+def test_pinning_and_moving_a_batch_convert_what_the_model_reads_and_count_its_tokens_on_the_host(shard_dir,
+                                                                                                  monkeypatch):
+    """On a GPU torch's loader thread pins each batch (`Batch.pin_memory`) and the loop moves it (`Batch.to`):
+    both convert the model's tensors, not the host's (sample_ids seed the masking, host_layout is where the
+    model reads sizes without waiting for the device), and count the real tokens on the host. Pinning needs
+    a GPU: here a copy stands for it."""
+    batch = next(iter(make_loader(stream(shard_dir, packing="packed", tokens_per_micro_batch=256))))
+    host = ("sample_ids",)
+    model = [name for name in ("inputs", "original", "target_index", "targets", "documents", "segments")
+             if getattr(batch, name) is not None]
+    assert len(model) == 6  # packed: segments too
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: tensor.clone())
+    for converted, moved in ((batch.pin_memory(), False), (batch.to(torch.device("meta")), True)):
+        for name in model:
+            tensor = getattr(converted, name)
+            assert tensor is not getattr(batch, name)
+            assert tensor.is_meta if moved else torch.equal(tensor, getattr(batch, name))
+        assert all(getattr(converted, name) is getattr(batch, name) for name in host)
+        assert converted.host_layout is batch.host_layout and not converted.host_layout[0].is_meta
+        assert converted.real == batch.real_tokens() == int((batch.documents >= 0).sum()) > 0
+
+
 def test_compiled_runs_get_one_batch_width_with_the_same_content(shard_dir):
     from megamlm.config import load_config
     from megamlm.train.loop import _pad_multiple

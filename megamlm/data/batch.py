@@ -91,9 +91,19 @@ class Batch:
         """The tensors on `device`, copied without waiting (`host_to_device`); the scalars and the
         host metadata (HOST_FIELDS, `real`) stay: an objective reading them (seeds, counts) does not
         make the host wait for the device in the middle of a step."""
-        moved = {f.name: host_to_device(getattr(self, f.name), device) for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in self.HOST_FIELDS}
-        return dataclasses.replace(self, real=self.real_tokens(), **moved)
+        return self._converted(lambda tensor: host_to_device(tensor, device))
+
+    def pin_memory(self) -> Batch:
+        """The tensors `to` moves, in pinned host memory (torch's DataLoader calls this in its pinning thread
+        with pin_memory=True: `loader.make_loader`); `to` then copies them to a GPU as they are."""
+        return self._converted(torch.Tensor.pin_memory)
+
+    def _converted(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """The batch with `convert` applied to its tensors but the host's (HOST_FIELDS, `host_layout`), and
+        `real` counted on the host."""
+        converted = {f.name: convert(getattr(self, f.name)) for f in dataclasses.fields(self)
+                     if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in self.HOST_FIELDS}
+        return dataclasses.replace(self, real=self.real_tokens(), **converted)
 
     def fill(self) -> float:
         """Real tokens / token slots."""

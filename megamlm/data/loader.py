@@ -27,19 +27,23 @@ from megamlm.data.stream import MaskedBatches
 from megamlm.errors import MegamlmError
 
 
-def make_loader(stream: MaskedBatches, workers: int = 0, worker_init_fn=None) -> DataLoader:
+def make_loader(stream: MaskedBatches, workers: int = 0, worker_init_fn=None, pin_memory: bool = False) -> DataLoader:
     """A DataLoader that yields the stream's batches in order (batching happens in the stream);
-    `worker_init_fn(worker_id)` runs first in each worker process."""
+    `worker_init_fn(worker_id)` runs first in each worker process. pin_memory (for a CUDA device): a thread
+    of torch's receives the workers' batches and pins them (`Batch.pin_memory`) while the trainer queues
+    kernels; without it the trainer's own next() took the handover, 2.8 ms per batch on an H200's host
+    (BENCHMARKS.md, session 63)."""
     # its own generator: creating an iterator must not advance the default RNG (dropout, resume)
     return DataLoader(stream, batch_size=None, num_workers=workers, generator=torch.Generator(),
                       persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
-                      worker_init_fn=functools.partial(_start_worker, worker_init_fn))
+                      worker_init_fn=functools.partial(_start_worker, worker_init_fn), pin_memory=pin_memory)
 
 
-def start_batches(stream: MaskedBatches, workers: int = 0, worker_init_fn=None) -> Iterator[Batch]:
+def start_batches(stream: MaskedBatches, workers: int = 0, worker_init_fn=None,
+                  pin_memory: bool = False) -> Iterator[Batch]:
     """The training loop's iterator over `make_loader`'s batches: its workers started, a death among them
     raised by the iterator alone (the module's docstring), in `loader_deaths_explained`'s words."""
-    iterator = iter(make_loader(stream, workers, worker_init_fn))
+    iterator = iter(make_loader(stream, workers, worker_init_fn, pin_memory))
     if workers:  # torch installed its handler as the first iterator with workers started (once per process)
         with contextlib.suppress(ValueError):  # not the main thread: torch installed none either
             signal.signal(signal.SIGCHLD, _keep_death)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megamlm.config import Config
+from megamlm.data.batch import Batch
 from megamlm.data.shards import ShardError, ensure_shards, other_build
 from megamlm.data.loader import loader_deaths_explained, start_batches
 from megamlm.data.stream import MaskedBatches, ShardSet, advance
@@ -89,6 +91,12 @@ def train_stream(cfg: Config, ctx: ParallelContext, data: Data, state: TrainStat
     return _stream(cfg, ctx, data, "train", state.data_seed,
                    accumulation=cfg.train.accumulation_steps(ctx.dp_size),
                    shuffle_window=cfg.data.shuffle_window, position=state.position)
+
+
+def train_batches(cfg: Config, ctx: ParallelContext, stream: MaskedBatches) -> Iterator[Batch]:
+    """The loop's iterator over the stream: data.loader_workers processes (a stop signal is the trainer's,
+    not theirs) and, on a GPU, torch's thread that takes their batches over and pins them (`make_loader`)."""
+    return start_batches(stream, cfg.data.loader_workers, ignore_stop_signals, pin_memory=ctx.device.type == "cuda")
 
 
 def valid_stream(cfg: Config, ctx: ParallelContext, data: Data) -> MaskedBatches | None:
@@ -185,7 +193,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
         state = load_resumed(cfg, ctx, checkpoints, engine, schedule, tag, log)
 
     stream = train_stream(cfg, ctx, data, state)
-    batches = start_batches(stream, cfg.data.loader_workers, ignore_stop_signals)
+    batches = train_batches(cfg, ctx, stream)
     valid = valid_stream(cfg, ctx, data)
     guard = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_patience, cfg.train.spike_window)
     preemption = Preemption()
@@ -278,7 +286,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
             if reason is not None:  # the update after it (in flight) is discarded with the rest
                 state = roll_back(cfg, ctx, engine, schedule, checkpoints, state, update.step, log, reason)
                 stream = train_stream(cfg, ctx, data, state)
-                batches = start_batches(stream, cfg.data.loader_workers, ignore_stop_signals)
+                batches = train_batches(cfg, ctx, stream)
                 guard.reset()
                 rolled_back = True
                 break
