@@ -20,7 +20,7 @@ from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.train.engine import deepspeed_config
 from megamlm.train.schedule import lr_at
-from megamlm.train.profiling import PHASES
+from megamlm.train.profiling import PHASES, host_phase_ms
 from tests.multiproc import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,6 +239,26 @@ def test_profiled_updates_keep_the_losses_and_leave_an_operator_table(shards, tm
     table = (tmp_path / "profiled" / "profile.txt").read_text()
     assert "aten::addmm" in table or "aten::mm" in table
     assert not (tmp_path / "plain" / "profile.txt").exists()
+
+
+def test_the_hosts_phase_times_are_its_own_where_a_gpu_lists_each_phase_twice():
+    """On a GPU torch's profiler lists a phase that queued kernels twice: the host's range, and its kernels'
+    (a gpu_user_annotation, CUDA, no host time), in either order; lease 8's report took the kernels' range
+    and said the forward, backward and engine step took the host 0.0 ms (its operator table: 73.8 and
+    98.9 ms per update for the first two)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def listed(name, device, cpu_us):
+        return SimpleNamespace(key=f"megamlm: {name}", device_type=device, cpu_time_total=cpu_us)
+
+    averages = [listed("backward", DeviceType.CPU, 296_563.0), listed("forward", DeviceType.CUDA, 0.0),
+                listed("forward", DeviceType.CPU, 221_326.0), listed("backward", DeviceType.CUDA, 0.0),
+                listed("data", DeviceType.CPU, 26_499.5), SimpleNamespace(key="aten::mm", device_type=DeviceType.CPU,
+                                                                         cpu_time_total=61_407.0)]
+    assert host_phase_ms(averages, 3) == pytest.approx({"backward": 98.854, "forward": 73.775, "data": 8.833},
+                                                        abs=1e-3)
 
 
 def diverge_after_3(step, loss):

@@ -41,6 +41,15 @@ def phase(name: str) -> torch.profiler.record_function:
     return torch.profiler.record_function(_PHASE_PREFIX + name)
 
 
+def host_phase_ms(averages, updates: int) -> dict[str, float]:
+    """{phase: the host's ms per update in it} from the profiler's `key_averages()` over `updates`. On a GPU
+    a phase that queued kernels is listed twice, its host range and the range of its kernels (a
+    `gpu_user_annotation`, no host time): the host's is the CPU one (the other, read last, made lease 8's
+    forward, backward and engine step 0.0 ms)."""
+    return {e.key.removeprefix(_PHASE_PREFIX): e.cpu_time_total / 1e3 / updates for e in averages
+            if e.key.startswith(_PHASE_PREFIX) and e.device_type == DeviceType.CPU}
+
+
 class UpdateProfiler:
     """Records updates first_step + WARM_UP + 1 .. (at most last_step) when `updates` > 0 and `enabled`."""
 
@@ -95,8 +104,7 @@ class UpdateProfiler:
         self.path.write_text(report)
         print_line(table(by_time, 30))
         per_update = wall / self.recorded
-        host = {e.key.removeprefix(_PHASE_PREFIX): e.cpu_time_total / 1e3 / self.recorded
-                for e in averages if e.key.startswith(_PHASE_PREFIX)}  # ms per update
+        host = host_phase_ms(averages, self.recorded)
         text = f"profile: {self.recorded} update{'s' if self.recorded > 1 else ''}, {per_update * 1e3:.1f} ms each"
         if busy is not None:
             text += f"; the device busy {100 * busy / wall:.1f}% of it (the rest it waited for the host)"
