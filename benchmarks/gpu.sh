@@ -156,8 +156,17 @@ for s in $STEPS; do
         # (one update profiled: its 32 micro-batches are 16 of the other rows' updates)
         train_run packed-2048-triton-flat-micro16-ffn-accum32 2048 16 \
             "train.profile_updates=1 train.global_batch_size=512" 20 "$BASE_FASTEST"
+        # micro-batch 32: in lease 8's profile of the micro-batch-16 row the host was the slower side (its forward
+        # and backward took the host 74 and 99 ms of a 190 ms update, the GPU's kernels 152; its loss read
+        # 0.1 ms: it never waited for the GPU); the host's work per micro-batch is about fixed, the kernels' doubles
+        train_run packed-2048-triton-flat-micro32-ffn 2048 32 "$PROFILE" 30 "$BASE_FASTEST"
+        train_run packed-2048-triton-flat-micro32-ffn-head 2048 32 "$PROFILE train.compile_head=true" 30 "$BASE_FASTEST"
+        # the host's launches another way: each compiled layer one CUDA graph
+        train_run packed-2048-triton-flat-micro16-ffn-cudagraphs 2048 16 \
+            "$PROFILE train.compile_mode=reduce-overhead" 30 "$BASE_FASTEST"
         train_run packed-2048-large-triton-flat-ffn 2048 8 "$PROFILE" 30 "$LARGE_FASTEST"
         train_run packed-2048-large-triton-flat-ffn-micro16 2048 16 "$PROFILE" 30 "$LARGE_FASTEST"
+        train_run packed-2048-large-triton-flat-ffn-micro32 2048 32 "$PROFILE" 20 "$LARGE_FASTEST"
         # the bound without the recipe's attention dropout (ModernBERT's choice): packed, nothing padded
         train_run packed-2048-triton-flat-nodropout 2048 16 "$TRITON_FLAT data.packing=packed model.attention_dropout=0" 30 ;;
     throughput)
