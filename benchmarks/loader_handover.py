@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from data_throughput import CORPUS, ROOT  # benchmarks/ is the script's folder: on sys.path
 
 from megamlm.config import load_config
 from megamlm.data.loader import make_loader
@@ -38,10 +39,6 @@ from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.data.stream import MaskedBatches, ShardSet
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.objectives import get_objective
-
-ROOT = Path(__file__).resolve().parents[1]
-CORPUS = [ROOT / "data/wikitext-103/valid.txt", ROOT / "data/wikitext-103/test.txt"]
-
 
 class Handover:
     """A thread that takes the loader's first `count` batches over into a queue, as torch's pin-memory thread
