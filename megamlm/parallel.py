@@ -126,6 +126,13 @@ def init_distributed(cfg: ParallelConfig) -> ParallelContext:
     )
 
 
+def tensor_parallel_shard() -> tuple[dist.ProcessGroup, int]:
+    """The tensor-parallel group `init_distributed` made and this process's rank in it, for code that is handed
+    vocab-parallel logits but no ParallelContext (objectives/mlm.py `vocab_parallel_loss`, as megatron-core's
+    cross-entropy found them)."""
+    return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank()
+
+
 def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

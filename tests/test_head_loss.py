@@ -64,6 +64,43 @@ def test_no_masked_positions_gives_zero_loss_and_gradients():
     assert loss.item() == 0 and weight.grad.abs().sum() == 0 and bias.grad.abs().sum() == 0
 
 
+def _both_cross_entropies(tp):
+    """{dtype: (losses, gradient) of megatron-core's vocab-parallel cross-entropy (on its fp32 copy of the logits,
+    as megamlm called it) and of `vocab_parallel_loss`} on this rank's shard of one set of logits (V = 300 padded
+    to 320 with -inf), and ours without gradients."""
+    from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy as megatron_core
+
+    ctx = init_distributed(ParallelConfig(tensor_parallel=tp))
+    _, _, bias, targets = _operands(n=37, vocab_local=320)
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(37, 320, generator=g) * 4 + bias.detach()  # [n, V] with the padding's -inf columns
+    shard = full.chunk(tp, dim=-1)[ctx.tp_rank]
+    weights = torch.rand(37, generator=g)  # an incoming gradient other than ones
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        got = []
+        for loss in (lambda x: megatron_core(x.to(torch.float32, copy=True), targets),
+                     lambda x: vocab_parallel_loss(x, targets, "none")):
+            logits = shard.to(dtype).clone().requires_grad_()
+            losses = loss(logits)
+            (losses * weights).sum().backward()
+            got.append((losses.detach(), logits.grad))
+        with torch.no_grad():
+            got.append(vocab_parallel_loss(shard.to(dtype), targets, "none"))
+        results[dtype] = got
+    return results
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_unfused_loss_is_megatron_cores_cross_entropy_bit_for_bit(tp):
+    """megamlm's vocab-parallel cross-entropy (no fp32 copy of fp32 logits, the max without indices) gives
+    megatron-core's losses and logits' gradient exactly, for fp32 and bf16 logits, on each TP shard."""
+    for rank, results in enumerate(run_on_ranks(_both_cross_entropies, tp, tp)):
+        for dtype, ((want, want_grad), (got, got_grad), no_grad) in results.items():
+            assert torch.equal(got, want) and torch.equal(no_grad, want), (rank, dtype)
+            assert got_grad.dtype == dtype and torch.equal(got_grad, want_grad), (rank, dtype)
+
+
 class _LargestTensor(TorchDispatchMode):
     """The most elements of any tensor an operator returns."""
 

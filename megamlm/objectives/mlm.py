@@ -18,7 +18,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 from megamlm.config import ConfigError, ModelConfig
 from megamlm.data.batch import Batch
@@ -26,11 +25,11 @@ from megamlm.data.masking import Masker
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.model import names
 from megamlm.model.encoder import Encoder, encoder_flops_per_token, encoder_parameter_count
-from megamlm.model.head_loss import fused_vocab_parallel_cross_entropy
+from megamlm.model.head_loss import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 from megamlm.model.heads import ClapHead, RobertaLMHead, vocab_padding_bias
 from megamlm.model.norm import norm_parameter_count
 from megamlm.objectives.base import LossOutput, Objective, register_objective
-from megamlm.parallel import ParallelContext
+from megamlm.parallel import ParallelContext, tensor_parallel_shard
 
 
 def perplexity(loss: float) -> float:
@@ -39,11 +38,12 @@ def perplexity(loss: float) -> float:
 
 
 def vocab_parallel_loss(logits_local: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy (nats) of [n, V_local] vocabulary shards against targets [n] (real ids), mean or sum."""
-    # copy: megatron's kernel subtracts the max in place
-    logits = logits_local.to(torch.float32, copy=True)
-    losses = vocab_parallel_cross_entropy(logits, targets)
-    return losses.sum() if reduction == "sum" else losses.mean()
+    """Cross-entropy (nats) of [n, V_local] vocabulary shards against targets [n] (real ids), mean, sum or none
+    (the [n] losses), over this process's tensor-parallel group (megatron-core's vocab-parallel cross-entropy's
+    results, bit for bit: model/head_loss.py)."""
+    tp_group, tp_rank = tensor_parallel_shard()
+    losses = vocab_parallel_cross_entropy(logits_local, targets, tp_rank * logits_local.size(-1), tp_group)
+    return losses.sum() if reduction == "sum" else losses if reduction == "none" else losses.mean()
 
 
 def select(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
