@@ -48,6 +48,7 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_BIAS="--device cpu --rows 300 --ffn 40 --dtype fp32 --rounds 1 --no-compile"
     SMOKE_HEAD="--model tiny --seq-length 128 --batch 2 --rounds 1 --steps 1 --chunks 65536"
     SMOKE_LOADER="--seq-length 128 --micro-batch 2 --workers 1 --updates 2 --rounds 1 --busy-ms 1"
+    SMOKE_CE="--device cpu --rows 30 --vocab 1000 --rounds 1"
     # (train.global_batch_size: the recipe rows' 16 micro-batches per update are 2 here, still accumulated;
     # 32 took two of the loop step's toy minutes. One head and one sequence per micro-batch: Triton's
     # interpreter runs a program per head, sequence and block of queries, one after another, and the Triton
@@ -58,7 +59,7 @@ if [ -n "${GPU_SH_SMOKE:-}" ]; then  # appended to each command: later options a
     SMOKE_LENGTH=128 RUNS=$LOG_DIR/runs SHARDS=${GPU_SH_SHARDS:-$LOG_DIR/cache}
     SMOKE_LIMIT=900  # each command's limit is the GPU run's; a toy run on a slow CPU may need more
 else
-    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_CANDIDATES="" SMOKE_BIAS="" SMOKE_HEAD="" SMOKE_LOADER=""
+    SMOKE_BENCH="" SMOKE_ATTENTION="" SMOKE_HOST="" SMOKE_ROWS="" SMOKE_HASH="" SMOKE_TRITON="" SMOKE_CANDIDATES="" SMOKE_BIAS="" SMOKE_HEAD="" SMOKE_LOADER="" SMOKE_CE=""
     SMOKE_TRAIN="" SMOKE_LENGTH="" RUNS=runs SHARDS=cache SMOKE_LIMIT=""
 fi
 FLEX="model.attention_backend=flex model.attention_dropout=0"
@@ -201,7 +202,10 @@ for s in $STEPS; do
         step row-normalize 60 $PY benchmarks/row_normalize.py --device cuda $SMOKE_ROWS
         # the head + loss unfused vs fused (one chunk: 134M elements hold base/2048's ~2,100 x 50,304 logits)
         step head-memory 240 $PY benchmarks/head_memory.py --model base --variant zero-clap --seq-length 2048 --batch 8 \
-            --dtype bf16 --chunks 2097152 16777216 134217728 --compiled $SMOKE_HEAD ;;
+            --dtype bf16 --chunks 2097152 16777216 134217728 --compiled $SMOKE_HEAD
+        # the unfused head's loss: megatron-core's cross-entropy on its fp32 copy vs megamlm's (session 64), at the
+        # best base row's ~4,915 masked positions per micro-batch of 16 x 2,048
+        step cross-entropy 60 $PY benchmarks/cross_entropy.py --device cuda --rows 4915 --dtype bf16 $SMOKE_CE ;;
     flex-tune)  # model.flex_kernel_options candidates (benchmarks/attention.py FLEX_CANDIDATES), head dim 64, at the
         # loop's micro-batch of 8 (the attention step keeps batch 2, comparable across leases)
         step flex-tune 540 $PY benchmarks/attention.py --lengths "${FLEX_TUNE_LENGTHS:-2048,4096,8192}" --dtype bf16 --heads 12 \

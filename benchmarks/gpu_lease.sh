@@ -50,6 +50,7 @@ ROWS=(
     "triton packed-2048-large-triton-flat-ffn-micro16 packed-2048-large-triton-flat-ffn-micro32 packed-2048-triton-flat-micro16-ffn-accum32"
     "triton packed-2048-triton-flat-micro16-ffn-cudagraphs packed-2048-triton-flat-micro16-ffn-head packed-2048-triton-flat-micro16-ffn-nodropout"
     "profile loader-handover"
+    "head cross-entropy"
     "triton bias-activation triton-attention"
     "loop loop-2048-flex-flat-nodropout loop-2048-flex-flat-nodropout-micro16"
     "triton loop-2048-large-triton-flat packed-2048-triton-flat-nodropout"

@@ -24,7 +24,8 @@ DONE = {"train_throughput.py": "megamlm / ", "attention.py": "sdpa, no bias (ref
         "host_overhead.py": "megamlm, megatron linears", "row_normalize.py": "l2_normalize (megamlm)",
         "head_memory.py": "saved: the head's peak", "dropout_hash.py": "int32 lanes (kept_at_level)",
         "triton_check.py": "triton_check: every case within", "bias_activation.py": "megamlm triton ",
-        "triton_candidates.py": "| dQ | ", "loader_handover.py": " thread -> trainer "}
+        "triton_candidates.py": "| dQ | ", "loader_handover.py": " thread -> trainer ",
+        "cross_entropy.py": "equal megatron-core's, bit for bit"}
 
 
 def _run(log_dir: Path, step: str, **env) -> subprocess.CompletedProcess:
