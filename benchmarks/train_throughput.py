@@ -3,6 +3,7 @@
 variant) at identical configuration.
 
     python benchmarks/train_throughput.py                                          # CPU: tiny, 512, fp32
+    python benchmarks/train_throughput.py --keep-freed-memory                      # CPU, as `megamlm train` allocates
     python benchmarks/train_throughput.py --model base --seq-length 2048 --batch 8 --dtype bf16   # GPU
     python benchmarks/train_throughput.py --model base --seq-length 2048 --batch 8 --dtype bf16 \
         --variant zero-clap --set model.attention_backend=flex model.attention_dropout=0
@@ -37,6 +38,7 @@ import torch
 from megamlm.config import ParallelConfig, TrainConfig, load_config
 from megamlm.convert.hf import hf_config_values
 from megamlm.convert.hf_export import hf_format
+from megamlm.host_memory import keep_freed_host_memory
 from megamlm.model.encoder import encoder_flops_per_token
 from megamlm.objectives import MaskedLM
 from megamlm.objectives.mlm import mlm_head_flops_per_token
@@ -128,7 +130,12 @@ def main() -> None:
                         choices=typing.get_args(typing.get_type_hints(TrainConfig)["compile_mode"]),
                         help="torch.compile's mode with --compile (train.compile_mode); reduce-overhead: CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="also print megamlm's top kernels (torch.profiler)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="both models under megamlm train's CPU allocator policy (megamlm/host_memory.py): "
+                             "large freed blocks kept for the next step's tensors, no page faults")
     args = parser.parse_args()
+    if args.keep_freed_memory and not keep_freed_host_memory():
+        raise SystemExit("--keep-freed-memory: the C library is not glibc")
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     autocast = args.dtype == "bf16-autocast"
     sizes = [f"model.max_positions={max(512, args.seq_length)}"]
@@ -185,7 +192,7 @@ def main() -> None:
     print(f"{args.model} (L={m.num_layers}, h={m.hidden_size}, V={m.vocab_size}), megamlm {args.variant} "
           f"vs {fmt.architecture} "
           f"{' '.join(args.set)}{f', compiled ({args.compile_mode})' if args.compile else ''}, "
-          f"length {args.seq_length}, "
+          f"length {args.seq_length}, {'freed memory kept, ' if args.keep_freed_memory else ''}"
           f"batch {args.batch}, {args.dtype}, {args.rounds} interleaved rounds x {args.steps} updates, "
           f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
           f"{torch.get_num_threads()} threads")

@@ -27,6 +27,7 @@ from megamlm.data.loader import loader_deaths_explained, start_batches
 from megamlm.data.stream import MaskedBatches, ShardSet, advance
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.files import RUN_FINAL
+from megamlm.host_memory import keep_freed_host_memory
 from megamlm.model import names
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
@@ -154,6 +155,8 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
 def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_batch_change: bool) -> dict:
     # ---- setup -----------------------------------------------------------------------------
     ctx = init_distributed(cfg.parallel)
+    if ctx.device.type == "cpu":
+        keep_freed_host_memory()  # each step's large tensors reuse the last step's memory (~10% faster)
     rank0 = dist.get_rank() == 0
     run_dir = Path(cfg.train.run_dir)
     objective = get_objective(cfg)
