@@ -5,8 +5,8 @@
 
 The unfused path materializes the logits [n, V_local] in the compute dtype, its cross-entropy works on an
 fp32 tensor of them (logits - max) and keeps the softmax for backward: [n, V_local] buffers, the largest
-tensors of a training step at V = 50,265. Here the masked positions go through in
-chunks of rows (model.head_loss_chunk logit elements each); per chunk the logits are computed, reduced over the TP group
+tensors of a training step at V = 50,265. Here the masked positions go through in chunks of rows
+(model.head_loss_chunk logit elements each); per chunk the logits are computed, reduced over the TP group
 (max, then Σexp and the target's logit: megatron's order of operations), and turned into the gradient
 of the summed loss at once (softmax - one-hot), which is multiplied into the three gradients
 (x, weight, bias) before the chunk is dropped. Forward therefore runs the head's three matmuls and

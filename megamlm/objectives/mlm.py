@@ -43,7 +43,9 @@ def vocab_parallel_loss(logits_local: torch.Tensor, targets: torch.Tensor, reduc
     results, bit for bit: model/head_loss.py)."""
     tp_group, tp_rank = tensor_parallel_shard()
     losses = vocab_parallel_cross_entropy(logits_local, targets, tp_rank * logits_local.size(-1), tp_group)
-    return losses.sum() if reduction == "sum" else losses if reduction == "none" else losses.mean()
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.mean()
 
 
 def select(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
