@@ -14,6 +14,7 @@ back to back, per call). Exits 1 where megamlm's losses or gradient differ from 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -24,7 +25,7 @@ from megamlm.config import ParallelConfig
 from megamlm.model.heads import vocab_padding_bias
 from megamlm.objectives.mlm import vocab_parallel_loss
 from megamlm.parallel import init_distributed
-from timing import timed, warm_clocks
+from timing import interleaved, warm_clocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOSSES = {
@@ -41,13 +42,6 @@ def _run(loss, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tenso
     losses = loss(logits, targets)
     (grad,) = torch.autograd.grad(losses, logits, weights)
     return losses.detach(), grad
-
-
-def _calls(loss, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, calls: int) -> None:
-    """`calls` runs back to back, each one's results dropped before the next (the logits' gradient is the
-    size of the logits: 20 of them at base/2048 would hold 10 GB)."""
-    for _ in range(calls):
-        _run(loss, logits, targets, weights)
 
 
 def main() -> None:
@@ -74,12 +68,9 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"cross-entropy of [{args.rows}, {padded}] {args.dtype} logits ({args.vocab} real ids), forward + backward, "
           f"{where}, torch {torch.__version__}")
-    times = {label: [] for label in LOSSES}
-    for round_ in range(args.rounds + 1):  # round 0 warms up
-        for label, loss in LOSSES.items():
-            seconds = timed(lambda loss=loss: _calls(loss, logits, targets, weights, calls), device)
-            if round_:
-                times[label].append(seconds / calls)
+    # (each call's gradient, the size of the logits, is dropped before the next: 20 at base/2048 would hold 10 GB)
+    works = {label: functools.partial(_run, loss, logits, targets, weights) for label, loss in LOSSES.items()}
+    times = interleaved(works, args.rounds, device, calls)
     (want, want_grad), (got, got_grad) = (_run(LOSSES[label], logits, targets, weights)
                                           for label in ("megatron-core (fp32 copy)", "megamlm"))
     base = statistics.median(times["megatron-core (fp32 copy)"])

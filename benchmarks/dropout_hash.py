@@ -15,12 +15,13 @@ interleaved rounds (a GPU: device time between CUDA events); "entries/ns" is the
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
 
 from megamlm.model.flex import dropped_levels, kept_at_level, key_level, key_pair
-from timing import timed, warm_clocks
+from timing import interleaved, warm_clocks
 
 _LOW32 = 2**32 - 1
 
@@ -66,12 +67,8 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"dropout keep mask, compiled count over [{b}, {np_}, {sq}, {sk}] (kept {next(iter(kept.values())):,}), "
           f"{where}, torch {torch.__version__}")
-    times = {label: [] for label in counts}
-    for round_ in range(args.rounds + 1):  # round 0 warms up
-        for label, count in counts.items():
-            seconds = timed(lambda count=count: [count(seed, *grids) for _ in range(args.calls)], device) / args.calls
-            if round_:
-                times[label].append(seconds)
+    times = interleaved({label: functools.partial(count, seed, *grids) for label, count in counts.items()}, args.rounds,
+                        device, args.calls)
     base = statistics.median(times[next(iter(times))])
     print(f"{'hash':<30} {'ms':>9} {'entries/ns':>11} {'speed-up':>9}")
     for label, values in times.items():
