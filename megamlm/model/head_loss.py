@@ -52,14 +52,10 @@ class ShardCrossEntropy(NamedTuple):
     in_shard: torch.Tensor
     """[n] bool: the target is in this shard."""
 
-    def gradient(self) -> torch.Tensor:
-        """`cross_entropy_gradient` of these rows."""
-        return cross_entropy_gradient(self.softmax, self.local_target, self.in_shard)
-
 
 def cross_entropy_gradient(softmax: torch.Tensor, local_target: torch.Tensor, in_shard: torch.Tensor) -> torch.Tensor:
     """d Σ CE / d logits = softmax - one-hot(target), [n, V_local] fp32, in the softmax's buffer
-    (`ShardCrossEntropy`'s fields)."""
+    (`ShardCrossEntropy`'s last three fields)."""
     rows = torch.arange(softmax.size(0), device=softmax.device)
     softmax[rows, local_target] -= in_shard.to(softmax.dtype)
     return softmax
@@ -139,7 +135,7 @@ class FusedVocabParallelCrossEntropy(torch.autograd.Function):
             loss_sum += result.losses.sum()
             if not any(wants):
                 continue
-            grad_logits = result.gradient()  # [c, V_local] fp32, in the logits' memory
+            grad_logits = cross_entropy_gradient(*result[1:])  # [c, V_local] fp32, in the logits' memory
             del result
             if wants[2]:  # Σ over the chunk's rows as a matrix-vector product (a column sum is slow on CPU)
                 column_sum = grad_logits.t() @ grad_logits.new_ones(len(x_c))
