@@ -57,6 +57,21 @@ def test_backward_uses_the_forward_mask():
     torch.testing.assert_close(y, x.detach() * kept * scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mask_is_applied_as_where_and_scale_bit_for_bit_with_dropped_values_plus_zero(dtype):
+    """The main job's numbers stay those of torch.where(keep, x, 0.0) * scale to the last bit: a multiply by the
+    mask would write -0.0 for dropped negative values."""
+    from megamlm.model.dropout import apply_mask
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 257, generator=g).to(dtype)
+    keep = torch.rand(x.shape, generator=g) >= 0.1
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    got = apply_mask(x, keep, 65536 / (65536 - 6554))
+    assert torch.equal(got.view(bits), torch.where(keep, x, 0.0).mul_(65536 / (65536 - 6554)).view(bits))
+    assert not got[~keep].signbit().any() and got.dtype == dtype
+
+
 def test_reproducible_from_the_seed_and_identity_when_off():
     x = torch.randn(257)  # not a multiple of the 4 lanes
     torch.manual_seed(5)

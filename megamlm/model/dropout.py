@@ -39,17 +39,21 @@ class _KeepAndScale(torch.autograd.Function):
     def forward(ctx, x, keep, scale):
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return _keep_and_scale(x, keep, scale)
+        return apply_mask(x, keep, scale)
 
     @staticmethod
     def backward(ctx, grad):
         (keep,) = ctx.saved_tensors
-        return _keep_and_scale(grad, keep, ctx.scale), None, None
+        return apply_mask(grad, keep, ctx.scale), None, None
 
 
-def _keep_and_scale(x, keep, scale):
-    # where + in-place scale: `x * keep` (and aten's dropout backward) first copy the mask to floats
-    return torch.where(keep, x, 0.0).mul_(scale)
+def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """x where `keep` (bool, x's shape), scaled by `scale`; 0.0 elsewhere."""
+    # One pass, 0 + scale · x · keep with the bool mask read as bytes: on CPU 0.58-0.68x the time of
+    # torch.where(keep, x, 0.0).mul_(scale) (a slow bool select, then a second pass; benchmarks/cpu_dropout.py)
+    # and bit for bit the same for finite x: a dropped -x gives 0 + -0.0 = +0.0 where x * keep gives -0.0.
+    # A dropped inf or NaN gives NaN, as in F.dropout.
+    return torch.addcmul(x.new_zeros(()), x, keep.view(torch.uint8), value=scale)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
