@@ -282,6 +282,29 @@ def test_training_gives_up_after_max_rollbacks(shards, tmp_path):
         run_on_ranks(_train, 1, cfg, None, None, diverge_after_3)
 
 
+def _train_with_a_slow_save(cfg):
+    """_train with every checkpoint save 3 s longer (a slow file system)."""
+    from megamlm.train.checkpoint import Checkpoints
+
+    save = Checkpoints.save
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(3.0)
+        return save(self, *args, **kwargs)
+
+    Checkpoints.save = slow_save
+    return _train(cfg)
+
+
+def test_evaluations_and_checkpoints_are_not_counted_in_the_logged_throughput(shards, tmp_path):
+    """tokens/s (and MFU) of a log line are the updates' own: the window of updates 5-6 follows update 4's
+    evaluation and 3-second save (counted in it, its rate would be ~50x lower), 7-8 follows nothing."""
+    cfg = config(shards, tmp_path / "run", "train.log_interval=2", "train.save_interval=4", "train.eval_interval=4")
+    run_on_ranks(_train_with_a_slow_save, 1, cfg)
+    rates = logged(tmp_path / "run", key="tokens_per_s")
+    assert rates[6] > rates[8] / 10, rates
+
+
 def _cli_run(shards, run_dir, *overrides):
     """`megamlm train`'s arguments for a tiny run in `run_dir` (no step count) and its environment."""
     args = ["--config", str(CONFIGS / "variants/baseline.yaml"),

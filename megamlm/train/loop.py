@@ -326,6 +326,9 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
                                                       _duration(eta)), **values)
             window_start, window_tokens, window_slots, window_wait = time.perf_counter(), 0, 0, 0.0
 
+        # evaluations and checkpoints pause the throughput window (as Megatron's interval timer): the next
+        # log line's tokens/s and MFU are the updates' own
+        pause_start = time.perf_counter()
         if state.step % cfg.train.eval_interval == 0 and state.step < cfg.train.steps:
             validate("periodic")
         if stop:
@@ -336,6 +339,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
             return {"preempted": True, "signal": preemption.signal, "step": state.step, "losses": losses}
         if state.step % cfg.train.save_interval == 0 and state.step < cfg.train.steps:
             checkpoints.save(engine, state, cfg)
+        window_start += time.perf_counter() - pause_start
 
     # ---- end of run ------------------------------------------------------------------------
     final_valid = validate("end of training")
