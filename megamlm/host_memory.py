@@ -1,4 +1,4 @@
-"""How the host's C allocator treats the large blocks tensors free, for training on a CPU.
+"""How the host's C allocator treats the large blocks tensors free, for training (and GLUE fine-tuning) on a CPU.
 
 torch's CPU tensors come from the C library's malloc. glibc maps every block above its mmap threshold (at most
 32 MiB by its own adjustment) freshly from the kernel and unmaps it when freed, so each large tensor of a
@@ -24,9 +24,12 @@ KEPT_BLOCK_BYTES = 1 << 30
 ~120 MB); larger ones are mapped and unmapped as before."""
 
 
-def keep_freed_host_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds (`KEPT_BLOCK_BYTES`) for the rest of this process; False where the
-    C library is not glibc (nothing changed)."""
+def keep_freed_host_memory(device_type: str = "cpu") -> bool:
+    """Raise glibc's mmap and trim thresholds (`KEPT_BLOCK_BYTES`) for the rest of this process where the work's
+    tensors are the host's (`device_type` "cpu"); False where nothing changed: another device (its tensors come
+    from its own allocator) or a C library other than glibc."""
+    if device_type != "cpu":
+        return False
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):

@@ -77,8 +77,8 @@ def test_metrics_equal_hand_computed_values():
     assert m == pytest.approx({"pearson": 0.8, "spearman": 0.8, "mse": 0.5})
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
+def write_tiny_folder(folder: Path) -> Path:
+    """A one-layer ALiBi model's folder (random weights) at `folder`."""
     from megamlm.model.reshard import full_state_dict
     from megamlm.config import ParallelConfig
     from megamlm.parallel import init_distributed
@@ -86,9 +86,13 @@ def tiny_folder(tmp_path_factory):
 
     cfg = variant_config("alibi", ["model.vocab_size=50265", "model.hidden_size=32", "model.ffn_hidden_size=64",
                                    "model.num_layers=1"])
-    folder = tmp_path_factory.mktemp("glue") / "model"
     write_model_folder(folder, cfg, full_state_dict(MaskedLM(cfg.model, init_distributed(ParallelConfig()))))
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return write_tiny_folder(tmp_path_factory.mktemp("glue") / "model")
 
 
 def test_two_update_fine_tune_runs_on_every_available_task_and_reports(tiny_folder, tmp_path):

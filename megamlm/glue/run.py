@@ -32,6 +32,7 @@ from megamlm.glue.tasks import (TASKS, GlueDataError, read_examples, read_test_e
                                 task_files, task_names, task_test_files)
 from megamlm.glue.metrics import best_of
 from megamlm.glue.recipes import PAPER_RECIPES
+from megamlm.host_memory import keep_freed_host_memory
 from megamlm.model import names
 from megamlm.model.folder import ModelFolder, check_model_folder, read_model_folder, write_model_folder
 from megamlm.model.reshard import full_state_dict
@@ -63,6 +64,7 @@ def run_task(checkpoint: str, data_dir: str, name: str, seeds: list[int], option
                    for rows in (dev, *extra_dev.values())]
     extra_dev = dict(zip(extra_dev, extra))
     ctx = ctx or init_distributed(ParallelConfig())
+    keep_freed_host_memory(ctx.device.type)  # as pretraining: each update's tensors reuse the last one's memory
     result = {"train_rows": len(train), "train_rows_in_file": len(train_all), "dev_rows": len(dev),
               **{f"dev_rows_{suffix}": len(rows) for suffix, rows in extra_dev.items()}, "seeds": {}}
     saved = read_model_folder(checkpoint)

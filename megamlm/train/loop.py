@@ -155,8 +155,7 @@ def train(cfg: Config, resume: str | None = None, loss_hook=None, overwrite: boo
 def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_batch_change: bool) -> dict:
     # ---- setup -----------------------------------------------------------------------------
     ctx = init_distributed(cfg.parallel)
-    if ctx.device.type == "cpu":
-        keep_freed_host_memory()  # each step's large tensors reuse the last step's memory (~10% faster)
+    keep_freed_host_memory(ctx.device.type)  # on a CPU each step's large tensors reuse the last step's memory
     rank0 = dist.get_rank() == 0
     run_dir = Path(cfg.train.run_dir)
     objective = get_objective(cfg)
