@@ -58,6 +58,30 @@ def test_stage0_equals_the_zero1_engine_in_losses_and_gradient_norms(shards, tmp
     assert max(abs(norms[s] - zero1_norms[s]) / zero1_norms[s] for s in norms) < 1e-3
 
 
+def _train_counting_flattened_gradients(cfg) -> int:
+    """_train, counting DeepSpeed's flattenings of the gradients into one all-reduce buffer."""
+    import deepspeed.runtime.engine as deepspeed_engine
+
+    calls = []
+    flatten = deepspeed_engine._flatten_dense_tensors  # the engine takes it as self.flatten when built
+
+    def counted(tensors):
+        calls.append(len(tensors))
+        return flatten(tensors)
+
+    deepspeed_engine._flatten_dense_tensors = counted
+    _train(cfg)
+    return len(calls)
+
+
+def test_one_rank_does_not_all_reduce_its_gradients_over_itself(shards, tmp_path):
+    """Stage 0 on one data-parallel rank: DeepSpeed would copy every gradient into one buffer, all-reduce it over
+    a group of one and copy it back, each update (~4% of the CPU demo's update); the losses are those of ZeRO-1
+    (test_stage0_equals_the_zero1_engine_in_losses_and_gradient_norms)."""
+    cfg = config(shards, tmp_path / "run", "train.steps=3")
+    assert run_on_ranks(_train_counting_flattened_gradients, 1, cfg) == [0]
+
+
 @pytest.mark.slow
 def test_checkpoints_resume_on_the_engine_that_wrote_them(shards, tmp_path, capsys):
     """A stage-0 checkpoint resumes and converts; a ZeRO-1 one written at DP=1 (before the stage-0
