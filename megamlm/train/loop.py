@@ -325,9 +325,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
                                                       _duration(eta)), **values)
             window_start, window_tokens, window_slots, window_wait = time.perf_counter(), 0, 0, 0.0
 
-        # evaluations and checkpoints pause the throughput window (as Megatron's interval timer): the next
-        # log line's tokens/s and MFU are the updates' own
-        pause_start = time.perf_counter()
+        pause_start = time.perf_counter()  # evaluations and checkpoints: not in the next line's tokens/s and MFU
         if state.step % cfg.train.eval_interval == 0 and state.step < cfg.train.steps:
             validate("periodic")
         if stop:
