@@ -61,14 +61,15 @@ def test_backward_uses_the_forward_mask():
 def test_the_mask_is_applied_as_where_and_scale_bit_for_bit_with_dropped_values_plus_zero(dtype):
     """The main job's numbers stay those of torch.where(keep, x, 0.0) * scale to the last bit: a multiply by the
     mask would write -0.0 for dropped negative values."""
-    from megamlm.model.dropout import apply_mask
+    from megamlm.model.dropout import apply_mask, dropped_levels, level_keep_scale
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 257, generator=g).to(dtype)
     keep = torch.rand(x.shape, generator=g) >= 0.1
     bits = torch.int32 if dtype == torch.float32 else torch.int16
-    got = apply_mask(x, keep, 65536 / (65536 - 6554))
-    assert torch.equal(got.view(bits), torch.where(keep, x, 0.0).mul_(65536 / (65536 - 6554)).view(bits))
+    scale = level_keep_scale(dropped_levels(0.1))
+    got = apply_mask(x, keep, scale)
+    assert torch.equal(got.view(bits), torch.where(keep, x, 0.0).mul_(scale).view(bits))
     assert not got[~keep].signbit().any() and got.dtype == dtype
 
 
