@@ -305,6 +305,29 @@ def test_evaluations_and_checkpoints_are_not_counted_in_the_logged_throughput(sh
     assert rates[6] > rates[8] / 10, rates
 
 
+def _train_with_a_slow_rollback(cfg):
+    """_train with a NaN loss at update 5 and a rollback 3 s longer (a slow checkpoint load)."""
+    from megamlm.train import loop
+
+    roll_back = loop.roll_back
+
+    def slow_roll_back(*args, **kwargs):
+        time.sleep(3.0)
+        return roll_back(*args, **kwargs)
+
+    loop.roll_back = slow_roll_back
+    return _train(cfg, hook=InjectOnce())
+
+
+def test_a_rollback_is_not_counted_in_the_logged_throughput(shards, tmp_path):
+    """Update 5's NaN rolls back to update 4's checkpoint: the line of update 6 reports the updates 5-6
+    done again, without the 3-second reload or the discarded work (counted, it would be ~50x lower)."""
+    cfg = config(shards, tmp_path / "run", "train.log_interval=2", "train.save_interval=2")
+    assert run_on_ranks(_train_with_a_slow_rollback, 1, cfg)[0]["rollbacks"] == 1
+    rates = logged(tmp_path / "run", key="tokens_per_s")
+    assert rates[6] > rates[8] / 10, rates
+
+
 def _cli_run(shards, run_dir, *overrides):
     """`megamlm train`'s arguments for a tiny run in `run_dir` (no step count) and its environment."""
     args = ["--config", str(CONFIGS / "variants/baseline.yaml"),

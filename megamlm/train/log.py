@@ -7,6 +7,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megamlm.console import print_line
@@ -63,6 +66,30 @@ class Log:
         if self.jsonl is not None:
             self.jsonl.close()
             self.tb.close()
+
+
+@dataclass
+class LogWindow:
+    """The updates the next train line reports on: those since the last line or rollback (the rollback's
+    discarded updates are not), their real tokens, the token slots they filled and the time they waited for
+    data, over the time they took: evaluations and checkpoints between them are `paused()` out, as
+    Megatron stops its interval timer."""
+
+    start: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    slots: int = 0
+    data_wait: float = 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        pause_start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - pause_start
 
 
 def train_line(step: int, steps: int, metric: str, values: dict, extra: dict, eta: str) -> str:

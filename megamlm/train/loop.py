@@ -39,7 +39,7 @@ from megamlm.train.engine import build_engine
 from megamlm.train.flops import device_peak, mfu
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_head, compile_layers, records_cuda_graphs
-from megamlm.train.log import Log, train_line
+from megamlm.train.log import Log, LogWindow, train_line
 from megamlm.train.preflight import (check_before_work, check_same_architecture, check_train_shards, load_tokenizer,
                                      prepare_run_dir)
 from megamlm.train.profiling import UpdateProfiler, phase
@@ -227,7 +227,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
 
     first_valid = validate("before training" if state.step == 0 else "resumed")
     losses: list[float] = []
-    window_start, window_tokens, window_slots, window_wait = time.perf_counter(), 0, 0, 0.0
+    window = LogWindow()
     run_start, start_step = time.perf_counter(), state.step
     corrupt = torch.zeros((), dtype=torch.float64, device=ctx.device)  # samples skipped as damaged
 
@@ -242,7 +242,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
         fetch_start = time.perf_counter()
         with phase("data"):
             micro_batches = [next(batches) for _ in range(accumulation)]
-        window_wait += time.perf_counter() - fetch_start  # time the step waited for data
+        window.data_wait += time.perf_counter() - fetch_start  # time the step waited for data
         # units of each loss term (MLM: masked tokens) and corrupt samples (replaced by the loader)
         # of the update, all DP ranks
         units = [sum(column) for column in zip(*(objective.count(b) for b in micro_batches))]
@@ -265,8 +265,8 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
             with phase("engine step"):
                 engine.step()
             update_totals.add(out)
-            window_tokens += batch.real_tokens() * ctx.dp_size
-            window_slots += batch.inputs.numel() * ctx.dp_size
+            window.tokens += batch.real_tokens() * ctx.dp_size
+            window.slots += batch.inputs.numel() * ctx.dp_size
         state.step += 1
         for batch in micro_batches:
             state.position = advance(state.position, batch, stream.batches_per_epoch(batch.epoch))
@@ -294,6 +294,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
                 break
             losses.append(loss)
         if rolled_back:  # (pending is None: a rollback leaves the loop before `finished` is kept)
+            window = LogWindow()  # the next line: the updates after the rollback, not its reload
             continue
         profiler.update_done(state.step, log)  # train.profile_updates: records a few updates after warm-up
         if pending is not None:
@@ -306,8 +307,8 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
                       f"({first:.1f} s), compilation included; later updates show the compiled speed",
                       first_update_s=first)
         if state.step % cfg.train.log_interval == 0 or state.step == cfg.train.steps:
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = window_tokens / elapsed
+            elapsed = window.elapsed()
+            tokens_per_s = window.tokens / elapsed
             utilization = mfu(objective.flops_per_token(cfg.data.seq_length), tokens_per_s, peak,
                               ctx.tp_size * ctx.dp_size)
             done = state.step - start_step
@@ -315,28 +316,27 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
             values = {"loss": loss, objective.metric: result[objective.metric], "lr": schedule.get_last_lr()[0],
                       "grad_norm": _float(engine.get_global_grad_norm()),
                       "loss_scale": _loss_scale(engine, optimizer),
-                      "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window_wait / elapsed,
-                      "fill": window_tokens / window_slots, "corrupt_samples": int(corrupt.item()),
+                      "tokens_per_s": tokens_per_s, "mfu": utilization, "data_wait": window.data_wait / elapsed,
+                      "fill": window.tokens / window.slots, "corrupt_samples": int(corrupt.item()),
                       "skipped_updates": int(engine.skipped_steps)}  # inf/NaN gradients (bf16, fp16)
             extra = {**{k: v for k, v in result.items() if k not in (objective.metric, "units")},
                      **objective.log_values(engine.module)}
             values.update(extra)
             log.event("train", state.step, train_line(state.step, cfg.train.steps, objective.metric, values, extra,
                                                       _duration(eta)), **values)
-            window_start, window_tokens, window_slots, window_wait = time.perf_counter(), 0, 0, 0.0
+            window = LogWindow()
 
-        pause_start = time.perf_counter()  # evaluations and checkpoints: not in the next line's tokens/s and MFU
-        if state.step % cfg.train.eval_interval == 0 and state.step < cfg.train.steps:
-            validate("periodic")
-        if stop:
-            checkpoints.save(engine, state, cfg)
-            log.event("preempted", state.step, f"signal received: saved update {state.step} "
-                      f"({preemption.signal}); continue with --resume auto", signal=preemption.signal)
-            log.close()
-            return {"preempted": True, "signal": preemption.signal, "step": state.step, "losses": losses}
-        if state.step % cfg.train.save_interval == 0 and state.step < cfg.train.steps:
-            checkpoints.save(engine, state, cfg)
-        window_start += time.perf_counter() - pause_start
+        with window.paused():  # evaluations and checkpoints: not in the next line's tokens/s and MFU
+            if state.step % cfg.train.eval_interval == 0 and state.step < cfg.train.steps:
+                validate("periodic")
+            if stop:
+                checkpoints.save(engine, state, cfg)
+                log.event("preempted", state.step, f"signal received: saved update {state.step} "
+                          f"({preemption.signal}); continue with --resume auto", signal=preemption.signal)
+                log.close()
+                return {"preempted": True, "signal": preemption.signal, "step": state.step, "losses": losses}
+            if state.step % cfg.train.save_interval == 0 and state.step < cfg.train.steps:
+                checkpoints.save(engine, state, cfg)
 
     # ---- end of run ------------------------------------------------------------------------
     final_valid = validate("end of training")
