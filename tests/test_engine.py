@@ -82,6 +82,26 @@ def test_one_rank_does_not_all_reduce_its_gradients_over_itself(shards, tmp_path
     assert run_on_ranks(_train_counting_flattened_gradients, 1, cfg) == [0]
 
 
+def test_without_clipping_only_updates_with_a_log_line_compute_the_norm(shards, tmp_path, monkeypatch):
+    """optim.clip_grad=0 on the stage-0 fp32 path: the norm is only logged, so only the updates with a log line
+    compute it (3, 6 and the last, 8), bit for bit what a run logging every update reads; also after a resume
+    (the hook counts updates as the engine does, which the checkpoint restores)."""
+    import torch
+
+    _train(config(shards, tmp_path / "every", "optim.clip_grad=0"))  # a line after every update
+    expected = logged(tmp_path / "every", key="grad_norm")
+    norms = []  # the gradient norm's passes over the gradients
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors: norms.append(1) or foreach_norm(tensors))
+    some = ["optim.clip_grad=0", "train.log_interval=3"]
+    _train(config(shards, tmp_path / "some", *some))
+    assert len(norms) == 3
+    assert logged(tmp_path / "some", key="grad_norm") == {step: expected[step] for step in (3, 6, 8)}
+    _train(config(shards, tmp_path / "resumed", *some, "train.steps=4", "train.save_interval=4"))
+    _train(config(shards, tmp_path / "resumed", *some), resume="auto")  # 4: the first part's last update
+    assert logged(tmp_path / "resumed", key="grad_norm") == {step: expected[step] for step in (3, 4, 6, 8)}
+
+
 @pytest.mark.slow
 def test_checkpoints_resume_on_the_engine_that_wrote_them(shards, tmp_path, capsys):
     """A stage-0 checkpoint resumes and converts; a ZeRO-1 one written at DP=1 (before the stage-0

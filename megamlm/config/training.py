@@ -165,6 +165,10 @@ class TrainConfig:
             return 0
         return 0 if dp_size == 1 and self.precision == "fp32" else self.zero_stage
 
+    def logs_after(self, step: int) -> bool:
+        """Whether training writes a log line after update `step`: every log_interval-th, and the last."""
+        return step % self.log_interval == 0 or step == self.steps
+
     def accumulation_steps(self, dp_size: int) -> int:
         """global = micro × accumulation × DP, checked against the world actually launched."""
         if self.global_batch_size is None:

@@ -306,7 +306,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
             log.event("compile", state.step, f"compile: the first update took {_duration(first)} "
                       f"({first:.1f} s), compilation included; later updates show the compiled speed",
                       first_update_s=first)
-        if state.step % cfg.train.log_interval == 0 or state.step == cfg.train.steps:
+        if cfg.train.logs_after(state.step):
             elapsed = window.elapsed()
             tokens_per_s = window.tokens / elapsed
             utilization = mfu(objective.flops_per_token(cfg.data.seq_length), tokens_per_s, peak,
@@ -369,9 +369,8 @@ class Finished:
 def _reads_state(cfg: Config, step: int, start_step: int) -> bool:
     """Whether the loop reads the model, optimizer or RNG state after update `step` (a log line, an
     evaluation, a checkpoint, the end; the first update's time), so that the next update must wait."""
-    return (step == start_step + 1 or step == cfg.train.steps
-            or any(step % interval == 0 for interval in (cfg.train.log_interval, cfg.train.eval_interval,
-                                                          cfg.train.save_interval)))
+    return (step == start_step + 1 or cfg.train.logs_after(step)
+            or any(step % interval == 0 for interval in (cfg.train.eval_interval, cfg.train.save_interval)))
 
 
 def _engine_fault(engine, step: int) -> str | None:
