@@ -328,6 +328,23 @@ def test_a_rollback_is_not_counted_in_the_logged_throughput(shards, tmp_path):
     assert rates[6] > rates[8] / 10, rates
 
 
+@pytest.mark.slow
+def test_the_main_job_ab_benchmark_runs_a_revision_beside_the_tree(shards):
+    """benchmarks/main_job_ab.py at toy size: HEAD beside the working tree (the same job: the same loss, exit 0),
+    one profiled update each; its worktree of HEAD is removed afterwards."""
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
+            "model.max_positions=64", f"data.shards={shards}", "data.seq_length=64", "train.micro_batch_size=4"]
+    run = subprocess.run([sys.executable, "benchmarks/main_job_ab.py", "--config", "configs/variants/baseline.yaml",
+                          "--rounds", "1", "--updates", "1", "--set", *tiny], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["base", "tree"]
+    assert "last losses the same to the last digit" in run.stdout
+    assert subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout == worktrees
+
+
 def _cli_run(shards, run_dir, *overrides):
     """`megamlm train`'s arguments for a tiny run in `run_dir` (no step count) and its environment."""
     args = ["--config", str(CONFIGS / "variants/baseline.yaml"),
