@@ -32,7 +32,9 @@ def train(tree: Path, args: argparse.Namespace, run_dir: Path) -> dict:
     """One profiled run of the job with `tree`'s megamlm: {"ms": per update, "phases": {phase: host ms},
     "loss": the last update's}."""
     steps = args.updates + WARM_UP
-    command = [sys.executable, "-m", "megamlm", "train", "--config", args.config, *args.set,
+    # the tree's tools/train.py, not `python -m megamlm`: -m puts the working directory (this tree, whose
+    # relative data paths the job reads) first on sys.path, and every run would import this tree's megamlm
+    command = [sys.executable, str(tree / "tools/train.py"), "--config", args.config, *args.set,
                f"train.run_dir={run_dir}", f"train.steps={steps}", f"train.profile_updates={args.updates}",
                f"train.log_interval={steps}", f"train.eval_interval={steps + 1}", f"train.save_interval={steps + 1}"]
     done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True,
@@ -43,6 +45,13 @@ def train(tree: Path, args: argparse.Namespace, run_dir: Path) -> dict:
     profile = next(e for e in events if e["event"] == "profile")
     loss = [e["loss"] for e in events if e["event"] == "train"][-1]
     return {"ms": profile["update_s"] * 1e3, "phases": profile["host_ms"], "loss": loss}
+
+
+def imported_from(tree: Path) -> Path:
+    """Where `train`'s runs of `tree` import megamlm from (sys.path as a script in tree/tools gets it)."""
+    where = subprocess.run([sys.executable, "-c", "import megamlm; print(megamlm.__file__)"], cwd=tree / "tools",
+                           env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True, check=True)
+    return Path(where.stdout.strip()).parent
 
 
 def describe(revision: str) -> str:
@@ -65,6 +74,9 @@ def main() -> int:
                        check=True)
         try:
             trees = {"base": base_tree, "tree": ROOT}
+            for name, tree in trees.items():
+                if imported_from(tree) != tree / "megamlm":
+                    sys.exit(f"main_job_ab: the {name} runs would import {imported_from(tree)}, not {tree}/megamlm")
             runs = {name: [] for name in trees}
             for round_ in range(args.rounds):
                 for name, tree in trees.items():
