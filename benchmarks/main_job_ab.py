@@ -75,8 +75,8 @@ def main() -> int:
         try:
             trees = {"base": base_tree, "tree": ROOT}
             for name, tree in trees.items():
-                if imported_from(tree) != tree / "megamlm":
-                    sys.exit(f"main_job_ab: the {name} runs would import {imported_from(tree)}, not {tree}/megamlm")
+                if (found := imported_from(tree)) != tree / "megamlm":
+                    sys.exit(f"main_job_ab: the {name} runs would import {found}, not {tree}/megamlm")
             runs = {name: [] for name in trees}
             for round_ in range(args.rounds):
                 for name, tree in trees.items():

@@ -42,11 +42,15 @@ def shards(tmp_path_factory):
     return tiny_shards(tmp_path_factory, "train")
 
 
+def tiny_job(shards) -> list[str]:
+    """Overrides of a two-layer, 64-wide model on `shards`, 4 samples of 64 tokens per micro-batch."""
+    return ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
+            "model.max_positions=64", f"data.shards={shards}", "data.seq_length=64", "train.micro_batch_size=4"]
+
+
 def config(shards, run_dir, *overrides, variant="baseline"):
-    base = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-            "model.ffn_hidden_size=128", "model.max_positions=64", f"data.shards={shards}",
-            "data.seq_length=64", "data.shuffle_window=64", "train.micro_batch_size=4",
-            f"train.run_dir={run_dir}", "optim.lr=2e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3",
+    base = [*tiny_job(shards), "data.shuffle_window=64", f"train.run_dir={run_dir}",
+            "optim.lr=2e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3",
             "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2",
             "train.save_interval=1000", "train.steps=8"]
     return load_config([CONFIGS / f"variants/{variant}.yaml"], base + list(overrides))
@@ -282,17 +286,22 @@ def test_training_gives_up_after_max_rollbacks(shards, tmp_path):
         run_on_ranks(_train, 1, cfg, None, None, diverge_after_3)
 
 
+def _slow_down(owner, name: str, seconds: float = 3.0) -> None:
+    """owner.name, a function, made `seconds` slower for the rest of this process."""
+    function = getattr(owner, name)
+
+    def slower(*args, **kwargs):
+        time.sleep(seconds)
+        return function(*args, **kwargs)
+
+    setattr(owner, name, slower)
+
+
 def _train_with_a_slow_save(cfg):
     """_train with every checkpoint save 3 s longer (a slow file system)."""
     from megamlm.train.checkpoint import Checkpoints
 
-    save = Checkpoints.save
-
-    def slow_save(self, *args, **kwargs):
-        time.sleep(3.0)
-        return save(self, *args, **kwargs)
-
-    Checkpoints.save = slow_save
+    _slow_down(Checkpoints, "save")
     return _train(cfg)
 
 
@@ -309,13 +318,7 @@ def _train_with_a_slow_rollback(cfg):
     """_train with a NaN loss at update 5 and a rollback 3 s longer (a slow checkpoint load)."""
     from megamlm.train import loop
 
-    roll_back = loop.roll_back
-
-    def slow_roll_back(*args, **kwargs):
-        time.sleep(3.0)
-        return roll_back(*args, **kwargs)
-
-    loop.roll_back = slow_roll_back
+    _slow_down(loop, "roll_back")
     return _train(cfg, hook=InjectOnce())
 
 
@@ -334,11 +337,9 @@ def test_the_main_job_ab_benchmark_runs_a_revision_beside_the_tree(shards):
     the losses are the same (a clean checkout's), 1 when an uncommitted change moved them; its worktree of HEAD
     is removed afterwards."""
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
-    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128",
-            "model.max_positions=64", f"data.shards={shards}", "data.seq_length=64", "train.micro_batch_size=4"]
     run = subprocess.run([sys.executable, "benchmarks/main_job_ab.py", "--config", "configs/variants/baseline.yaml",
-                          "--rounds", "1", "--updates", "1", "--set", *tiny], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+                          "--rounds", "1", "--updates", "1", "--set", *tiny_job(shards)], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
     same = run.stdout.rstrip().endswith("last losses the same to the last digit")
     assert run.returncode == (0 if same else 1) and (same or run.stdout.rstrip().endswith("DIFFER")), \
         run.stdout + run.stderr
@@ -349,11 +350,8 @@ def test_the_main_job_ab_benchmark_runs_a_revision_beside_the_tree(shards):
 
 def _cli_run(shards, run_dir, *overrides):
     """`megamlm train`'s arguments for a tiny run in `run_dir` (no step count) and its environment."""
-    args = ["--config", str(CONFIGS / "variants/baseline.yaml"),
-        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-        "model.ffn_hidden_size=128", "model.max_positions=64", f"data.shards={shards}",
-        "data.seq_length=64", "train.micro_batch_size=4", f"train.run_dir={run_dir}",
-        "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=1000", *overrides]
+    args = ["--config", str(CONFIGS / "variants/baseline.yaml"), *tiny_job(shards), f"train.run_dir={run_dir}",
+            "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=1000", *overrides]
     return args, dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
