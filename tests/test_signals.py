@@ -95,7 +95,11 @@ def test_a_stop_signal_to_the_nproc_launcher_reaches_every_rank_which_saves_howe
 def test_a_stop_signal_before_the_training_takes_it_is_one_line_and_exit_128_plus_the_signal(sig, tmp_path):
     """Before a training's handling starts (the imports, the setup: a large checkpoint's load, compilation;
     a SLURM job's first seconds) SIGTERM and SIGUSR1 killed `megamlm train` without a word. Here the
-    command waits for its config on a named pipe: the signal reaches it there, at a known point."""
+    command waits for its config on a named pipe: the signal reaches it there, at a known point. The pipe
+    then ends (its writer closed): a signal that comes after Python's last check of them and before the
+    read() (CI under load, 2 in 40 here) is acted on when the read returns, which it did not while the pipe
+    stayed open: the command waited, signalled, for a config that never came. Python runs the handler at
+    its next bytecode, before anything reads the text: the same line either way."""
     config = tmp_path / "config.yaml"
     os.mkfifo(config)
     proc = subprocess.Popen([sys.executable, "-m", "megamlm", "train", "--config", str(config)], cwd=ROOT,
@@ -110,12 +114,11 @@ def test_a_stop_signal_before_the_training_takes_it_is_one_line_and_exit_128_plu
             time.sleep(0.05)
     try:
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=60)
     finally:
         os.close(writer)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     assert err.splitlines() == [f"megamlm: train: stopped: {sig.name} before the first update (nothing to save)"]
-
 
 
 @pytest.mark.slow
