@@ -156,9 +156,12 @@ def _bias_activation_backward_kernel(G, Y, B, DY, PARTIAL, N, F, ROWS: tl.conste
 
 def _tuned(kernel: triton.JITFunction) -> triton.runtime.Autotuner:
     """(BLOCK_N, BLOCK_F, warps) candidates: strips of 64-256 columns (128-512 contiguous bytes of bf16 per
-    row), 8-32 elements per thread (none spills on sm_90a); the interpreter runs one small one."""
+    row), 8-32 elements per thread (none spills on sm_90a). The interpreter runs one whose strips are larger:
+    its time goes to dispatching each tile operation, not to the elements (numpy), and 16 x 32 tiles made a toy
+    training row of gpu.sh's smoke run 42 s, three quarters of it here; 64 rows still walk a program's 256 in
+    several strips."""
     if INTERPRET:
-        configs = [triton.Config({"BLOCK_N": 16, "BLOCK_F": 32}, num_warps=1)]
+        configs = [triton.Config({"BLOCK_N": 64, "BLOCK_F": 128}, num_warps=1)]
     else:
         configs = [triton.Config({"BLOCK_N": n, "BLOCK_F": f}, num_warps=w)
                    for n, f, w in [(32, 128, 4), (16, 128, 4), (8, 256, 4), (16, 256, 8), (8, 128, 4), (16, 64, 4)]]
