@@ -9,8 +9,13 @@ The helpers below give the kernels the GPU's bf16 numbers there: a loaded bf16 t
 (exact), a matmul operand is rounded to bf16 and kept in fp32, a stored value is rounded before the
 conversion. On a GPU, and for fp16 and fp32 anywhere, each is the plain conversion (the same code as
 without them).
+
+`patch_the_language_once_per_launch` takes a cost of the interpreter's own away: it re-patches
+triton.language at every call of a jit helper (`rounded`, `_load_rows`, ...), which our kernels make ~20,000
+times in a toy training run of 4 updates.
 """
 
+import inspect
 import os
 
 import triton
@@ -19,6 +24,54 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter (numpy on the CPU) runs the kernels: the tests' mode."""
 INTERPRET_CONSTEXPR: tl.constexpr = tl.constexpr(INTERPRET)  # the kernels' copy
+
+
+def patch_the_language_once_per_launch() -> bool:
+    """Triton's interpreter replaces triton.language's builtins by its numpy ones for a kernel's launch, and
+    again at each call of a jit helper inside it (`_patch_lang`: `inspect.getmembers` over 4-5 modules, ~0.5
+    ms), though a helper's modules (tl, tl.core) are patched already after the first such call: half the time
+    of a toy training row on the Triton attention kernels went there. Here a launch patches each set of
+    modules once; the first call still patches (as before: a helper's own modules, e.g. tl.core for
+    `tl.zeros`, may not be the kernel's). Applied where the interpreter runs and its internals are the ones
+    this was written against (Triton 3.5-3.9); returns whether it was."""
+    if not INTERPRET:
+        return False
+    from triton.runtime import interpreter
+
+    executor = getattr(interpreter, "GridExecutor", None)
+    patch = getattr(interpreter, "_patch_lang", None)
+    if not (executor and patch and hasattr(interpreter, "_LangPatchScope")):
+        return False
+    if getattr(patch, "once_per_launch", False):
+        return True
+    launch_call = executor.__call__
+    patched: list[set] = []  # the module sets patched by the launch in progress (none: outside a launch)
+
+    def modules_of(fn) -> frozenset:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
+
+    def patch_lang(fn):
+        if patched:
+            key = modules_of(fn)
+            if key in patched[-1]:
+                return interpreter._LangPatchScope()  # nothing to restore: the launch's own scope does
+            patched[-1].add(key)
+        return patch(fn)
+
+    def launch(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return launch_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    patch_lang.once_per_launch, patch_lang.triton_patch, launch.triton_launch = True, patch, launch_call
+    interpreter._patch_lang, executor.__call__ = patch_lang, launch
+    return True
+
+
+patch_the_language_once_per_launch()
 
 
 @triton.jit
