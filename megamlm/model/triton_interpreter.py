@@ -29,11 +29,11 @@ INTERPRET_CONSTEXPR: tl.constexpr = tl.constexpr(INTERPRET)  # the kernels' copy
 def patch_the_language_once_per_launch() -> bool:
     """Triton's interpreter replaces triton.language's builtins by its numpy ones for a kernel's launch, and
     again at each call of a jit helper inside it (`_patch_lang`: `inspect.getmembers` over 4-5 modules, ~0.5
-    ms), though a helper's modules (tl, tl.core) are patched already after the first such call: half the time
-    of a toy training row on the Triton attention kernels went there. Here a launch patches each set of
+    ms), though a helper's modules (tl, tl.core) are patched already after the first such call: a toy training run
+    on the Triton attention kernels took ~40% less time without the repeats. Here a launch patches each set of
     modules once; the first call still patches (as before: a helper's own modules, e.g. tl.core for
     `tl.zeros`, may not be the kernel's). Applied where the interpreter runs and its internals are the ones
-    this was written against (Triton 3.5-3.9); returns whether it was."""
+    this was written against (Triton 3.9); returns whether it was."""
     if not INTERPRET:
         return False
     from triton.runtime import interpreter
