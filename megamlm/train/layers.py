@@ -15,7 +15,6 @@ import contextlib
 import functools
 
 import torch._functorch.config
-import torch._inductor
 import torch.utils.checkpoint
 from torch import nn
 
@@ -47,19 +46,21 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every encoder layer (`encoder_layers`) in the backward pass (parameter names and
     the state dict are unchanged: only each layer's forward is wrapped)."""
+    # made here, not by a decorator: torch.compiler.disable imports Dynamo, ~1 s of each process's start
+    replaying = torch.compiler.disable(_checkpointed_replaying_the_stream)
     for layer in encoder_layers(model):
-        layer.forward = functools.partial(_checkpointed, layer.forward)
+        layer.forward = functools.partial(_checkpointed, layer.forward, replaying)
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _checkpointed(forward, replaying, *args, **kwargs):
     """forward(*args, **kwargs), its activations recomputed in the backward pass. Compiled at TP=1 the
-    tensor-parallel stream is not used (parallel.py) and there is nothing to replay."""
+    tensor-parallel stream is not used (parallel.py) and there is nothing to replay; otherwise
+    `replaying` (`_checkpointed_replaying_the_stream`, compiler-disabled) replays it."""
     if tensor_parallel_rng.bypassed():
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return _checkpointed_replaying_the_stream(forward, *args, **kwargs)
+    return replaying(forward, *args, **kwargs)
 
 
-@torch.compiler.disable
 def _checkpointed_replaying_the_stream(forward, *args, **kwargs):
     """torch.compile takes no context_fn but TorchDispatchModes: with TP peers (their own dropout
     streams to replay) a compiled, checkpointed layer runs eagerly (the loop warns)."""
@@ -71,7 +72,9 @@ def records_cuda_graphs(mode: str) -> bool:
     """Whether torch.compile's `mode` (train.compile_mode) records CUDA graphs on a GPU, as torch's own
     table of modes says (reduce-overhead and max-autotune do): the loop then marks a new graph step
     before each micro-batch, whose outputs the next replay would overwrite."""
-    return bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs", False))
+    from torch._inductor import list_mode_options  # only under train.compile: Inductor takes ~1 s to import
+
+    return bool(list_mode_options(mode).get("triton.cudagraphs", False))
 
 
 def _no_backward_from_the_autograd_cache() -> None:
