@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The main job's update, a revision against the working tree, side by side: each round runs `megamlm train`
 on both, interleaved (a machine's drift hits both), and reads the loop's own profile (train.profile_updates:
-the time per update after the warm-up, and the host's time in each phase) and the last update's loss, which a
-change that keeps the numbers leaves the same to the last digit.
+the time per update after the warm-up, and the host's time in each phase), the command's start (from its launch
+to the loop's "start" event: imports, model, engine, data) and the last update's loss, which a change that keeps
+the numbers leaves the same to the last digit.
 
     python benchmarks/main_job_ab.py                            # the uncommitted change against HEAD
     python benchmarks/main_job_ab.py --base 0013e62 --rounds 5 --updates 48
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from megamlm.train.profiling import WARM_UP  # updates before the profile starts recording
@@ -30,13 +32,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def train(tree: Path, args: argparse.Namespace, run_dir: Path) -> dict:
     """One profiled run of the job with `tree`'s megamlm: {"ms": per update, "phases": {phase: host ms},
-    "loss": the last update's}."""
+    "start_s": from the launch to the loop's start, "loss": the last update's}."""
     steps = args.updates + WARM_UP
     # the tree's tools/train.py, not `python -m megamlm`: -m puts the working directory (this tree, whose
     # relative data paths the job reads) first on sys.path, and every run would import this tree's megamlm
     command = [sys.executable, str(tree / "tools/train.py"), "--config", args.config, *args.set,
                f"train.run_dir={run_dir}", f"train.steps={steps}", f"train.profile_updates={args.updates}",
                f"train.log_interval={steps}", f"train.eval_interval={steps + 1}", f"train.save_interval={steps + 1}"]
+    launched = time.time()  # the clock of the log's event times
     done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True,
                           text=True)
     if done.returncode:
@@ -44,7 +47,8 @@ def train(tree: Path, args: argparse.Namespace, run_dir: Path) -> dict:
     events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     profile = next(e for e in events if e["event"] == "profile")
     loss = [e["loss"] for e in events if e["event"] == "train"][-1]
-    return {"ms": profile["update_s"] * 1e3, "phases": profile["host_ms"], "loss": loss}
+    start = next(e for e in events if e["event"] == "start")["time"] - launched
+    return {"ms": profile["update_s"] * 1e3, "phases": profile["host_ms"], "start_s": start, "loss": loss}
 
 
 def imported_from(tree: Path) -> Path:
@@ -89,13 +93,16 @@ def main() -> int:
     phases = list(runs["base"][0]["phases"])
     print(f"{' '.join([args.config, *args.set])}: base {describe(args.base)} against the working tree "
           f"({describe('HEAD')} + its changes), {args.updates} profiled updates, {args.rounds} interleaved rounds")
-    print("| round | run | ms per update | " + " | ".join(f"{p} (host ms)" for p in phases) + " | last loss |")
-    print("|---|---|---:|" + "---:|" * len(phases) + "---|")
+    print("| round | run | start s | ms per update | " + " | ".join(f"{p} (host ms)" for p in phases)
+          + " | last loss |")
+    print("|---|---|---:|---:|" + "---:|" * len(phases) + "---|")
     for round_ in range(args.rounds):
         for name in trees:
             r = runs[name][round_]
-            print(f"| {round_ + 1} | {name} | {r['ms']:.1f} | " + " | ".join(f"{r['phases'][p]:.1f}" for p in phases)
-                  + f" | {r['loss']!r} |")
+            print(f"| {round_ + 1} | {name} | {r['start_s']:.1f} | {r['ms']:.1f} | "
+                  + " | ".join(f"{r['phases'][p]:.1f}" for p in phases) + f" | {r['loss']!r} |")
+    print(f"median start: base {statistics.median(r['start_s'] for r in runs['base']):.1f} s, tree "
+          f"{statistics.median(r['start_s'] for r in runs['tree']):.1f} s")
     ratios = [t["ms"] / b["ms"] for t, b in zip(runs["tree"], runs["base"])]
     same = all(t["loss"] == b["loss"] for t, b in zip(runs["tree"], runs["base"]))
     print(f"median ms per update: base {statistics.median(r['ms'] for r in runs['base']):.1f}, tree "

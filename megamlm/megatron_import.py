@@ -2,13 +2,14 @@
 
 megatron.core wraps ~30 functions in `torch.compile` as its modules load (megatron/core/jit.py:
 `jit_fuser = torch.compile`). Making those wrappers imports torch._dynamo and Inductor: ~2 s of every
-process's start on a 2-core CPU (1.7 s instead of 3.4-4.1 s to import megatron.core; BENCHMARKS.md,
-"Session 68"), paid by each `megamlm` command and each rank of a launch, for fusions megamlm turns off
-(model/encoder.py: `*_fusion=False`). `install()` (run by `import megamlm`) adds a finder that loads
-megatron.core with `torch.compile` replaced, for the length of that import only, by
-`compile_on_first_call`, which makes the same call the first time the function runs. torch.compile
-itself compiles on the first call, so where one of those functions is used nothing changes but when
-Inductor is imported. A megatron.core imported before megamlm keeps its eager decorators.
+process's start on a 2-core CPU (1.7 s instead of 3.4-4.1 s to import megatron.core; a training run, whose
+optimizer imports Dynamo anyway, starts and exits ~1.8 s sooner: BENCHMARKS.md, "Session 68"), paid by each
+`megamlm` command and each rank of a launch, for fusions megamlm turns off (model/encoder.py:
+`*_fusion=False`). `install()` (run by `import megamlm`) adds a finder that loads megatron.core with
+`torch.compile` replaced, for the length of that import only, by `compile_on_first_call`, which makes the
+same call the first time the function runs. torch.compile itself compiles on the first call, so where one
+of those functions is used nothing changes but when Inductor is imported. A megatron.core imported before
+megamlm keeps its eager decorators.
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# imported once by the fork server (a module that fails to import is left to the rank to import)
-PRELOAD = ["torch", "megatron.core", "deepspeed", "transformers", "megamlm.train.loop", "megamlm.glue"]
+# imported once by the fork server (a module that fails to import is left to the rank to import); megamlm
+# before megatron.core, which it then imports as a user's process does (megamlm/megatron_import.py)
+PRELOAD = ["torch", "megamlm", "megatron.core", "deepspeed", "transformers", "megamlm.train.loop", "megamlm.glue"]
 CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(PRELOAD)
 

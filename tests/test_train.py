@@ -345,6 +345,7 @@ def test_the_main_job_ab_benchmark_runs_a_revision_beside_the_tree(shards):
         run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |")]
     assert [row.split(" | ")[1] for row in rows] == ["base", "tree"]
+    assert all(0 < float(row.split(" | ")[2]) < 300 for row in rows)  # seconds from the launch to the loop's start
     assert subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout == worktrees
 
 
