@@ -46,21 +46,19 @@ def encoder_layers(model: nn.Module) -> list[nn.Module]:
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every encoder layer (`encoder_layers`) in the backward pass (parameter names and
     the state dict are unchanged: only each layer's forward is wrapped)."""
-    # made here, not by a decorator: torch.compiler.disable imports Dynamo, ~1 s of each process's start
-    replaying = torch.compiler.disable(_checkpointed_replaying_the_stream)
     for layer in encoder_layers(model):
-        layer.forward = functools.partial(_checkpointed, layer.forward, replaying)
+        layer.forward = functools.partial(_checkpointed, layer.forward)
 
 
-def _checkpointed(forward, replaying, *args, **kwargs):
+def _checkpointed(forward, *args, **kwargs):
     """forward(*args, **kwargs), its activations recomputed in the backward pass. Compiled at TP=1 the
-    tensor-parallel stream is not used (parallel.py) and there is nothing to replay; otherwise
-    `replaying` (`_checkpointed_replaying_the_stream`, compiler-disabled) replays it."""
+    tensor-parallel stream is not used (parallel.py) and there is nothing to replay."""
     if tensor_parallel_rng.bypassed():
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return replaying(forward, *args, **kwargs)
+    return _checkpointed_replaying_the_stream(forward, *args, **kwargs)
 
 
+@torch.compiler.disable
 def _checkpointed_replaying_the_stream(forward, *args, **kwargs):
     """torch.compile takes no context_fn but TorchDispatchModes: with TP peers (their own dropout
     streams to replay) a compiled, checkpointed layer runs eagerly (the loop warns)."""
