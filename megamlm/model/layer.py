@@ -173,7 +173,9 @@ def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend, pattern: L
     )
     fc1 = (ColumnLinear if model.bias_activation == "torch" else
            ModuleSpec(module=BiasActivationLinear, params={"activation": model.activation}))
-    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=RowLinear))
+    # megatron-core takes the FFN width from the config only as a deprecated fallback (a warning per layer)
+    mlp = ModuleSpec(module=MLP, params={"ffn_hidden_size": model.ffn_hidden_size},
+                     submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=RowLinear))
     if model.layernorm == "post":
         return ModuleSpec(
             module=PostLNTransformerLayer,
