@@ -26,6 +26,7 @@ from triton_static import describe
 from megamlm.model.flex import dropped_levels
 from megamlm.model.positions import alibi_slopes
 from megamlm.model.triton_attention import backward_launches, forward_launch, kernel_spans, softmax_row_terms
+from megamlm.model.triton_autotune import COMPILE_OPTIONS
 
 
 def packed_groups(b: int, s: int, device) -> torch.Tensor:
@@ -55,7 +56,7 @@ def seen_scores(groups: torch.Tensor | None, b: int, s: int) -> int:
 def candidate_call(launch, config: triton.Config):
     """The launch's kernel run with one candidate (what the autotuner times), not through the autotuner."""
     grid = launch.grid(config.kwargs)
-    return lambda: launch.kernel.fn[grid](*launch.args, **launch.constants, **config.all_kwargs())
+    return lambda: launch.kernel.fn[grid](*launch.args, **launch.constants, **config.all_kwargs(), **COMPILE_OPTIONS)
 
 
 def milliseconds(call, repeats: int, device: torch.device) -> float:

@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 from megamlm.model import triton_bias_activation, triton_kernels
 from megamlm.model.flex import dropped_levels
+from megamlm.model.triton_autotune import COMPILE_OPTIONS
 from megamlm.model.triton_attention import backward_launches, forward_launch
 
 ISSUE_PER_CYCLE = 4  # warp-instructions per SM per cycle (4 schedulers)
@@ -95,7 +96,8 @@ def compile_sass(launch: triton_kernels.Launch, config: triton.Config, arch: int
     signature, constexprs, attrs = specialize(launch, config)
     kernel = triton.compile(ASTSource(fn=launch.kernel.fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+                            options={"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                     **COMPILE_OPTIONS})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])

@@ -348,6 +348,67 @@ def test_compiling_the_candidates_at_once_prunes_none_and_falls_back_to_one_by_o
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
+def test_every_launch_of_our_kernels_asks_for_fp_contraction(monkeypatch):
+    """Triton 3.10 turns floating-point contraction (FMA) off by default (3.9 warns): each of our five kernels
+    (attention forward, dK/dV, dQ; the FFN's bias + activation forward and backward) is launched with
+    `COMPILE_OPTIONS` (contraction on), however Triton's autotuner is reached."""
+    import triton
+
+    from megamlm.model import triton_bias_activation
+    from megamlm.model.triton_autotune import COMPILE_OPTIONS
+
+    launched = {}
+    run = triton.runtime.Autotuner.run
+
+    def recording(self, *args, **kwargs):
+        launched[self.fn.__name__] = {key: kwargs.get(key) for key in COMPILE_OPTIONS}
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton.runtime.Autotuner, "run", recording)
+    q, k, v = _layer_inputs(1, 2, 64, 16)
+    out = triton_attention(q, k, v, Alibi(2, "offset", 0, 1).slopes, 0.5, torch.zeros(1, 64, dtype=torch.int32),
+                           0.1, torch.tensor(3))
+    out.sum().backward()
+    pre, bias = torch.randn(4, 64), torch.randn(64)
+    triton_bias_activation.forward(pre, bias, "gelu", torch.empty_like(pre))
+    triton_bias_activation.backward(torch.randn(4, 64), pre, bias, "gelu", torch.empty_like(pre))
+    assert launched == dict.fromkeys(["_attention_forward_kernel", "_attention_backward_keys_kernel",
+                                      "_attention_backward_queries_kernel", "_bias_activation_forward_kernel",
+                                      "_bias_activation_backward_kernel"], COMPILE_OPTIONS)
+
+
+_CONTRACTION = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from benchmarks.triton_static import compile_sass, launches, specialize
+launch = launches(2, 256, 2, 64, torch.bfloat16, 0.1, True)["forward"]
+config = launch.kernel.configs[0]
+_, _, sass = compile_sass(launch, config, 90)  # with COMPILE_OPTIONS, as every launch
+signature, constexprs, attrs = specialize(launch, config)
+default = triton.compile(ASTSource(fn=launch.kernel.fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+print(sass.count("FFMA"), default.asm["ptx"].count("fma.rn.f32"))
+"""
+
+
+@pytest.mark.slow
+def test_the_kernels_keep_their_fmas_where_tritons_default_turns_contraction_off():
+    """With Triton's default set to no contraction (TRITON_DEFAULT_FP_FUSION=0, Triton 3.10's), the attention
+    forward compiled for sm_90 with `COMPILE_OPTIONS` still has its FMAs; compiled with the default it has none."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "0"}
+    run = subprocess.run([sys.executable, "-c", _CONTRACTION], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    ours, default = (int(n) for n in run.stdout.split())
+    assert ours > 50 and default == 0, run.stdout
+
+
 def test_a_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """The zero-clap variant (ALiBi offset, CLAP): padded and packed batches."""
     assert_model_gives_sdpas_loss_and_gradients(world, "triton")

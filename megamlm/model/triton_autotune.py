@@ -11,6 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import triton
 
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+"""The compiler options every launch of our kernels passes: floating-point contraction on (a · b + c as one FMA),
+whatever Triton's default. Triton 3.9 warns that 3.10 turns it off by default; the kernels' arithmetic is
+written for it (the online softmax's rescale, dropout's one-select dS: benchmarks/triton_static.py's counts),
+and the leases' timings and error checks had it (Triton 3.6's default)."""
+
 
 def compile_at_once(kernel: triton.JITFunction) -> Callable[..., list[triton.Config]]:
     """The autotuner's `early_config_prune` hook for `kernel`, which it calls once per new tuning key before

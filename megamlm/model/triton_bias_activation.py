@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamlm.model.triton_autotune import autotuned
+from megamlm.model.triton_autotune import COMPILE_OPTIONS, autotuned
 from megamlm.model.triton_interpreter import INTERPRET, INTERPRET_CONSTEXPR, rounded
 
 ACTIVATION_CODES = {"gelu": 0, "gelu_tanh": 1, "silu": 2}
@@ -185,7 +185,7 @@ def forward(pre: torch.Tensor, bias: torch.Tensor, activation: str, out: torch.T
     """Fills out [n, f] (in the dtype of pre + bias) with activation(pre + bias); pre [n, f] row-major, bias [f]."""
     n, f = pre.shape
     _forward[_grid(n, f)](pre, bias, out, n, f, ROWS=ROWS_PER_PROGRAM, ACTIVATION=ACTIVATION_CODES[activation],
-                          HALF=_half(pre, bias))
+                          HALF=_half(pre, bias), **COMPILE_OPTIONS)
 
 
 def backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, activation: str,
@@ -196,5 +196,5 @@ def backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, activati
     n, f = pre.shape
     partial = pre.new_empty(triton.cdiv(n, ROWS_PER_PROGRAM), f, dtype=torch.float32)
     _backward[_grid(n, f)](grad, pre, bias, dpre, partial, n, f, ROWS=ROWS_PER_PROGRAM,
-                           ACTIVATION=ACTIVATION_CODES[activation], HALF=_half(pre, bias))
+                           ACTIVATION=ACTIVATION_CODES[activation], HALF=_half(pre, bias), **COMPILE_OPTIONS)
     return partial

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamlm.model.triton_autotune import autotuned
+from megamlm.model.triton_autotune import COMPILE_OPTIONS, autotuned
 from megamlm.model.triton_blocks import block_scores, block_start, groups_of, partition, stretches
 from megamlm.model.triton_dropout import drop, kept, key_levels, query_bits_of, saved_query_bits
 from megamlm.model.triton_interpreter import INTERPRET, computable, operand, stored
@@ -306,7 +306,7 @@ class Launch(NamedTuple):
     """The constexpr keyword arguments (the autotuner adds BLOCK_M and BLOCK_N)."""
 
     def __call__(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constants)
+        self.kernel[self.grid](*self.args, **self.constants, **COMPILE_OPTIONS)
 
 
 def forward_launch(q, k, v, out, lse, query_bits, slopes, groups, spans, seed, scale: float, offset: float,
