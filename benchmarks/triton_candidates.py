@@ -84,21 +84,22 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     b, np_, s, hn = args.batch, args.heads, args.length, args.head_dim
     gen = torch.Generator().manual_seed(0)
-    # [s, b, np, 3 hn]: the layer's fused projection; q, k, v views of it, permuted to [b, np, s, hn]
-    mixed = torch.randn(s, b, np_, 3 * hn, generator=gen).to(device, dtype)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.split(hn, -1))
+    # [s, b, np, 3 hn] -> [b, np, s, 3 hn]: the layer's QKV projection, as its core attention hands it over
+    # unsplit (q, k and v views of it; their gradients written into one tensor of its layout)
+    qkv = torch.randn(s, b, np_, 3 * hn, generator=gen).to(device, dtype).permute(1, 2, 0, 3)
     groups = packed_groups(b, s, device) if args.layout == "packed" else None
     spans = kernel_spans(groups) if groups is not None else None
     slopes = torch.tensor(alibi_slopes(np_), device=device).expand(2, -1)  # before and after the query
     seed = torch.tensor(1234, device=device)
     pattern = (slopes, groups, spans)
     constants = (hn ** -0.5, 0.5, dropped_levels(args.dropout), -1)
-    forward, (out, lse, query_bits) = forward_launch(q, k, v, *pattern, seed, *constants)
+    forward, (out, lse, query_bits) = forward_launch(qkv, None, None, *pattern, seed, *constants)
     forward()  # through the autotuner: out, lse and the query bits for the backward
     do = torch.randn(out.shape, generator=gen).to(device, dtype)
     delta = softmax_row_terms(do, out, constants[2])
-    (keys, queries), (dq, dk, dv, _) = backward_launches(do, q, k, v, delta, lse, query_bits, *pattern, *constants,
-                                                          False)
+    (keys, queries), (dqkv, *_) = backward_launches(do, qkv, None, None, delta, lse, query_bits, *pattern, *constants,
+                                                     False)
+    dq, dk, dv = dqkv.chunk(3, -1)  # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
     seen = seen_scores(groups, b, s) * np_
     print(f"model.attention_backend=triton's candidates on {device}"
           f"{f' ({torch.cuda.get_device_name()})' if device.type == 'cuda' else ''}: batch {b} x {s}, {args.layout}, "

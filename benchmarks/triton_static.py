@@ -153,9 +153,9 @@ def loop_costs(opcodes: list[str], config: triton.Config) -> tuple[dict, float, 
 def launches(batch: int, length: int, heads: int, head_dim: int, dtype: torch.dtype, dropout: float, groups: bool):
     """{kernel name: its launch} for one training step's forward and backward, on meta tensors."""
     meta = {"device": "meta", "dtype": dtype}
-    # [s, b, np, 3 hn]: the layer's fused projection; q, k, v views of it, permuted to [b, np, s, hn]
-    mixed = torch.empty(length, batch, heads, 3 * head_dim, **meta)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.split(head_dim, -1))
+    # [s, b, np, 3 hn] -> [b, np, s, 3 hn]: the layer's QKV projection, as its core attention hands it over
+    # unsplit (q, k and v views of it; their gradients written into one tensor of its layout)
+    qkv = torch.empty(length, batch, heads, 3 * head_dim, **meta).permute(1, 2, 0, 3)
     slopes = torch.empty(heads, device="meta")
     layout = torch.empty(batch, length, device="meta", dtype=torch.int32) if groups else None
     spans = torch.empty(4, batch, length, device="meta", dtype=torch.int32) if groups else None
@@ -163,9 +163,9 @@ def launches(batch: int, length: int, heads: int, head_dim: int, dtype: torch.dt
     dropped = dropped_levels(dropout)
     pattern = (slopes.expand(2, -1), layout, spans)
     constants = (head_dim ** -0.5, 0.0, dropped, -1)
-    forward, (out, lse, query_bits) = forward_launch(q, k, v, *pattern, seed, *constants)
+    forward, (out, lse, query_bits) = forward_launch(qkv, None, None, *pattern, seed, *constants)
     delta = torch.empty_like(lse)
-    (keys, queries), _ = backward_launches(torch.empty_like(out), q, k, v, delta, lse, query_bits, *pattern,
+    (keys, queries), _ = backward_launches(torch.empty_like(out), qkv, None, None, delta, lse, query_bits, *pattern,
                                            *constants, False)
     return {"forward": forward, "dK/dV": keys, "dQ": queries}
 

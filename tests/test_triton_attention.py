@@ -3,10 +3,14 @@ eager attention's output and gradients — ALiBi (fixed and learned slopes), pad
 samples, sliding windows, and dropout with flex.py's mask — visiting only the blocks a query can see,
 and a model on them gives sdpa's loss and gradients, at TP=1 and TP=2."""
 
+import math
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megamlm.config import ConfigError
+from megamlm.data.batch import collate
 from megamlm.model.positions import Alibi, PositionEncoding
 from megamlm.model.patterns import group_sees
 from megamlm.model.triton_attention import (TritonAttention, group_runs, group_spans, materialized_attention,
@@ -14,6 +18,7 @@ from megamlm.model.triton_attention import (TritonAttention, group_runs, group_s
 from megamlm.objectives import MaskedLM
 from tests.backend_parity import assert_loop_trains_sdpas_losses, assert_model_gives_sdpas_loss_and_gradients
 from tests.multiproc import run_on_ranks
+from tests.test_packing import _no_corruption, _samples
 from tests.test_train import _straight_then_resume, _train, config, tiny_shards
 from tests.variants import variant_config
 
@@ -101,6 +106,29 @@ def _packed_groups(s: int) -> torch.Tensor:
     groups = torch.full((2, s), -1, dtype=torch.int32)
     groups[0, :70], groups[0, 70:150], groups[0, 150:190], groups[1, :129] = 0, 1, 2, 0
     return groups
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("layout", ["whole-rows", "packed"])
+def test_one_tensor_holding_q_k_v_gets_the_references_output_and_its_gradient_whole(layout, p):
+    """q alone, [b, np, s, 3·hn] (the QKV projection's layout), k and v None: the output of its three
+    thirds, and its gradient as the reference's three gradients side by side, laid out as the projection's
+    output, so that nothing is copied between it and the projection's backward."""
+    g = torch.Generator().manual_seed(2)
+    mixed = torch.randn(100 if layout == "whole-rows" else 190, 2, 3, 3 * 16, generator=g, requires_grad=True)
+    s = mixed.size(0)
+    groups = _layout_groups(layout, s)
+    slopes, seed = Alibi(3, "offset", 0, 1).slopes, torch.tensor(987654321)
+    out = triton_attention(mixed.permute(1, 2, 0, 3), None, None, slopes, 0.5, groups, p, seed if p else None)
+    # [s, b, np, 3 hn] -> 3 x [s, b, np, hn] -> 3 x [b, np, s, hn]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.split(16, -1))
+    want = materialized_attention(q, k, v, slopes, 0.5, groups, p, seed)
+    torch.testing.assert_close(out, want, rtol=0, atol=2e-6)
+    grad = torch.randn(out.shape, generator=g)
+    (got,), (expected,) = (torch.autograd.grad(o, mixed, grad) for o in (out, want))
+    torch.testing.assert_close(got, expected, rtol=0, atol=5e-6)
+    # the op's gradient for q is [b, np, s, 3 hn] laid out [s, b, np, 3 hn]: permuted back, the projection's layout
+    assert got.is_contiguous()
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
@@ -422,6 +450,39 @@ def test_a_learned_alibi_model_on_triton_gives_sdpas_loss_and_gradients(world):
 def test_a_local_global_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """ModernBERT's recipe (RoPE, a global then a windowed layer): the window in the kernels."""
     assert_model_gives_sdpas_loss_and_gradients(world, "triton", "modernbert")
+
+
+class _Concatenations(TorchDispatchMode):
+    """The shapes of the aten.cat results of what runs under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.cat:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_a_layer_on_triton_concatenates_no_gradient_of_the_qkv_projection(world):
+    """The layers hand the core attention the QKV projection unsplit (UnsplitQKVSelfAttention): sdpa's
+    backward concatenates the three gradients of its split, [b, np, s, 3·hn] per layer; our kernels write
+    them in that layout, and the backward concatenates nothing."""
+    samples = [(s, i) for i, s in enumerate(_samples(200))]
+    batch = collate(samples, _no_corruption, 0, 16, pad_id=1)
+    cats = {}
+    for backend in ("sdpa", "triton"):
+        cfg = variant_config("zero-clap", [f"model.attention_backend={backend}"]).model
+        model = MaskedLM(cfg, world, seed=3)
+        loss = model(batch.inputs, batch.target_index, batch.documents, batch.segments, targets=batch.targets).mean()
+        with _Concatenations() as spy:
+            loss.backward()
+        cats[backend] = spy.shapes
+    b, s = batch.inputs.shape
+    assert [math.prod(shape) for shape in cats["sdpa"]] == [b * s * 3 * cfg.hidden_size] * cfg.num_layers
+    assert cats["triton"] == []
 
 
 @pytest.fixture(scope="module")

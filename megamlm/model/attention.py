@@ -173,6 +173,13 @@ class AttentionBackend:
         return PackedRows(index, positions, sample * longest + slot,
                           self._bias(~filled, docs, dtype, pattern, lambda free_only=False: unequal))
 
+    def attend_unsplit(self, qkv: torch.Tensor, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
+        """qkv [b, np, s, 3 · hn], each head's query, key and value side by side (the QKV projection's layout)
+        -> `attend`'s [b, np, s, hn]. Here split into views: their gradients are concatenated in the backward,
+        as after megatron's split; a backend whose kernels can write that layout overrides this."""
+        # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
+        return self.attend(*qkv.chunk(3, -1), prepared, dropout_p, scale)
+
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
         """q, k, v [b, np, s, hn] -> [b, np, s, hn]."""
         if isinstance(prepared, PackedRows):
@@ -372,7 +379,9 @@ def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor
 
 
 class BidirectionalAttention(MegatronModule):
-    """megatron's core-attention slot: permutes to [b, np, s, hn], lets the backend attend."""
+    """megatron's core-attention slot: permutes to [b, np, s, hn], lets the backend attend. It takes query,
+    key and value [s, b, np, hn], or (layer.py's UnsplitQKVSelfAttention) the QKV projection unsplit as the
+    query, [s, b, np, 3 · hn], key and value None: a backend may then attend without splitting it."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
                  softmax_scale=None, pg_collection=None, *, backend: AttentionBackend,
@@ -386,13 +395,19 @@ class BidirectionalAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        s, b, np_local, hn = query.shape
-        # [s, b, np, hn] -> [b, np, s, hn]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        s, b, np_local, _ = query.shape
         inputs: LayerInputs = attention_mask[self.pattern]
-        if inputs.rotation is not None:
-            q, k = (apply_rotation(t, *inputs.rotation) for t in (q, k))
         dropout_p = self.dropout_p if self.training else 0.0
-        out = self.backend.attend(q, k, v, inputs.attention, dropout_p, self.softmax_scale)
+        if key is None and inputs.rotation is None:
+            # [s, b, np, 3 hn] -> [b, np, s, 3 hn]
+            out = self.backend.attend_unsplit(query.permute(1, 2, 0, 3), inputs.attention, dropout_p,
+                                              self.softmax_scale)
+        else:
+            # [s, b, np, 3 hn] -> 3 x [s, b, np, hn]; each [s, b, np, hn] -> [b, np, s, hn]
+            heads = query.chunk(3, -1) if key is None else (query, key, value)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in heads)
+            if inputs.rotation is not None:
+                q, k = (apply_rotation(t, *inputs.rotation) for t in (q, k))
+            out = self.backend.attend(q, k, v, inputs.attention, dropout_p, self.softmax_scale)
         # [b, np, s, hn] -> [s, b, np * hn]
-        return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -62,6 +62,22 @@ class PostLNTransformerLayer(TransformerLayer):
         return self.post_mlp_layernorm(super()._forward_post_mlp(mlp_output_with_bias, residual))
 
 
+class UnsplitQKVSelfAttention(SelfAttention):
+    """megatron-core's SelfAttention handing its core attention (BidirectionalAttention) the QKV projection
+    unsplit, [s, b, np, 3 · hn] as the query, key and value None. Split into three by megatron, their
+    gradients are concatenated back into that layout after the attention's backward (a copy of the
+    projection's output per layer: 1.6 ms of an update's 152 ms of kernels, base at 2048 on the H200);
+    unsplit, a backend whose kernels write the three gradients into one tensor of that layout
+    (model.attention_backend=triton) leaves nothing to concatenate. megatron-core's own unsplit form
+    (split_qkv=False, its fused-RoPE path's) is the same tensor; our RoPE is applied in the core attention."""
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        # [s, b, h] -> [s, b, np, 3 hn]: each head's query, key and value side by side
+        mixed_qkv, _ = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate,
+                                                           split_qkv=False)
+        return mixed_qkv, None, None
+
+
 class TensorParallelLinear:
     """What our two megatron-core tensor-parallel linears below change.
 
@@ -161,7 +177,7 @@ def encoder_layer_spec(model: ModelConfig, backend: AttentionBackend, pattern: L
     norm = norm_spec(model)
     core_attention = functools.partial(BidirectionalAttention, backend=backend, pattern=pattern)
     self_attention = ModuleSpec(
-        module=SelfAttention,
+        module=UnsplitQKVSelfAttention,
         params={"attn_mask_type": AttnMaskType.no_mask},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnLinear,

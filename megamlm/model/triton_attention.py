@@ -97,13 +97,20 @@ def _kernel_inputs(q, slopes, groups, spans, bits, dropped: int, half_window: in
             placeholder if bits is None else bits, flags)
 
 
+def _heads(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(q, k, v) [b, np, s, hn] as the op's arguments give them: three tensors, or one, q, holding each head's
+    query, key and value side by side ([b, np, s, 3 · hn], the QKV projection's layout; k and v None), split
+    into views of it."""
+    return (q, k, v) if k is not None else q.chunk(3, -1)  # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
+
+
 def forward_launch(q, k, v, slopes, groups, spans, seed, scale: float, offset: float, dropped: int,
                    half_window: int) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(the forward kernel's launch, (out, lse, query_bits)) for `_attention_op`'s arguments."""
     if dropped and q.size(2) > _DROPOUT_POSITIONS:  # the kernels fold a step of the hash into each query's bits
         raise ValueError(f"model.attention_backend=triton's attention dropout takes sequences of at most "
                          f"{_DROPOUT_POSITIONS} positions, not {q.size(2)}; use flex or sdpa")
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v = (_rows(t) for t in _heads(q, k, v))
     outputs = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
     launch = kernel_forward(q, k, v, *outputs, *inputs, scale, offset, level_keep_scale(dropped), half_window, flags)
@@ -124,11 +131,14 @@ def backward_launches(do, q, k, v, delta, lse, query_bits, slopes, groups, spans
                       dropped: int, half_window: int,
                       slope_grad: bool) -> tuple[tuple[Launch, Launch], tuple[torch.Tensor, ...]]:
     """(the backward kernels' launches, (dq, dk, dv, shares)) for `_attention_backward_op`'s arguments;
-    delta: `softmax_row_terms`."""
-    do, q, k, v = _rows(do), _rows(q), _rows(k), _rows(v)
+    delta: `softmax_row_terms`. For one q holding q, k and v (`_heads`), dq is their gradient in that layout,
+    whose thirds the kernels fill (nothing to concatenate after them), and dk, dv are empty."""
+    grads = _attention_backward_fake(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale, offset,
+                                     dropped, half_window, slope_grad)[:3]
+    # [b, np, s, hn] each, with the one set of strides the kernels write them in
+    dq, dk, dv = _heads(grads[0], None, None) if k is None else grads
+    do, q, k, v = (_rows(t) for t in (do, *_heads(q, k, v)))
     delta = delta.contiguous()  # the kernels read [b, np, s]; Inductor may lay a fused reduction out otherwise
-    dq, dk, dv, _ = _attention_backward_fake(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale,
-                                             offset, dropped, half_window, slope_grad)
     b, np_local, s, _ = q.shape
     # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size); without
     # slope_grad a placeholder, never written (as _kernel_inputs': no null pointer for the launcher)
@@ -136,14 +146,15 @@ def backward_launches(do, q, k, v, delta, lse, query_bits, slopes, groups, spans
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, query_bits, dropped, half_window)
     launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset,
                                level_keep_scale(dropped), half_window, flags, slope_grad)
-    return launches, (dq, dk, dv, shares)
+    return launches, (*grads, shares)
 
 
 @torch.library.custom_op("megamlm::triton_attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None,
+def _attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, slopes: torch.Tensor | None,
                   groups: torch.Tensor | None, spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float,
                   offset: float, dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units, query_bits). half_window -1: no window.
+    """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units, query_bits); q, k, v: `_heads`. half_window
+    -1: no window.
     query_bits [b, np, s] int32: the dropout hash per query (triton_dropout's `query_bits_of`), for the
     backward (in the dK/dV kernel every thread would compute them for each of its queries, each block:
     half again the hash's work); without dropout a placeholder, never read."""
@@ -154,18 +165,20 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: tor
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window):
+    q = _heads(q, k, v)[0]
     b, np_local, s, hn = q.shape
     return (_like_sbh(q), q.new_empty(b, np_local, s, dtype=torch.float32),
             q.new_empty((b, np_local, s) if dropped else (1,), dtype=torch.int32))
 
 
 @torch.library.custom_op("megamlm::triton_attention_backward", mutates_args=())
-def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                            delta: torch.Tensor, lse: torch.Tensor, query_bits: torch.Tensor,
                            slopes: torch.Tensor | None, groups: torch.Tensor | None, spans: torch.Tensor | None,
                            scale: float, offset: float, dropped: int, half_window: int,
                            slope_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq, dk, dv and, with slope_grad, the slopes' [2, np] (else an empty tensor)."""
+    """-> dq, dk, dv (`backward_launches`: for one q holding all three, its gradient and two empty tensors) and,
+    with slope_grad, the slopes' [2, np] (else an empty tensor)."""
     launches, (dq, dk, dv, shares) = backward_launches(do, q, k, v, delta, lse, query_bits, slopes, groups, spans,
                                                        scale, offset, dropped, half_window, slope_grad)
     for launch in launches:
@@ -178,8 +191,9 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 @_attention_backward_op.register_fake
 def _attention_backward_fake(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale, offset, dropped,
                              half_window, slope_grad):
-    return (_like_sbh(q), _like_sbh(q), _like_sbh(q),
-            slopes.new_empty(slopes.shape) if slope_grad else q.new_empty(0, dtype=torch.float32))
+    # one q holding q, k and v: its gradient in that layout, [s, b, np, 3 hn] in memory, and no dk, dv
+    grads = (_like_sbh(q), q.new_empty(0), q.new_empty(0)) if k is None else (_like_sbh(q), _like_sbh(q), _like_sbh(q))
+    return (*grads, slopes.new_empty(slopes.shape) if slope_grad else q.new_empty(0, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -194,6 +208,7 @@ def _backward(ctx, do, _lse_grad, _bits_grad):
     _scale, _offset, dropped, _half_window = ctx.constants
     dq, dk, dv, dslopes = _attention_backward_op(do, q, k, v, softmax_row_terms(do, out, dropped), lse, query_bits,
                                                  slopes, groups, spans, *ctx.constants, slope_grad)
+    dk, dv = (None, None) if k is None else (dk, dv)  # one q holding q, k and v: dq is its gradient
     return dq, dk, dv, dslopes if slope_grad else None, None, None, None, None, None, None, None
 
 
@@ -209,8 +224,9 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: 
     sees (groups [b, s], `attention_groups`, None: all; a padding query sees none and gets zeros;
     `window`: within window // 2 positions), dropout p on the probabilities with flex.py's mask of `seed`
     (int64 on the device), @ v. spans: `kernel_spans(groups)` where the caller has them (one forward's
-    layers share them)."""
-    scale = q.size(-1) ** -0.5 if scale is None else scale
+    layers share them). q may hold all three, k and v None (`_heads`, the QKV projection's layout): the
+    backward then writes q's gradient whole, where three of them would be concatenated after it."""
+    scale = _heads(q, k, v)[0].size(-1) ** -0.5 if scale is None else scale
     dropped = dropped_levels(dropout_p)
     spans = kernel_spans(groups) if groups is not None and spans is None else spans
     slopes = slopes if slopes is None or slopes.dim() == 2 else slopes.expand(2, -1)  # before, after
@@ -301,3 +317,7 @@ class TritonAttention(AttentionBackend):
         seed = draw_seed(q.device) if dropout_p > 0 else None
         return triton_attention(q, k, v, prepared.slopes, prepared.offset, prepared.groups, dropout_p, seed, scale,
                                 prepared.window, prepared.spans)
+
+    def attend_unsplit(self, qkv, prepared: TritonInputs, dropout_p: float, scale: float | None) -> torch.Tensor:
+        # the kernels read q, k and v as views and write their gradients into one tensor in qkv's layout
+        return self.attend(qkv, None, None, prepared, dropout_p, scale)
