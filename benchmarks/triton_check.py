@@ -6,10 +6,12 @@ that the GPU's compiled kernels (integer hash lanes, exp2, block sizes the autot
 
     python benchmarks/triton_check.py                     # GPU: bf16, 2 x 12 heads x 64, lengths 1000, 2048
 
-Cases: whole rows; padded rows with two documents in one; packed rows (three samples and a free tail)
-through a 256-token window (a ModernBERT local layer's) — the last two skip the blocks no query sees;
-each without and with attention dropout 0.1 (SDPA cannot take the mask: its yardstick is the same case
-without dropout). Exits 1 when an error exceeds 4x SDPA's (+ 1e-3), naming the case.
+The kernels get q, k and v as a layer hands them over: one tensor laid out as the QKV projection's output,
+their gradients written into one tensor of that layout. Cases: whole rows; padded rows with two documents
+in one; packed rows (three samples and a free tail) through a 256-token window (a ModernBERT local
+layer's) — the last two skip the blocks no query sees; each without and with attention dropout 0.1
+(SDPA cannot take the mask: its yardstick is the same case without dropout). Exits 1 when an error
+exceeds 4x SDPA's (+ 1e-3), naming the case.
 """
 
 from __future__ import annotations
@@ -62,6 +64,18 @@ def _errors(fn, inputs, grad, reference) -> list[float]:
     return [(a.double() - b).abs().max().item() for a, b in zip(got, reference)]
 
 
+def _unsplit_errors(fn, inputs, grad, reference) -> list[float]:
+    """`_errors` with q, k and v handed over as a layer does: one tensor, the QKV projection's output
+    [s, b, np, 3 · hn], whose gradient the backward kernels write whole (k and v None)."""
+    # 3 x [b, np, s, hn] -> [b, np, s, 3 hn] -> [s, b, np, 3 hn]
+    mixed = torch.cat(inputs, -1).permute(2, 0, 1, 3).contiguous().requires_grad_()
+    out = fn(mixed.permute(1, 2, 0, 3), None, None)
+    (whole,) = torch.autograd.grad(out, mixed, grad.to(out.dtype))
+    # [s, b, np, 3 hn] -> [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
+    got = [out, *whole.permute(1, 2, 0, 3).chunk(3, -1)]
+    return [(a.double() - b).abs().max().item() for a, b in zip(got, reference)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1000,2048")
@@ -95,8 +109,9 @@ def main() -> None:
                 q, k, v = (t.detach().clone().requires_grad_() for t in inputs64)
                 out = materialized_attention(q, k, v, slopes.double(), 0.5, groups, p, seed, window=window)
                 reference = [out, *torch.autograd.grad(out, (q, k, v), grad)]
-                ours = _errors(functools.partial(triton_attention, slopes=slopes, offset=0.5, groups=groups,
-                                                 dropout_p=p, seed=seed, window=window), inputs, grad, reference)
+                ours = _unsplit_errors(functools.partial(triton_attention, slopes=slopes, offset=0.5, groups=groups,
+                                                         dropout_p=p, seed=seed, window=window), inputs, grad,
+                                       reference)
                 if sdpa is None:
                     sdpa = _errors(functools.partial(_sdpa, slopes=slopes, groups=groups, window=window), inputs,
                                    grad, reference)
