@@ -215,8 +215,8 @@ def _backward(ctx, do, _lse_grad, _bits_grad):
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None, offset: float,
-                     groups: torch.Tensor | None, dropout_p: float, seed: torch.Tensor | None,
+def triton_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, slopes: torch.Tensor | None,
+                     offset: float, groups: torch.Tensor | None, dropout_p: float, seed: torch.Tensor | None,
                      scale: float | None = None, window: int | None = None,
                      spans: torch.Tensor | None = None) -> torch.Tensor:
     """q, k, v [b, np, s, hn] -> [b, np, s, hn] (memory laid out [s, b, np, hn]): softmax(q·kᵀ·scale +
