@@ -383,30 +383,6 @@ def test_one_rank_linears_compute_megatrons_products_bit_for_bit(world, variant,
     assert all(torch.equal(fast_grads[n], megatron_grads[n]) for n in fast_grads)
 
 
-def test_a_one_rank_linear_adds_its_bias_inside_the_matmul(world):
-    # the QKV projection, the one linear that adds its own bias (the others hand it to the next op): one addmm,
-    # on a GPU cuBLASLt's bias epilogue instead of a pass of its own over the output
-    from megamlm.model.layer import ColumnLinear
-
-    cfg = variant_config("baseline", [])
-    model = MaskedLM(cfg.model, world, seed=3).train()
-    biased = [m for m in model.modules() if isinstance(m, ColumnLinear) and m.bias is not None and not m.skip_bias_add]
-    assert len(biased) == cfg.model.num_layers
-    producers = []
-
-    def record(module, args, output):
-        node = output[0].grad_fn
-        while type(node).__name__ in ("ViewBackward0", "UnsafeViewBackward0"):  # [s·b, o] -> [s, b, o]
-            node = node.next_functions[0][0]
-        producers.append(type(node).__name__)
-
-    for module in biased:
-        module.register_forward_hook(record)
-    tokens = torch.randint(4, cfg.model.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
-    model(tokens, torch.tensor([1, 5, 30]), targets=tokens.flatten()[[1, 5, 30]])
-    assert producers == ["AddmmBackward0"] * cfg.model.num_layers
-
-
 def _backward_nodes(tensor: torch.Tensor) -> set[str]:
     """Names of the autograd nodes behind `tensor`."""
     seen, stack = set(), [tensor.grad_fn]

@@ -107,10 +107,13 @@ class TensorParallelLinear:
         """megatron's (output, output_bias) at one rank: [s, b, h_in] x [h_in, h_out] -> [s, b, h_out]."""
         if self.skip_bias_add or self.bias is None:
             return torch.matmul(input_, self.weight.t()), self.bias if self.skip_bias_add else None
-        # the bias inside the matmul (addmm: on a GPU cuBLASLt's bias epilogue, where megatron's matmul and add
-        # took one more pass over the output, the QKV projection's: 1.7 ms of an update's kernels, base at 2048
-        # on the H200); on the CPU the numbers of the matmul and the add, to the last bit (tested)
-        return torch.nn.functional.linear(input_, self.weight, self.bias), None
+        if input_.is_cuda:
+            # the bias inside the matmul (one addmm: cuBLASLt's bias epilogue), where megatron's matmul and add
+            # take one more pass over the output, the QKV projection's: 1.7 ms of an update's kernels, base at
+            # 2048 on the H200. Not on the CPU: no faster there, and in bf16 its one rounding of the sum would
+            # change megatron's numbers (two roundings), which the CPU keeps to the last bit
+            return torch.nn.functional.linear(input_, self.weight, self.bias), None
+        return torch.matmul(input_, self.weight.t()) + self.bias, None
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if kwargs.get("tp_group") is None:
