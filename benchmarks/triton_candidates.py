@@ -24,6 +24,7 @@ from timing import timed, warm_clocks  # benchmarks/ is the script's folder: on 
 from triton_static import describe
 
 from megamlm.model.flex import dropped_levels
+from megamlm.model.attention import split_qkv
 from megamlm.model.positions import alibi_slopes
 from megamlm.model.triton_attention import backward_launches, forward_launch, kernel_spans, softmax_row_terms
 from megamlm.model.triton_autotune import COMPILE_OPTIONS
@@ -99,7 +100,7 @@ def main() -> None:
     delta = softmax_row_terms(do, out, constants[2])
     (keys, queries), (dqkv, *_) = backward_launches(do, qkv, None, None, delta, lse, query_bits, *pattern, *constants,
                                                      False)
-    dq, dk, dv = dqkv.chunk(3, -1)  # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
+    dq, dk, dv = split_qkv(dqkv)  # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
     seen = seen_scores(groups, b, s) * np_
     print(f"model.attention_backend=triton's candidates on {device}"
           f"{f' ({torch.cuda.get_device_name()})' if device.type == 'cuda' else ''}: batch {b} x {s}, {args.layout}, "

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from megamlm.model.attention import split_qkv
 from megamlm.model.positions import alibi_slopes
 from megamlm.model.triton_attention import materialized_attention, materialized_bias, triton_attention
 
@@ -72,7 +73,7 @@ def _unsplit_errors(fn, inputs, grad, reference) -> list[float]:
     out = fn(mixed.permute(1, 2, 0, 3), None, None)
     (whole,) = torch.autograd.grad(out, mixed, grad.to(out.dtype))
     # [s, b, np, 3 hn] -> [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
-    got = [out, *whole.permute(1, 2, 0, 3).chunk(3, -1)]
+    got = [out, *split_qkv(whole.permute(1, 2, 0, 3))]
     return [(a.double() - b).abs().max().item() for a, b in zip(got, reference)]
 
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megamlm.config import GLOBAL_ATTENTION, LayerAttention
-from megamlm.model.attention import BidirectionalAttention, LayerInputs, sdpa_kernels
+from megamlm.model.attention import LayerInputs, sdpa_kernels
+from megamlm.model.layer import BidirectionalAttention
 from megamlm.model.backends import ATTENTION_BACKENDS
 from megamlm.model.patterns import flex_block_mask
 from megamlm.model.encoder import transformer_config

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megamlm.config import GLOBAL_ATTENTION
-from megamlm.model.attention import AttentionBackend, BidirectionalAttention, LayerInputs
+from megamlm.model.attention import AttentionBackend, LayerInputs
+from megamlm.model.layer import BidirectionalAttention
 from megamlm.model.dropout import dropout
 from megamlm.model.encoder import transformer_config
 from megamlm.model.positions import PositionEncoding

@@ -1,9 +1,10 @@
-"""Bidirectional core attention and its backends, plugged into megatron-core's SelfAttention.
+"""Bidirectional attention's backends, plugged into megatron-core's SelfAttention.
 
 megatron-core's DotProductAttention needs CUDA (global memory buffer) and has no path for an
-additive bias, so `BidirectionalAttention` replaces it in the layer spec. It receives this rank's
-heads only, query/key/value [s, b, np, hn], and returns [s, b, np * hn]; the work is done by an
-`AttentionBackend` chosen by name (backends.py's `ATTENTION_BACKENDS`, model.attention_backend):
+additive bias, so `BidirectionalAttention` (layer.py) replaces it in the layer spec. It receives this
+rank's heads only, query/key/value [s, b, np, hn] (or the QKV projection unsplit, `split_qkv`), and
+returns [s, b, np * hn]; the work is done by an `AttentionBackend` chosen by name (backends.py's
+`ATTENTION_BACKENDS`, model.attention_backend):
 
     backend = ATTENTION_BACKENDS[name](position)    # one per encoder, shared by its layers
     layers = backend.prepare_layers(patterns, padding, documents, segments, dtype, host)   # once per forward
@@ -55,16 +56,21 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import AuxRequest
-from megatron.core.transformer.module import MegatronModule
 
 from megamlm.config import GLOBAL_ATTENTION, ConfigError, LayerAttention, ModelConfig
 from megamlm.model.alibi_flash import AlibiTerms, alibi_flash_attention, alibi_terms, flash_kernel
 from megamlm.model.dropout import dropout
 from megamlm.model.flex import attend_with_dropout, compiled_flex_attention, draw_seed, kernel_options
 from megamlm.model.patterns import flex_block_mask, pattern_sees, random_block_table
-from megamlm.model.positions import POSITIONS, PositionEncoding, apply_rotation, sample_positions, sample_starts
+from megamlm.model.positions import POSITIONS, PositionEncoding, sample_positions, sample_starts
 from megamlm.model.sequences import LayoutReads, PackedRows, attention_groups, varlen_attention
 from megamlm.parallel import tensor_parallel_rng
+
+
+def split_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., 3 · hn], each head's query, key and value side by side (the QKV projection's layout) -> q, k, v
+    [..., hn], views of it."""
+    return qkv.chunk(3, -1)
 
 
 @dataclass
@@ -177,8 +183,7 @@ class AttentionBackend:
         """qkv [b, np, s, 3 · hn], each head's query, key and value side by side (the QKV projection's layout)
         -> `attend`'s [b, np, s, hn]. Here split into views: their gradients are concatenated in the backward,
         as after megatron's split; a backend whose kernels can write that layout overrides this."""
-        # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
-        return self.attend(*qkv.chunk(3, -1), prepared, dropout_p, scale)
+        return self.attend(*split_qkv(qkv), prepared, dropout_p, scale)
 
     def attend(self, q, k, v, prepared, dropout_p: float, scale: float | None) -> torch.Tensor:
         """q, k, v [b, np, s, hn] -> [b, np, s, hn]."""
@@ -376,38 +381,3 @@ def _eager(q, k, v, bias, dropout_p: float, scale: float | None) -> torch.Tensor
             probs = dropout(probs, dropout_p, training=True)
     # [b, np, s, s] x [b, np, s, hn] -> [b, np, s, hn]
     return torch.matmul(probs, v)
-
-
-class BidirectionalAttention(MegatronModule):
-    """megatron's core-attention slot: permutes to [b, np, s, hn], lets the backend attend. It takes query,
-    key and value [s, b, np, hn], or (layer.py's UnsplitQKVSelfAttention) the QKV projection unsplit as the
-    query, [s, b, np, 3 · hn], key and value None: a backend may then attend without splitting it."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None, *, backend: AttentionBackend,
-                 pattern: LayerAttention = GLOBAL_ATTENTION):
-        super().__init__(config=config)
-        self.backend = backend
-        self.pattern = pattern
-        """This layer's attention pattern; its key into the prepared LayerInputs."""
-        self.dropout_p = config.attention_dropout
-        self.softmax_scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        s, b, np_local, _ = query.shape
-        inputs: LayerInputs = attention_mask[self.pattern]
-        dropout_p = self.dropout_p if self.training else 0.0
-        if key is None and inputs.rotation is None:
-            # [s, b, np, 3 hn] -> [b, np, s, 3 hn]
-            out = self.backend.attend_unsplit(query.permute(1, 2, 0, 3), inputs.attention, dropout_p,
-                                              self.softmax_scale)
-        else:
-            # [s, b, np, 3 hn] -> 3 x [s, b, np, hn]; each [s, b, np, hn] -> [b, np, s, hn]
-            heads = query.chunk(3, -1) if key is None else (query, key, value)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in heads)
-            if inputs.rotation is not None:
-                q, k = (apply_rotation(t, *inputs.rotation) for t in (q, k))
-            out = self.backend.attend(q, k, v, inputs.attention, dropout_p, self.softmax_scale)
-        # [b, np, s, hn] -> [s, b, np * hn]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)

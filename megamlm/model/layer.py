@@ -22,6 +22,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import (
@@ -30,10 +31,11 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megamlm.config import GLOBAL_ATTENTION, LayerAttention, ModelConfig
-from megamlm.model.attention import AttentionBackend, BidirectionalAttention
+from megamlm.model.attention import AttentionBackend, LayerInputs, split_qkv
 from megamlm.model.bias_activation import bias_activation
 from megamlm.model.dropout import dropout
 from megamlm.model.norm import norm_spec
+from megamlm.model.positions import apply_rotation
 
 
 @dataclasses.dataclass
@@ -76,6 +78,42 @@ class UnsplitQKVSelfAttention(SelfAttention):
         mixed_qkv, _ = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate,
                                                            split_qkv=False)
         return mixed_qkv, None, None
+
+
+class BidirectionalAttention(MegatronModule):
+    """megatron's core-attention slot (attention.py's module docstring): permutes to [b, np, s, hn], lets the
+    backend attend. It takes query, key and value [s, b, np, hn], or (UnsplitQKVSelfAttention) the QKV
+    projection unsplit as the query, [s, b, np, 3 · hn], key and value None: a backend may then attend
+    without splitting it."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
+                 softmax_scale=None, pg_collection=None, *, backend: AttentionBackend,
+                 pattern: LayerAttention = GLOBAL_ATTENTION):
+        super().__init__(config=config)
+        self.backend = backend
+        self.pattern = pattern
+        """This layer's attention pattern; its key into the prepared LayerInputs."""
+        self.dropout_p = config.attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        s, b, np_local, _ = query.shape
+        inputs: LayerInputs = attention_mask[self.pattern]
+        dropout_p = self.dropout_p if self.training else 0.0
+        if key is None and inputs.rotation is None:
+            # [s, b, np, 3 hn] -> [b, np, s, 3 hn]
+            out = self.backend.attend_unsplit(query.permute(1, 2, 0, 3), inputs.attention, dropout_p,
+                                              self.softmax_scale)
+        else:
+            # [s, b, np, 3 hn] -> 3 x [s, b, np, hn]; each [s, b, np, hn] -> [b, np, s, hn]
+            heads = split_qkv(query) if key is None else (query, key, value)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in heads)
+            if inputs.rotation is not None:
+                q, k = (apply_rotation(t, *inputs.rotation) for t in (q, k))
+            out = self.backend.attend(q, k, v, inputs.attention, dropout_p, self.softmax_scale)
+        # [b, np, s, hn] -> [s, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 class TensorParallelLinear:

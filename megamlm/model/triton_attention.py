@@ -10,7 +10,7 @@ flex.py's mask (the same bits for the same seed).
 
 The kernels are a torch custom op (`megamlm::triton_attention`, and its backward), so torch.compile
 keeps them whole inside a compiled layer. The output is laid out [s, b, np, hn] in memory, the
-layer's layout: BidirectionalAttention's permute back to [s, b, np · hn] is a view.
+layer's layout: BidirectionalAttention's (layer.py) permute back to [s, b, np · hn] is a view.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from megamlm.config import GLOBAL_ATTENTION, LayerAttention, ModelConfig
-from megamlm.model.attention import AttentionBackend
+from megamlm.model.attention import AttentionBackend, split_qkv
 from megamlm.model.dropout import dropped_levels, level_keep_scale
 from megamlm.model.flex import draw_seed, keep_mask, keep_scale
 from megamlm.model.patterns import group_sees, pattern_sees
@@ -101,7 +101,7 @@ def _heads(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> t
     """(q, k, v) [b, np, s, hn] as the op's arguments give them: three tensors, or one, q, holding each head's
     query, key and value side by side ([b, np, s, 3 · hn], the QKV projection's layout; k and v None), split
     into views of it."""
-    return (q, k, v) if k is not None else q.chunk(3, -1)  # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
+    return (q, k, v) if k is not None else split_qkv(q)  # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
 
 
 def forward_launch(q, k, v, slopes, groups, spans, seed, scale: float, offset: float, dropped: int,
