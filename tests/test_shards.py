@@ -162,6 +162,11 @@ def test_a_tokenizer_worker_that_dies_ends_the_build_with_one_line_and_leaves_no
                 worker = next(p for p in multiprocessing.active_children() if "Process" in type(p).__name__)
                 worker.kill()
                 worker.join()
+                # the executor's manager thread reaps the same child: the thread whose waitpid loses gets
+                # ECHILD and returns before the winner stores the exit code, so the code can lag the join
+                deadline = time.monotonic() + 10
+                while worker.exitcode is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 assert worker.exitcode == -signal.SIGKILL
             yield doc
 
