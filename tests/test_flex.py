@@ -95,6 +95,23 @@ def _flex_stand_in(mask, grids, outputs=None):
     return attend
 
 
+def test_flex_inside_a_compiled_region_traces_without_a_warning_and_gives_the_same_output():
+    """`train.compile` compiles whole layers: Dynamo traced through compiled_flex_attention's cache, and every
+    GPU run logged "Dynamo detected a call to a `functools.lru_cache`-wrapped function" (leases 1-6)."""
+    position = _position("alibi")
+    q, k, v, padding, documents = _inputs()
+    flex = ATTENTION_BACKENDS["flex"](position)
+    prepared = flex.prepare(padding, documents, None, torch.float32)
+    compiled = torch.compile(lambda q, k, v: flex.attend(q, k, v, prepared, 0.0, None), backend="eager",
+                             fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        got = compiled(q, k, v)
+        want = flex.attend(q, k, v, prepared, 0.0, None)
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 def test_both_flex_passes_receive_an_output_gradient():
     """Inductor's flex_attention_backward lowering fails when a pass's output gets no gradient (torch 2.11,
     H200: the loop with attention dropout on Flex died compiling the logsumexp pass's backward). Both

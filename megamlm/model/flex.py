@@ -165,10 +165,16 @@ def kernel_options(text: str, score_term_of: str | None = None) -> dict[str, int
     return options
 
 
-@functools.cache
 def compiled_flex_attention(device_type: str):
     """Compiled FlexAttention on GPU; on CPU the eager reference (forward only), used by tests to
-    check the score_mod against the materialized bias."""
+    check the score_mod against the materialized bias. Inside a compiled region (`train.compile`) the
+    function itself: the region's compile compiles it, and Dynamo would otherwise trace through the
+    cache below, warning that it ignores it."""
+    return flex_attention if torch.compiler.is_compiling() else _flex_attention_for(device_type)
+
+
+@functools.cache
+def _flex_attention_for(device_type: str):
     # the training loader pads to one width under Flex, but evaluation, fine-tuning and inference
     # pass any width. The default (automatic dynamic shapes after the first recompile) avoids dynamo's
     # recompile limit, past which FlexAttention silently falls back to an eager path that
