@@ -76,6 +76,8 @@ BAD = [
     (["model.position=xpos"], "model.position='xpos' is invalid; allowed: learned | sinusoidal | none | alibi | rope"),
     (["model.num_layers=two"], "model.num_layers='two' is invalid; allowed: int"),
     (["model.zero_mask=1"], "model.zero_mask=1 is invalid; allowed: bool"),
+    (["data.build_from=null"], "data.build_from=null is invalid; allowed: list of str"),
+    (["model.num_layers=true"], "model.num_layers=true is invalid; allowed: int"),
     (["model.num_attention_heads=12", "parallel.tensor_parallel=5"],
      "parallel.tensor_parallel=5 does not divide model.num_attention_heads=12; allowed: 1, 2, 3, 4, 6, 12"),
     (["model.hidden_size=100", "model.num_attention_heads=12"],

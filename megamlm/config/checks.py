@@ -109,7 +109,9 @@ def check_fields(section_obj: Any, section: str) -> None:
         ok, converted = _coerce(value, hints[f.name])
         if not ok:
             hint = did_you_mean(value, _choices(hints[f.name])) if isinstance(value, str) else ""
-            raise ConfigError(f"{section}.{f.name}={value!r} is invalid; allowed: {describe_type(hints[f.name])}{hint}")
+            # null, true, false as YAML and the command line write them; other values quoted as Python does
+            shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(f"{section}.{f.name}={shown} is invalid; allowed: {describe_type(hints[f.name])}{hint}")
         object.__setattr__(section_obj, f.name, converted)
 
 
