@@ -133,6 +133,16 @@ def tensor_parallel_shard() -> tuple[dist.ProcessGroup, int]:
     return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank()
 
 
+def barrier() -> None:
+    """dist.barrier over every rank, on the device this process computes on. NCCL's barrier is an all-reduce of
+    one element: given no device it takes the current one and warns (every GPU run's log had "barrier(): using
+    the device under current context"). Binding the device in init_process_group (device_id=) would mute it too,
+    but then NCCL splits every megatron group from the world's communicator, which hung or slowed megatron-core
+    runs elsewhere (NVIDIA-NeMo/RL#3073, Automodel#378)."""
+    nccl = dist.get_backend() == "nccl"
+    dist.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)
+
+
 def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

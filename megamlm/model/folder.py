@@ -29,6 +29,7 @@ from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, staged_output, verify_reco
 from megamlm.model import names
 from megamlm.model.reshard import full_state_dict
 from megamlm.model.tp import merge_shards, split_full
+from megamlm.parallel import barrier
 
 MODEL_FILE = "model.pt"
 SHARD_FILE = "model-tp{rank:02d}-of-{tp:02d}.pt"
@@ -168,5 +169,5 @@ def export_pretrained(model: torch.nn.Module, cfg: Config, folder: str | Path,
         full = {name: tensor for name, tensor in full_state_dict(model).items() if keep(name)}
     if dist.get_rank() == 0:
         write_model_folder(folder, cfg, full, overwrite=True)  # <run_dir>/final: this run's own
-    dist.barrier()
+    barrier()
     return folder

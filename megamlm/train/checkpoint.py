@@ -39,7 +39,7 @@ from megamlm.config import Config, ConfigError, ModelConfig
 from megamlm.data.stream import StreamPosition
 from megamlm.errors import CorruptFileError, MegamlmError, error_line, peer_gone
 from megamlm.files import RUN_CHECKPOINTS, describe_files, verify_files
-from megamlm.parallel import ParallelContext, seed_everything, tensor_parallel_rng
+from megamlm.parallel import ParallelContext, barrier, seed_everything, tensor_parallel_rng
 from megamlm.train.elastic import (Layout, base_optimizer, convert_position, load_full_state, read_full_state,
                                    written_layout)
 
@@ -131,13 +131,13 @@ class Checkpoints:
         self.root.mkdir(parents=True, exist_ok=True)
         if self.rank == 0 and folder.exists():  # a leftover of an interrupted save of this step
             shutil.rmtree(folder)
-        dist.barrier()
+        barrier()
         failure = None
         try:
             engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
             torch.save(rng_state(), folder / f"rank{self.rank:05d}.pt.tmp")
             os.replace(folder / f"rank{self.rank:05d}.pt.tmp", folder / f"rank{self.rank:05d}.pt")
-            dist.barrier()
+            barrier()
             files = self._hash_files(folder)
             if self.rank == 0:
                 meta = {"step": state.step, "position": state.position.state_dict(),
@@ -162,7 +162,7 @@ class Checkpoints:
         if self.rank == 0:
             _atomic_write(self.root / "latest", tag)
             self._prune()
-        dist.barrier()
+        barrier()
         return folder
 
     def _failed_save(self, tag: str, failure: str) -> SaveError:

@@ -32,7 +32,7 @@ from megamlm.model import names
 from megamlm.model.folder import export_pretrained, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
 from megamlm.objectives import LossTotals, Objective, ReducedTotals, get_objective
-from megamlm.parallel import ParallelContext, ToHost, host_to_device, init_distributed, seed_everything
+from megamlm.parallel import ParallelContext, ToHost, barrier, host_to_device, init_distributed, seed_everything
 from megamlm.train.checkpoint import Checkpoints, TrainState, checkpoint_bytes
 from megamlm.train.elastic import Layout
 from megamlm.train.engine import build_engine
@@ -58,7 +58,7 @@ def prepare_data(cfg: Config, ctx: ParallelContext, objective: Objective) -> Dat
     tokenizer = load_tokenizer(cfg)
     if dist.get_rank() == 0:
         ensure_shards(cfg.data, tokenizer)
-    dist.barrier()
+    barrier()
     check_train_shards(cfg, tokenizer, ctx.dp_size)  # before the model is built (the stream comes after it)
     return Data(tokenizer, Path(cfg.data.shards), objective)
 
@@ -161,7 +161,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
     objective = get_objective(cfg)
     check_before_work(cfg, objective)
     moved_aside = prepare_run_dir(run_dir, resume, overwrite, dist.get_rank())
-    dist.barrier()  # rank 0 may have moved the old run aside
+    barrier()  # rank 0 may have moved the old run aside
     log = Log(run_dir, rank0)
     if moved_aside is not None:
         log.event("overwrite", 0, moved_aside)
