@@ -18,6 +18,7 @@ import torch
 from megamlm.config import ParallelConfig
 from megamlm.data.masking import Masker
 from megamlm.data.shards import BuildOptions, ShardError, build_shards
+from megamlm.data import loader
 from megamlm.data.loader import LoaderWorkerError, loader_deaths_explained, make_loader, start_batches
 from megamlm.data.stream import MaskedBatches, ShardSet, StreamPosition, advance
 from megamlm.data.tokenizer import Dictionary, Tokenizer
@@ -191,6 +192,39 @@ def test_a_killed_worker_is_raised_by_the_iterator_alone_in_the_words_torchs_che
                                         f"signal: Killed. SIGKILL mostly comes from the kernel's out-of-memory killer")
     assert isinstance(raised.value.__cause__, RuntimeError)
     assert "exited unexpectedly" in str(raised.value.__cause__)
+
+
+def test_a_batch_handover_cut_by_a_killed_worker_is_the_workers_death(shard_dir):
+    """A batch's tensors come over a socket of the worker's: a worker killed during the handover cut it, and
+    the trainer got "[Errno 104] Connection reset by peer" while torch still saw the worker alive (the OOM-killer
+    test in a suite run, session 71). No SIGCHLD handler here, so only the check behind the error finds it."""
+    previous = signal.getsignal(signal.SIGCHLD)
+    try:
+        batches = start_batches(stream(shard_dir), workers=2)
+        next(batches)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        worker = batches._workers[0].pid
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # not yet dead
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        cut = ConnectionResetError(104, "Connection reset by peer")
+        with pytest.raises(LoaderWorkerError) as raised, loader_deaths_explained(workers=2):
+            raise cut
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert str(raised.value).startswith(f"a data loader worker died: DataLoader worker (pid {worker}) is killed by "
+                                        f"signal: Killed. SIGKILL mostly comes from the kernel's out-of-memory killer")
+    assert raised.value.__cause__ is cut
+
+
+def test_a_connection_error_where_no_worker_died_is_raised_as_it_is(monkeypatch):
+    monkeypatch.setattr(loader, "HANDOVER_DEATH_WAIT_S", 0.1)
+    for error in (ConnectionResetError(104, "Connection reset by peer"), EOFError()):
+        with pytest.raises(type(error)) as raised, loader_deaths_explained(workers=2):
+            raise error
+        assert raised.value is error
 
 
 def test_batches_are_padded_to_a_multiple_of_8_and_start_with_bos(shard_dir):

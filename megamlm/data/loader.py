@@ -16,6 +16,7 @@ import contextlib
 import functools
 import signal
 import sys
+import time
 from collections.abc import Iterator
 
 import torch
@@ -82,17 +83,37 @@ class LoaderWorkerError(MegamlmError):
     """A data-loader worker process died (data.loader_workers > 0)."""
 
 
+HANDOVER_DEATH_WAIT_S = 1.0
+"""How long a failed handover waits for a worker's death to show (`_death_behind`)."""
+
+
+def _death_behind(err: Exception) -> str | None:
+    """torch's words for the worker death behind `err`, or None where it is not a worker's death.
+    torch raises "DataLoader worker ..." itself where its iterator found the worker dead. A batch's tensors come
+    over as file descriptors through a socket of the worker's (multiprocessing's resource sharer): a worker
+    killed during the handover cut it, and the trainer got a ConnectionResetError or an EOFError while torch's
+    check still saw the worker alive (a suite run, session 71). The death shows a moment later: torch's check
+    of its workers (as SIGCHLD runs it) until it does, else the error is not a worker's."""
+    if isinstance(err, RuntimeError):
+        return (_deaths[0] if _deaths else str(err)).strip() if str(err).startswith("DataLoader worker") else None
+    deadline = time.monotonic() + HANDOVER_DEATH_WAIT_S
+    while not _deaths and time.monotonic() < deadline:
+        _keep_death(signal.SIGCHLD, None)
+        time.sleep(0.05)
+    return _deaths[0].strip() if _deaths else None
+
+
 @contextlib.contextmanager
 def loader_deaths_explained(workers: int):
-    """torch's "DataLoader worker (pid(s) N) exited unexpectedly" as one line that says what to do, in the
-    words torch's SIGCHLD check had for it where it ran ("DataLoader worker (pid N) is killed by signal:
-    Killed.": `start_batches`)."""
+    """A worker's death as one line that says what to do, in the words torch's check had for it where it ran
+    ("DataLoader worker (pid N) is killed by signal: Killed.": `start_batches`): torch's "DataLoader worker
+    (pid(s) N) exited unexpectedly", or a batch's handover cut by the death (`_death_behind`)."""
     try:
         yield
-    except RuntimeError as err:
-        if workers == 0 or not str(err).startswith("DataLoader worker"):
+    except (RuntimeError, ConnectionError, EOFError) as err:
+        said = _death_behind(err) if workers else None
+        if said is None:
             raise
-        said = (_deaths[0] if _deaths else str(err)).strip()
         _deaths.clear()
         advice = (f"the kernel's out-of-memory killer: lower data.loader_workers (now {workers}) or give the job "
                   f"more host memory.")
