@@ -330,6 +330,23 @@ def test_mfu_is_never_above_one():
     assert mfu(6e9, 1e3, float("nan"), 1) is None  # a GPU without a datasheet entry
 
 
+def test_a_cpu_peak_timed_low_at_the_start_is_timed_again_once_where_the_mfu_passes_one(monkeypatch):
+    """A CPU busy at the start read its matmul low and every log line said MFU n/a (session 71's first demo)."""
+    from megamlm.train import flops
+
+    timings = iter([1e12, 1e13, 1e11])  # busy at the start, idle at the first retime, busy again
+    monkeypatch.setattr(flops, "measured_matmul_peak", lambda dtype: next(timings))
+    peak = flops.PeakRate(torch.device("cpu"), "fp32", devices=1)
+    assert str(peak) == "1.00 TFLOP/s (CPU matmul measured at start)"
+    assert peak.mfu(6e8, 1e3) == pytest.approx(0.6) and peak.retimed is None
+    assert peak.mfu(6e9, 1e3) == pytest.approx(0.6)  # 6 against the start's peak: timed again
+    assert peak.retimed == "peak timed again: 10.00 TFLOP/s (the start's 1.00 read low: the CPU was busy then)"
+    assert peak.mfu(6e9, 1e4) is None  # past 1 again: once a run, n/a as before
+    assert peak.peak == 1e13 and next(timings) == 1e11
+    elsewhere = flops.PeakRate(torch.device("cpu"), "fp32", devices=1, timed=False)  # ranks but 0: no timing
+    assert elsewhere.mfu(6e9, 1e3) is None and str(elsewhere) == "nan TFLOP/s (rank 0's)"
+
+
 def test_folders_and_checkpoints_from_before_records_still_load_and_damage_is_named(run, tmp_path, world, capsys):
     from megamlm.errors import CorruptFileError
     from megamlm.model.folder import read_model_folder

@@ -36,7 +36,7 @@ from megamlm.parallel import ParallelContext, ToHost, barrier, host_to_device, i
 from megamlm.train.checkpoint import Checkpoints, TrainState, checkpoint_bytes
 from megamlm.train.elastic import Layout
 from megamlm.train.engine import build_engine
-from megamlm.train.flops import device_peak, mfu
+from megamlm.train.flops import PeakRate
 from megamlm.train.guard import SpikeGuard
 from megamlm.train.layers import apply_activation_checkpointing, compile_head, compile_layers, records_cuda_graphs
 from megamlm.train.log import Log, LogWindow, train_line
@@ -202,7 +202,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
     profiler = UpdateProfiler(cfg.train.profile_updates, state.step, cfg.train.steps, ctx.device,
                               run_dir / "profile.txt", enabled=rank0)
     # only rank 0 logs MFU; on a CPU the other ranks' timing would be wasted, and would load the cores rank 0 times
-    peak, peak_source = device_peak(ctx.device, cfg.train.precision) if rank0 else (float("nan"), "rank 0's")
+    peak = PeakRate(ctx.device, cfg.train.precision, ctx.tp_size * ctx.dp_size, timed=rank0)
     update = (f"{stream.units_per_micro} micro x {accumulation} accumulation x {ctx.dp_size} DP = "
               + (f"{stream.global_batch} packed rows of {stream.budget} tokens" if stream.packed
                  else f"{stream.global_batch} sequences of <= {cfg.data.seq_length} tokens"))
@@ -211,7 +211,7 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
         "" if cfg.train.grad_reduce_in_fp32 else f", gradients reduced in {cfg.train.precision}"
     log.event("start", state.step,
               f"{parameters / 1e6:.1f}M parameters | TP={ctx.tp_size} DP={ctx.dp_size} | update = {update}"
-              f" | {engine_name} {cfg.train.precision}{gradients} | peak {peak / 1e12:.2f} TFLOP/s ({peak_source}) | "
+              f" | {engine_name} {cfg.train.precision}{gradients} | peak {peak} | "
               f"{stream.batches_per_epoch()} micro-batches per rank per epoch")
     if rank0:  # beside the log's first lines (a run that failed before them left no files: train/log.py)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -309,8 +309,10 @@ def _train(cfg: Config, resume: str | None, loss_hook, overwrite: bool, allow_ba
         if cfg.train.logs_after(state.step):
             elapsed = window.elapsed()
             tokens_per_s = window.tokens / elapsed
-            utilization = mfu(objective.flops_per_token(cfg.data.seq_length), tokens_per_s, peak,
-                              ctx.tp_size * ctx.dp_size)
+            utilization = peak.mfu(objective.flops_per_token(cfg.data.seq_length), tokens_per_s)
+            if peak.retimed:
+                log.event("peak", state.step, peak.retimed, peak_flops=peak.peak)
+                peak.retimed = None
             done = state.step - start_step
             eta = (time.perf_counter() - run_start) / done * (cfg.train.steps - state.step)
             values = {"loss": loss, objective.metric: result[objective.metric], "lr": schedule.get_last_lr()[0],
