@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from megamlm.data.shards import BuildOptions, build_shards
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.train.engine import deepspeed_config
 from megamlm.train.schedule import lr_at
-from megamlm.train.profiling import PHASES, host_phase_ms
+from megamlm.train.profiling import PHASES, UpdateProfiler, host_phase_ms
 from tests.multiproc import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,6 +264,28 @@ def test_the_hosts_phase_times_are_its_own_where_a_gpu_lists_each_phase_twice():
                                                                          cpu_time_total=61_407.0)]
     assert host_phase_ms(averages, 3) == pytest.approx({"backward": 98.854, "forward": 73.775, "data": 8.833},
                                                         abs=1e-3)
+
+
+def test_torchs_warning_that_a_cycle_clears_the_profile_is_not_shown(tmp_path, monkeypatch):
+    """torch 2.10-2.11 warn at every profiler start that a cycle's end clears the events (pytorch#180348;
+    in every GPU lease's loop log, on torch 2.11); the loop records one cycle. Other warnings still show."""
+    from torch.profiler import profile
+
+    prepare_trace = profile.prepare_trace
+
+    def prepare_trace_as_torch_2_11(self):
+        prepare_trace(self)
+        warnings.warn("Warning: Profiler clears events at the end of each cycle.Only events from the current "
+                      "cycle will be reported.To keep events across cycles, set acc_events=True.", UserWarning)
+        warnings.warn("another profiler warning", UserWarning)
+
+    monkeypatch.setattr(profile, "prepare_trace", prepare_trace_as_torch_2_11)
+    profiler = UpdateProfiler(1, 0, 10, torch.device("cpu"), tmp_path / "profile.txt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        profiler.update_done(2, log=None)  # the second warm-up update done: the recording starts
+    profiler.profiler.stop()
+    assert [str(w.message) for w in caught] == ["another profiler warning"]
 
 
 def diverge_after_3(step, loss):

@@ -13,6 +13,7 @@ show it.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -71,7 +72,11 @@ class UpdateProfiler:
                 self._synchronize()
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
                 self.profiler = profile(activities=activities)
-                self.profiler.start()
+                with warnings.catch_warnings():
+                    # torch 2.10-2.11 warn at every start that a cycle's end clears the events (pytorch#180348,
+                    # fixed in later releases): one cycle here, in every lease 1-8 log
+                    warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+                    self.profiler.start()
                 self.began = time.perf_counter()
             return
         self.recorded += 1
