@@ -89,6 +89,11 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
             f"{run}/checkpoints/step00000004 holds another model (model.ffn_hidden_size: checkpoint 128 vs run "
             f"256); resume with the run's config (--config {run}/config.yaml) or start a new run with "
             f"train.init_from"),
+        "resume another model with ALiBi": (  # values as YAML writes them: null, not Python's None
+            tiny(shards, run, "train.steps=6", "model.position=alibi") + ["--resume", "auto"],
+            f"{run}/checkpoints/step00000004 holds another model (model.position: checkpoint learned vs run alibi; "
+            f"model.alibi_mode: checkpoint null vs run offset); resume with the run's config (--config "
+            f"{run}/config.yaml) or start a new run with train.init_from"),
         "resume at a TP degree that does not divide the heads": (
             tiny(shards, run, "train.steps=6", "parallel.tensor_parallel=3") + ["--resume", "auto"],
             "command line: parallel.tensor_parallel=3 does not divide model.num_attention_heads=4; allowed: "
@@ -104,6 +109,7 @@ def test_bad_train_setups_are_one_line_before_any_work(shards, run, tmp_path):
         assert proc.returncode == 2, (name, err[-2000:])
         prefix = "megamlm: train: " if name in ("run dir under a file", "user's config.yaml in the run dir",
                                                 "missing checkpoint", "resume another model",
+                                                "resume another model with ALiBi",
                                                 "missing build_from input", "shards too small",
                                                 "packed rows too few") \
             else "megamlm: config error: "

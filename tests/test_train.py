@@ -511,6 +511,9 @@ def test_a_resumed_run_takes_its_changed_adamw_settings_and_says_so(shards, tmp_
     assert logged(tmp_path / "changed", "resume", "changed")[2] == {
         "optim.betas": [[0.9, 0.98], [0.9, 0.95]], "optim.eps": [1e-6, 1e-8], "optim.weight_decay": [0.01, 0.1],
         "train.run_dir": [str(tmp_path / "first"), str(tmp_path / "changed")], "train.steps": [2, 4]}
+    # the line names the values as a config file writes them (YAML reads 1e-6 as a string, 1.0e-06 as a float)
+    assert "optim.betas [0.9, 0.98] -> [0.9, 0.95], optim.eps 1.0e-06 -> 1.0e-08, optim.weight_decay 0.01 -> 0.1" \
+        in logged(tmp_path / "changed", "resume", "message")[2]
     assert logged(tmp_path / "same", "resume", "changed")[2] == {
         "train.run_dir": [str(tmp_path / "first"), str(tmp_path / "same")], "train.steps": [2, 4]}
     groups = _param_groups(tmp_path / "changed/checkpoints/step00000004")

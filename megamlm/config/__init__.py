@@ -23,8 +23,9 @@ from megamlm.config.sections import (
     OptimConfig,
     ParallelConfig,
     TrainConfig,
+    as_yaml,
 )
 
 __all__ = ["ARCHITECTURE", "Config", "ConfigError", "DataConfig", "GLOBAL_ATTENTION", "LayerAttention", "ModelConfig",
-           "ObjectiveConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "build_config", "check_fields",
+           "ObjectiveConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "as_yaml", "build_config", "check_fields",
            "config_from_dict", "load_config", "load_config_and_origins", "parse_override", "replace_config"]

@@ -20,12 +20,10 @@ import textwrap
 import typing
 from pathlib import Path
 
-import yaml
-
 from megamlm.config.checks import ConfigError, describe_type
 from megamlm.config.loading import where_set
 from megamlm.config.model import ModelConfig
-from megamlm.config.sections import SECTION_KEYS, SECTIONS, Config, plain
+from megamlm.config.sections import SECTION_KEYS, SECTIONS, Config, as_yaml
 from megamlm.errors import did_you_mean
 
 
@@ -40,11 +38,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return {field.target.id: inspect.cleandoc(doc.value.value) for field, doc in zip(body, body[1:])
             if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr)
             and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
-
-
-def _shown(value) -> str:
-    """A value as a config file or an override writes it (YAML's flow style: null, true, [0.9, 0.98])."""
-    return yaml.safe_dump(plain(value), default_flow_style=True, width=1 << 16).removesuffix("\n...\n").strip()
 
 
 def _default(f: dataclasses.Field):
@@ -96,5 +89,6 @@ def explain(cfg: Config, names: list[str] = (), origins: dict[str, str] | None =
             allowed += "; architecture: a model folder's weights load only where it agrees"
         doc = textwrap.indent(field_docs(cls).get(key, "(no text: megamlm's sources are not installed)"), "    ")
         where = _set_where(origins.get(f"{section}.{key}"))
-        paragraphs.append(f"{section}.{key} = {_shown(value)}  ({where}default {_shown(default)}; {allowed})\n{doc}\n")
+        paragraphs.append(f"{section}.{key} = {as_yaml(value)}  ({where}default {as_yaml(default)}; {allowed})\n"
+                          f"{doc}\n")
     return "\n".join(paragraphs)

@@ -342,3 +342,9 @@ class ModelConfig:
     def architecture_fields(cls) -> tuple[str, ...]:
         """The fields whose values must agree for weights to carry over (train.init_from)."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("architecture"))
+
+    def architecture_differences(self, other: dict) -> dict[str, tuple]:
+        """"model.key" -> (this model's value, `other`'s) for the `architecture_fields` where `other`, another
+        model section as a dict, differs; a key it lacks (written before the key existed) agrees."""
+        return {f"model.{key}": (getattr(self, key), other[key]) for key in self.architecture_fields()
+                if key in other and getattr(self, key) != other[key]}

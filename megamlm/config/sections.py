@@ -244,6 +244,11 @@ def plain(obj):
     return [plain(v) for v in obj] if isinstance(obj, (tuple, list)) else obj
 
 
+def as_yaml(value) -> str:
+    """A value as a config file or an override writes it (YAML's flow style: null, true, [0.9, 0.98])."""
+    return yaml.safe_dump(plain(value), default_flow_style=True, width=1 << 16).removesuffix("\n...\n").strip()
+
+
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 """The config's sections: each YAML section's name -> its dataclass, in Config's order."""
 SECTION_KEYS: dict[str, list[str]] = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in SECTIONS.items()}

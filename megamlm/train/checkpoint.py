@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamlm.config import Config, ConfigError, ModelConfig
+from megamlm.config import Config, ConfigError, as_yaml
 from megamlm.data.stream import StreamPosition
 from megamlm.errors import CorruptFileError, MegamlmError, error_line, peer_gone
 from megamlm.files import RUN_CHECKPOINTS, describe_files, verify_files
@@ -284,9 +284,8 @@ class Checkpoints:
 
 
 def _check_same_model(folder: Path, meta: dict, cfg: Config) -> None:
-    written = meta["config"]["model"]
-    differ = [f"model.{k}: checkpoint {written[k]} vs run {getattr(cfg.model, k)}"
-              for k in ModelConfig.architecture_fields() if k in written and written[k] != getattr(cfg.model, k)]
+    differ = [f"{key}: checkpoint {as_yaml(written)} vs run {as_yaml(running)}"
+              for key, (running, written) in cfg.model.architecture_differences(meta["config"]["model"]).items()]
     if differ:
         raise RunDirError(f"{folder} holds another model ({'; '.join(differ)}); resume with the run's "
                           f"config (--config {folder.parent.parent / 'config.yaml'}) or start a new run "

@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-from megamlm.config import Config, ConfigError, ModelConfig, load_config
+from megamlm.config import Config, ConfigError, as_yaml, load_config
 from megamlm.errors import CorruptFileError
 from megamlm.data.shards import planned_build
 from megamlm.data.stream import ShardSet
@@ -126,8 +126,8 @@ def check_before_work(cfg: Config, objective: Objective) -> None:
 
 def check_same_architecture(cfg: Config, objective: Objective, folder: Path, source: Config, saved: set[str]) -> None:
     """train.init_from: the folder's model (config `source`, parameters `saved`) is the run's."""
-    differ = [f"model.{k}: run {getattr(cfg.model, k)} vs {getattr(source.model, k)}"
-              for k in ModelConfig.architecture_fields() if getattr(cfg.model, k) != getattr(source.model, k)]
+    differ = [f"{key}: run {as_yaml(running)} vs {as_yaml(theirs)}"
+              for key, (running, theirs) in cfg.model.architecture_differences(vars(source.model)).items()]
     differ += objective.architecture_differences(source, saved)
     if differ:
         raise ConfigError(f"train.init_from={folder} holds a different architecture: {'; '.join(differ)} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megamlm.config import Config
+from megamlm.config import Config, as_yaml
 from megamlm.errors import CorruptFileError
 from megamlm.parallel import ParallelContext
 from megamlm.train.checkpoint import Checkpoints, TrainState
@@ -51,7 +51,7 @@ def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, en
     changed = cfg.changes_since(checkpoints.meta(tag)["config"])
     if changed:  # nothing changes silently: the run's config.yaml is rewritten with the new values
         where += "; changed since the checkpoint: " + ", ".join(
-            f"{key} {then} -> {now}" + (f" ({CHANGE_NOTES[key]})" if key in CHANGE_NOTES else "")
+            f"{key} {as_yaml(then)} -> {as_yaml(now)}" + (f" ({CHANGE_NOTES[key]})" if key in CHANGE_NOTES else "")
             for key, (then, now) in changed.items())
     log.event("resume", state.step, where, message=where, resharded=state.resharded,
               changed={key: list(values) for key, values in changed.items()})
