@@ -267,8 +267,8 @@ def test_the_hosts_phase_times_are_its_own_where_a_gpu_lists_each_phase_twice():
 
 
 def test_torchs_warning_that_a_cycle_clears_the_profile_is_not_shown(tmp_path, monkeypatch):
-    """torch 2.10-2.11 warn at every profiler start that a cycle's end clears the events (pytorch#180348;
-    in every GPU lease's loop log, on torch 2.11); the loop records one cycle. Other warnings still show."""
+    """torch 2.11 warns at every profiler start that a cycle's end clears the events (pytorch#180348; in every
+    GPU lease's profiled loop log); the loop records one cycle. Other warnings still show."""
     from torch.profiler import profile
 
     prepare_trace = profile.prepare_trace

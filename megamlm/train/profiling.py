@@ -73,8 +73,8 @@ class UpdateProfiler:
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
                 self.profiler = profile(activities=activities)
                 with warnings.catch_warnings():
-                    # torch 2.10-2.11 warn at every start that a cycle's end clears the events (pytorch#180348,
-                    # fixed in later releases): one cycle here, in every lease 1-8 log
+                    # torch 2.11 (the lent GPUs') warns at every start that a cycle's end clears the events
+                    # (pytorch#180348; 2.13 does not): one cycle here; it was in every profiled log of leases 1-8
                     warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
                     self.profiler.start()
                 self.began = time.perf_counter()
