@@ -121,13 +121,28 @@ def test_a_stop_signal_before_the_training_takes_it_is_one_line_and_exit_128_plu
     assert err.splitlines() == [f"megamlm: train: stopped: {sig.name} before the first update (nothing to save)"]
 
 
+@pytest.fixture(scope="module")
+def glue_with_a_long_sst2(tmp_path_factory):
+    """tests/data/glue with SST-2's training set 100 times over. SST-2 starts when the first task finishes and
+    must still run when the test's signal comes: its 300 epochs of 8 samples take ~2.4 s alone, and in a
+    loaded suite the test read that line and signalled later (session 72: SST-2 had run to its end)."""
+    data = tmp_path_factory.mktemp("glue-long-sst2")
+    for task in ("STS-B", "RTE"):
+        (data / task).symlink_to(GLUE / task)
+    (data / "SST-2").mkdir()
+    header, *rows = (GLUE / "SST-2/train.tsv").read_text().splitlines(keepends=True)
+    (data / "SST-2/train.tsv").write_text(header + "".join(rows * 100))
+    (data / "SST-2/dev.tsv").write_text((GLUE / "SST-2/dev.tsv").read_text())
+    return data
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, to_group, parallel, ranks",
                          [(signal.SIGTERM, False, 2, 1), (signal.SIGINT, True, 2, 1), (signal.SIGTERM, False, 1, 1),
                           (signal.SIGTERM, False, 1, 2)],
                          ids=["SIGTERM-to-glue", "Ctrl-C-to-the-group", "SIGTERM-in-sequence", "SIGTERM-to-torchrun"])
 def test_a_stop_to_glue_in_parallel_processes_ends_them_at_once_and_reports_the_finished_tasks(
-        sig, to_group, parallel, ranks, tiny_folder, tmp_path):  # noqa: F811
+        sig, to_group, parallel, ranks, tiny_folder, glue_with_a_long_sst2, tmp_path):  # noqa: F811
     """`megamlm glue --parallel 2`: a stop ran every task not yet started to its end before the command
     exited (its executor's shutdown), and the report of the tasks that had finished was never written (in
     sequence too; under torchrun the ranks died of it). Now the running tasks' processes end at once, the
@@ -137,7 +152,7 @@ def test_a_stop_to_glue_in_parallel_processes_ends_them_at_once_and_reports_the_
     epochs = 300
     launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     proc = subprocess.Popen([sys.executable, *launcher, "-m", "megamlm", "glue", "--checkpoint", str(tiny_folder),
-                             "--data-dir", str(GLUE), "--tasks", "STS-B,RTE,SST-2", "--seeds", "1",
+                             "--data-dir", str(glue_with_a_long_sst2), "--tasks", "STS-B,RTE,SST-2", "--seeds", "1",
                              "--epochs", str(epochs), "--parallel", str(parallel), "--out", str(tmp_path / "out")],
                             cwd=ROOT, env=user_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
