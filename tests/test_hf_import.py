@@ -173,7 +173,8 @@ def _first_batch_and_train(cfg):
     from megamlm.objectives import get_objective
     from megamlm.parallel import init_distributed
     from megamlm.train.checkpoint import TrainState
-    from megamlm.train.loop import prepare_data, train, train_stream
+    from megamlm.train.loop import train
+    from megamlm.train.run_data import prepare_data, train_stream
 
     ctx = init_distributed(cfg.parallel)
     data = prepare_data(cfg, ctx, get_objective(cfg))

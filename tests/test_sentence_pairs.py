@@ -79,7 +79,7 @@ def test_pair_stream_resumes_exactly_and_does_not_depend_on_the_layout(shards): 
 
 def _tp_losses(cfgs):
     from megamlm.parallel import init_distributed
-    from megamlm.train.loop import prepare_data, train_stream
+    from megamlm.train.run_data import prepare_data, train_stream
     from megamlm.train.checkpoint import TrainState
 
     out = []

@@ -260,7 +260,7 @@ def test_pinning_and_moving_a_batch_convert_what_the_model_reads_and_count_its_t
 
 def test_compiled_runs_get_one_batch_width_with_the_same_content(shard_dir):
     from megamlm.config import load_config
-    from megamlm.train.loop import _pad_multiple
+    from megamlm.train.run_data import _pad_multiple
 
     def widths_and_samples(pad_multiple):
         # one sample per batch: the width follows each sample's length
