@@ -1,6 +1,7 @@
 """`megamlm <verb>`: the command-line entry point. The experiment verbs (train, plan, config, params,
 deepspeed-config) take `--config FILE` (repeatable, merged in order) and dotted overrides
-(`model.position=alibi`); shards, fill-mask and hostfile take their own arguments."""
+(`model.position=alibi`); the others (shards, fill-mask, hostfile, convert, glue, eval) take their own
+arguments."""
 
 from __future__ import annotations
 
@@ -10,18 +11,16 @@ import os
 import subprocess
 import sys
 import traceback
-from pathlib import Path
 
-from megamlm.cli.arguments import integer_list
+from megamlm.cli.convert import add_convert_args, cmd_convert
+from megamlm.cli.evaluate import add_eval_args, cmd_eval
 from megamlm.cli.glue import add_glue_args, cmd_glue
 from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.cli.torchrun import (INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, launch_problem, launches_ranks,
                                   relaunch_with_torchrun)
 from megamlm.config import Config, ConfigError, load_config, load_config_and_origins
 from megamlm.console import print_line
-from megamlm.convert import SOURCES, TARGETS
 from megamlm.errors import MegamlmError, error_line, peer_gone, warnings_as_lines
-from megamlm.files import RUN_FINAL, check_writable
 from megamlm.stop_signals import Stopped, raising_on_stop_signals
 
 
@@ -126,82 +125,6 @@ def cmd_fill_mask(args) -> int:
     finally:
         destroy_distributed()
     return 0
-
-
-def cmd_convert(args) -> int:
-    from megamlm.convert.hf_export import SequenceClassifier
-    from megamlm.convert.pipeline import convert
-    from megamlm.glue.tasks import TASKS
-
-    classifier = None
-    if args.classification_head:  # a GLUE task's head (megamlm glue --save) gets the task's class names
-        task = next((t for t in TASKS.values() if t.head_name == args.classification_head), None)
-        classifier = SequenceClassifier(args.classification_head, task.labels if task else None)
-    # the world of one it sets up is left as is: converting is the whole process (or a caller's step)
-    convert(args.source, args.target, args.src, args.out, dict_path=args.dict, tp=args.tp,
-            tolerance=args.tolerance, overwrite=args.overwrite, classifier=classifier, generator=args.generator)
-    return 0
-
-
-def _add_convert_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--from", dest="source", required=True, choices=SOURCES,
-                        help="fairseq: a fairseq/ALiBi-CLAP-fork .pt; megamlm: a model folder; "
-                             "zero: a DeepSpeed training checkpoint (run dir or step folder); "
-                             "hf: a transformers folder (save_pretrained, sharded or not) of a RoBERTa, BERT, ALBERT, "
-                             "ModernBERT or ELECTRA model: masked LM, pretraining or sequence-classification class")
-    parser.add_argument("--to", dest="target", required=True, choices=TARGETS,
-                        help="megamlm: a model folder; fairseq: a .pt file; hf: a transformers folder")
-    parser.add_argument("src", help="the checkpoint to read")
-    parser.add_argument("out", help="where to write (nothing is written unless the logits agree)")
-    parser.add_argument("--dict", default=None, help="the fairseq dict.txt (default: bundled GPT-2)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel shards of a megamlm output")
-    parser.add_argument("--classification-head", metavar="NAME", default=None,
-                        help="--to hf: write the folder's classification head NAME (e.g. `rte` from megamlm glue "
-                             "--save) as the model's *ForSequenceClassification, with a GLUE task's label names; "
-                             "--from hf of a *ForSequenceClassification: the head it becomes (default: config.json's "
-                             "finetuning_task), its rows in the GLUE task's label order where id2label names them")
-    parser.add_argument("--generator", metavar="FOLDER", default=None,
-                        help="ELECTRA's generator as transformers' ElectraForMaskedLM folder (e.g. "
-                             "google/electra-base-generator): --from hf reads it along with the discriminator, so "
-                             "that continued pretraining starts from both; --to hf writes an ELECTRA folder's there")
-    parser.add_argument("--tolerance", type=float, default=1e-4,
-                        help="max |logit difference| allowed, relative to max(1, |logit|)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing output megamlm wrote (a folder holding anyone "
-                             "else's files is always refused)")
-
-
-def cmd_eval(args) -> int:
-    from megamlm.evaluate import evaluate_lengths, extrapolation_report
-
-    if args.what == "ppl":
-        row = evaluate_lengths(args.checkpoint[0], args.data, [args.seq_length], args.max_tokens,
-                               args.batch_size)[0]
-        if "skipped" in row:
-            raise MegamlmError(f"length {args.seq_length}: {row['skipped']}")
-        print(f"{args.checkpoint[0]}: MLM loss {row['loss']:.4f} nats | perplexity {row['ppl']:.2f} | "
-              f"{row['masked_tokens']:,} masked tokens in {row['samples']} samples of {args.seq_length}")
-        return 0
-    check_writable(args.out, "--out")  # before evaluating every model at every length
-    results = {Path(c).parent.name if Path(c).name == RUN_FINAL else Path(c).name:
-               evaluate_lengths(c, args.data, args.lengths, args.max_tokens, args.batch_size) for c in args.checkpoint}
-    print(extrapolation_report(results, args.out, args.train_length), end="")
-    print(f"plot: {Path(args.out) / 'ppl-vs-length.png'}")
-    return 0
-
-
-def _add_eval_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=("ppl", "extrapolation"))
-    parser.add_argument("--checkpoint", action="append", required=True,
-                        help="model folder; extrapolation takes several (one curve each)")
-    parser.add_argument("--data", required=True, help="shard folder (its valid split) or a text file")
-    parser.add_argument("--seq-length", type=int, default=128, help="ppl: sample length")
-    parser.add_argument("--lengths", type=integer_list, default=[128, 256, 512, 1024, 2048],
-                        help="extrapolation: lengths (comma-separated)")
-    parser.add_argument("--max-tokens", type=int, default=65536, help="evaluation tokens (per length)")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per batch at the shortest length")
-    parser.add_argument("--train-length", type=int, default=None, help="marked in the plot")
-    parser.add_argument("--out", default="extrapolation", help="extrapolation: output folder")
 
 
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -329,11 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     fill.add_argument("model_dir", help="exported model folder (<run_dir>/final)")
     fill.add_argument("text", help='e.g. "The capital of China is <mask>."')
     fill.add_argument("--topk", type=int, default=5)
-    _add_convert_args(sub.add_parser("convert", help="convert checkpoints: fairseq, megamlm, ZeRO, "
+    add_convert_args(sub.add_parser("convert", help="convert checkpoints: fairseq, megamlm, ZeRO, "
                                                      "Hugging Face (checked on a probe batch)", parents=[debug]))
     add_glue_args(sub.add_parser("glue", help="fine-tune and evaluate on GLUE tasks (fairseq's or ELECTRA's recipe)",
                                   parents=[debug]))
-    _add_eval_args(sub.add_parser("eval", help="MLM perplexity (fixed masking) and length extrapolation",
+    add_eval_args(sub.add_parser("eval", help="MLM perplexity (fixed masking) and length extrapolation",
                                   parents=[debug]))
     return parser
 
