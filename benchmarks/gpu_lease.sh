@@ -14,7 +14,15 @@ LOGS=/tmp/gpu-logs
 mkdir -p "$LOGS" "$OUT_DIR"
 compgen -G ".whl/*.whl" >/dev/null || { echo "gpu_lease.sh: no wheels in .whl: run bash benchmarks/gpu_wheels.sh" \
     "on the development machine and carry .whl (the device tool's carry)"; exit 1; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+install_wheels() {  # install_wheels DIR TARGET: each package of DIR once, the wheel for this python3 (gpu_wheels.sh
+    local names      # carries one per Python version where the package has them)
+    names=$(for wheel in "$1"/*.whl; do basename "$wheel" | cut -d- -f1; done | sort -u)
+    # shellcheck disable=SC2086  # one word per package
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" --find-links "$1" \
+        $names || { echo "gpu_lease.sh: $1 has no wheel of some package for $(python3 -V): run GPU_PYTHONS=<its" \
+                         "version> bash benchmarks/gpu_wheels.sh on the development machine"; return 1; }
+}
+install_wheels .whl /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export GPU_SH_DEADLINE=$(($(date +%s) + BUDGET))
 {

@@ -209,3 +209,61 @@ def test_the_profile_summary_counts_our_triton_kernels_as_attention():
     out, share = _profile_summary(profile)
     assert "151.5 ms of kernels per update (3 updates)" in out
     assert 39 < share["attention"][1] < 41 and 30 < share["matmul"][1] < 32 and share["other"][1] < 1, share
+
+
+def _wheel(folder: Path, name: str, tag: str, text: str) -> None:
+    """A wheel of one module, `name`.py holding `text`, for the tag (python-abi-platform)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-1.0.dist-info"
+    files = {f"{name}.py": text, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}\n"}
+
+    def digest(body: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(body.encode()).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{path},sha256={digest(body)},{len(body.encode())}\n" for path, body in files.items())
+    record += f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"{name}-1.0-{tag}.whl", "w") as wheel:
+        for path, body in {**files, f"{info}/RECORD": record}.items():
+            wheel.writestr(path, body)
+
+
+def test_the_lease_installs_each_carried_package_once_with_the_wheel_for_the_machines_python(tmp_path):
+    """benchmarks/gpu_wheels.sh carries a wheel per Python version of the packages that have them: the lease's
+    `install_wheels` gives pip the package names, so it takes the one for the python3 it runs (all of them as
+    files would be refused as one package twice); a package with no wheel for that Python is one line naming
+    what to do. Wheels built here, for this interpreter's tag and another's; python3 is this interpreter."""
+    from packaging.tags import sys_tags
+
+    here = next(tag for tag in sys_tags() if tag.interpreter.startswith("cp") and tag.abi != "abi3")
+    other = f"cp3{sys.version_info.minor + 1}"
+    wheels, bin_dir = tmp_path / "wheels", tmp_path / "bin"
+    wheels.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    for interpreter in (here.interpreter, other):
+        _wheel(wheels, "binary", f"{interpreter}-{interpreter}-{here.platform}", f"BUILT_FOR = '{interpreter}'\n")
+    _wheel(wheels, "pure", "py3-none-any", "PURE = True\n")
+    _wheel(wheels, "elsewhere", f"{other}-{other}-{here.platform}", "\n")
+    function = re.search(r"^install_wheels\(\) \{.*?^\}\n", (ROOT / "benchmarks/gpu_lease.sh").read_text(),
+                         re.M | re.S).group(0)
+
+    def install(folder: Path, target: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'{function}install_wheels "$0" "$1"', str(folder), str(target)],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PIP_NO_INPUT": "1"})
+
+    refused = install(wheels, tmp_path / "refused")
+    assert refused.returncode == 1
+    assert (f"gpu_lease.sh: {wheels} has no wheel of some package for Python {sys.version.split()[0]}: run "
+            f"GPU_PYTHONS=<its version> bash benchmarks/gpu_wheels.sh on the development machine") in refused.stdout
+    (wheels / f"elsewhere-1.0-{other}-{other}-{here.platform}.whl").unlink()
+    site = tmp_path / "site"
+    run = install(wheels, site)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (site / "binary.py").read_text() == f"BUILT_FOR = '{here.interpreter}'\n"
+    assert (site / "pure.py").exists() and sorted(p.name for p in site.glob("*.dist-info")) == [
+        "binary-1.0.dist-info", "pure-1.0.dist-info"]
