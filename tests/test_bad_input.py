@@ -395,7 +395,8 @@ def test_the_launcher_resumes_the_checkpoint_the_ranks_resume_when_the_newest_is
     (`newest_intact` == `Checkpoints.newest_verified`), except damage only a file's sha256 shows (the ranks
     hash every file; the launcher reads sizes), and refuses a damaged named one with the ranks' line. An unhashed
     megamlm.json (as written before hashes) that is JSON but no checkpoint's record was a traceback on both."""
-    from megamlm.train.checkpoint import Checkpoints, newest_intact
+    from megamlm.train.checkpoint import Checkpoints
+    from megamlm.train.checkpoint_folders import newest_intact
 
     copy = tmp_path / "run"
     shutil.copytree(run / "checkpoints", copy / "checkpoints")

@@ -162,7 +162,8 @@ def _load_and_compare(cfg, tag: str) -> dict:
 
     from megamlm.model.reshard import to_full
     from megamlm.parallel import init_distributed
-    from megamlm.train.checkpoint import Checkpoints, written_zero_stage
+    from megamlm.train.checkpoint import Checkpoints
+    from megamlm.train.checkpoint_folders import written_zero_stage
     from megamlm.train.elastic import KINDS, _stage0_masters, read_full_state, written_layout
     from megamlm.train.engine import build_engine
 

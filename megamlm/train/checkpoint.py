@@ -15,7 +15,7 @@ writing fails, say on a full disk, removes its folder and raises SaveError); one
 files differ from their recorded hashes (damaged on disk) is skipped by `--resume auto` with a
 warning, and refused when named explicitly. Hashing is spread over the ranks (file i: rank i mod
 world size), as is verification; before the ranks start, the launcher skips (or refuses) the same
-checkpoints as far as megamlm.json and the files' sizes tell (`newest_intact`).
+checkpoints as far as megamlm.json and the files' sizes tell (`checkpoint_folders.newest_intact`).
 
 The run directory belongs to one run: `train/preflight.py` refuses to start a new run over an old one
 (unless asked to move it aside) and never touches files it did not write.
@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,19 +36,14 @@ import torch.distributed as dist
 
 from megamlm.config import Config, ConfigError, as_yaml
 from megamlm.data.stream import StreamPosition
-from megamlm.errors import CorruptFileError, MegamlmError, error_line, peer_gone
-from megamlm.files import RUN_CHECKPOINTS, describe_files, verify_files
+from megamlm.errors import MegamlmError, error_line, peer_gone
+from megamlm.files import RUN_CHECKPOINTS, describe_files
 from megamlm.parallel import ParallelContext, barrier, seed_everything, tensor_parallel_rng
+from megamlm.train.checkpoint_folders import (COMPLETE_FILE, META_FILE, RunDirError, checkpoint_problem,
+                                              complete_tags, first_intact, newest_complete, read_meta,
+                                              require_complete, written_zero_stage)
 from megamlm.train.elastic import (Layout, base_optimizer, convert_position, load_full_state, read_full_state,
                                    written_layout)
-
-META_FILE, COMPLETE_FILE = "megamlm.json", "complete"
-META_KEYS = ("step", "position", "config")
-"""What every megamlm.json holds (also those written before files were hashed)."""
-
-
-class RunDirError(MegamlmError):
-    """train.run_dir cannot be used as asked (it holds another run, or files of a user's)."""
 
 
 class SaveError(MegamlmError):
@@ -218,7 +212,7 @@ class Checkpoints:
     def newest_verified(self) -> tuple[str | None, list[str]]:
         """Collective: (the newest complete checkpoint whose files verify, a line per newer one that
         did not)."""
-        return _first_intact(self.root, self.verify)
+        return first_intact(self.root, self.verify)
 
     def set_aside_after(self, tag: str) -> Path | None:
         """Rank 0: move complete checkpoints newer than `tag` (a resume from an older one) into
@@ -303,66 +297,6 @@ def reseeded_rng(seed: int, ctx: ParallelContext) -> dict:
     return fresh
 
 
-def written_zero_stage(meta: dict) -> int:
-    """The ZeRO stage of the engine that wrote a checkpoint (older ones record only the config's)."""
-    return meta.get("zero_stage", meta["config"]["train"]["zero_stage"])
-
-
-def checkpoint_problem(folder: Path, mine: Callable[[list[str]], list[str]] = list, hashes: bool = True) -> str | None:
-    """None if checkpoint `folder`'s megamlm.json is the one its `complete` file hashes (or predates
-    hashes) and its files (those `mine` picks of the sorted names: a rank's share) are as written, in
-    size and (with `hashes`) sha256; else one line naming the first damage."""
-    try:
-        text = (folder / META_FILE).read_text()
-        expected = (folder / COMPLETE_FILE).read_text().strip()
-        if expected and hashlib.sha256(text.encode()).hexdigest() != expected:
-            raise CorruptFileError(f"{folder / META_FILE} differs from the hash in {COMPLETE_FILE}")
-        meta = json.loads(text)
-        if not isinstance(meta, dict) or (missing := [key for key in META_KEYS if key not in meta]):
-            what = f"no {', '.join(missing)}" if isinstance(meta, dict) else "not a JSON object"
-            raise CorruptFileError(f"{folder / META_FILE} is not a checkpoint's record ({what})")
-        files = meta.get("files", {})
-        verify_files(folder, files, mine(sorted(files)), source=str(folder / META_FILE), hashes=hashes)
-    except (OSError, ValueError) as err:  # CorruptFileError, unreadable or invalid JSON
-        return str(err) if isinstance(err, CorruptFileError) else f"{folder / META_FILE}: {err}"
-    return None
-
-
-def newest_intact(root: Path) -> tuple[str | None, list[str]]:
-    """Before the ranks start, in one process: the checkpoint `--resume auto` resumes (the ranks'
-    `Checkpoints.newest_verified`) as far as what is cheap to check tells (megamlm.json and the
-    files' sizes; the ranks also hash every file), and a line per newer one that is damaged."""
-    return _first_intact(root, lambda tag: checkpoint_problem(root / tag, hashes=False))
-
-
-def _first_intact(root: Path, problem_of: Callable[[str], str | None]) -> tuple[str | None, list[str]]:
-    """(the first of the newest complete checkpoint, then the others newest first, whose
-    `problem_of(tag)` is None, a line per one before it that had a problem)."""
-    skipped = []
-    newest = newest_complete(root)
-    for tag in ([newest] if newest else []) + [t for t in reversed(complete_tags(root)) if t != newest]:
-        problem = problem_of(tag)
-        if problem is None:
-            return tag, skipped
-        skipped.append(f"checkpoint {tag} is damaged: {problem}")
-    return None, skipped
-
-
-def newest_complete(root: Path) -> str | None:
-    """The `latest` checkpoint under `root` if complete, else the newest complete one, else None."""
-    pointer = root / "latest"
-    if pointer.exists():
-        tag = pointer.read_text().strip()
-        if (root / tag / "complete").exists():
-            return tag
-    complete = complete_tags(root)
-    return complete[-1] if complete else None
-
-
-def read_meta(root: Path, tag: str) -> dict:
-    return json.loads((require_complete(root, tag) / META_FILE).read_text())
-
-
 def resume_stage(root: Path, tag: str, cfg: Config, dp: int, allow_batch_change: bool) -> int:
     """The ZeRO stage to resume checkpoint `tag` at: the stage of the engine that wrote it when
     the run keeps its layout and configured stage (e.g. ZeRO-1 at DP=1 from before the stage-0
@@ -382,16 +316,3 @@ def resume_stage(root: Path, tag: str, cfg: Config, dp: int, allow_batch_change:
         raise ConfigError(f"train.steps={cfg.train.steps} but {tag} is at update {meta['step']}: raise "
                           f"train.steps to continue the run")
     return stage
-
-
-def require_complete(root: Path, tag: str) -> Path:
-    """The folder of checkpoint `tag` under `root`; refused unless its save finished."""
-    if not (root / tag / COMPLETE_FILE).exists():
-        available = ", ".join(complete_tags(root)) or "none"
-        raise RunDirError(f"no complete checkpoint {tag} in {root} (complete ones: {available}; or --resume auto)")
-    return root / tag
-
-
-def complete_tags(root: Path) -> list[str]:
-    """The checkpoints under `root` whose save finished, oldest first."""
-    return sorted(p.name for p in root.glob("step*") if (p / COMPLETE_FILE).exists())

@@ -33,8 +33,9 @@ from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
 from megamlm.model.folder import run_folder_problem, saved_names, transformers_hint
 from megamlm.objectives import Objective, get_objective
 from megamlm.parallel import check_gpus, check_world_size, process_backend
-from megamlm.train.checkpoint import (RunDirError, checkpoint_problem, complete_tags, newest_intact,
-                                      require_complete, resume_stage)
+from megamlm.train.checkpoint import resume_stage
+from megamlm.train.checkpoint_folders import (RunDirError, checkpoint_problem, complete_tags, newest_intact,
+                                              require_complete)
 
 
 def check_before_launch(cfg: Config, processes: int, nodes: int, resume: str | None, overwrite: bool,
