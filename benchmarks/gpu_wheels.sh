@@ -2,7 +2,7 @@
 # The packages megamlm needs that the lent GPU machine lacks, as wheels to carry there. Its image has
 # torch, Triton, transformers, tokenizers, tensorboard, numpy, scipy, einops, psutil, ... (the tool
 # library's device/KINDS.md) but not these, and it has no network. Here, with the project's venv:
-#   bash benchmarks/gpu_wheels.sh [DIR]          # default .whl (ignored by git); ~10 MiB
+#   bash benchmarks/gpu_wheels.sh [DIR]          # default .whl (ignored by git); ~33 MiB
 # Then carry DIR along (the device tool's `carry`); benchmarks/gpu_lease.sh installs them there (`install_wheels`).
 # The versions are the ones installed in this venv (the ones the tests ran with), on x86-64, for CPython 3.11,
 # 3.12 (the lent image's, as of 2026-11) and 3.13 (GPU_PYTHONS): three packages have a wheel per Python version
