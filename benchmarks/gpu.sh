@@ -126,6 +126,8 @@ for s in $STEPS; do
         # cache keeps them for the rows below. -2048: the loop's length only (half the compiling)
         step triton-check 420 $PY benchmarks/triton_check.py $SMOKE_TRITON
         step triton-check-2048 300 $PY benchmarks/triton_check.py --lengths 2048 $SMOKE_TRITON
+        # model.triton_dq=atomic's backward (dQ added by the dK/dV kernel with the GPU's atomics), the same cases
+        step triton-check-atomic 300 $PY benchmarks/triton_check.py --lengths 2048 --dq atomic $SMOKE_TRITON
         # every autotuner candidate timed alone at the loop's shape (base, packed, micro-batch 16, dropout
         # 0.1), each one's results against the first's: dK/dV's two orientations side by side
         step triton-candidates 240 $PY benchmarks/triton_candidates.py $SMOKE_CANDIDATES
@@ -168,6 +170,12 @@ for s in $STEPS; do
         train_run packed-2048-large-triton-flat-ffn 2048 8 "$PROFILE" 30 "$LARGE_FASTEST"
         train_run packed-2048-large-triton-flat-ffn-micro16 2048 16 "$PROFILE" 30 "$LARGE_FASTEST"
         train_run packed-2048-large-triton-flat-ffn-micro32 2048 32 "$PROFILE" 20 "$LARGE_FASTEST"
+        # model.triton_dq=atomic (session 74): 5 matmuls per score in one backward kernel where the dK/dV and dQ
+        # kernels do 7, 0.74x the instructions per score (benchmarks/triton_static.py); base and large
+        train_run packed-2048-triton-flat-micro16-ffn-atomic 2048 16 "$PROFILE model.triton_dq=atomic" 30 "$BASE_FASTEST"
+        train_run packed-2048-large-triton-flat-ffn-atomic 2048 8 "$PROFILE model.triton_dq=atomic" 30 "$LARGE_FASTEST"
+        train_run packed-2048-large-triton-flat-ffn-micro16-atomic 2048 16 "$PROFILE model.triton_dq=atomic" 30 \
+            "$LARGE_FASTEST"
         # the bound without the recipe's attention dropout (ModernBERT's choice): packed, nothing padded
         train_run packed-2048-triton-flat-nodropout 2048 16 "$TRITON_FLAT data.packing=packed model.attention_dropout=0" 30 ;;
     throughput)

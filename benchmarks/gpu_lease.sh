@@ -41,8 +41,9 @@ cat "$LOGS/device.txt"
 # five loop rows, session 60's two (leases 7-8) our Triton kernels: right on the GPU, and the loop on them at
 # 29.9% MFU (base, packed, micro-batch 16, the recipe's attention dropout), 31.1% without attention dropout,
 # 30-34% large at micro-batch 8 (BENCHMARKS.md). Next: session 62's dK/dV with queries along rows (among the
-# autotuner's candidates) checked against the fp64 reference and timed beside the other candidates, then
-# the base row with the recipe's dropout again (29.9% on lease 8) and beside it at micro-batch 32 (in lease 8's
+# autotuner's candidates) and session 74's model.triton_dq=atomic (dQ added by the dK/dV kernel) checked against
+# the fp64 reference and timed beside the other candidates, then the base row with the recipe's dropout again
+# (29.9% on lease 8) and with the atomic dQ, large (30-34%) and with the atomic dQ; then base at micro-batch 32 (in lease 8's
 # profile the host, not the GPU, was the slower side at 16), there with the head and its loss compiled (~6 ms
 # of the 152 ms of kernels per update are the eager loss's passes over [n, V]); large at micro-batch 16 and 32,
 # base at the recipe's 32 micro-batches per update (the Pile run's loop), with CUDA graphs, with the compiled head
@@ -54,8 +55,9 @@ export FLEX_TUNE_LENGTHS=${FLEX_TUNE_LENGTHS:-4096,8192} ATTENTION_LENGTHS=${ATT
 export TRITON_PRINT_AUTOTUNING=1  # each kernel's pick per shape, into the row's log: what to tune next
 # LEASE_ROWS="STEP ROW...;STEP ROW..." replaces the list (a second, shorter lease)
 ROWS=(
-    "triton triton-check-2048 triton-candidates packed-2048-triton-flat-micro16-ffn packed-2048-triton-flat-micro32-ffn packed-2048-triton-flat-micro32-ffn-head"
-    "triton packed-2048-large-triton-flat-ffn-micro16 packed-2048-large-triton-flat-ffn-micro32 packed-2048-triton-flat-micro16-ffn-accum32"
+    "triton triton-check-2048 triton-check-atomic triton-candidates packed-2048-triton-flat-micro16-ffn packed-2048-triton-flat-micro16-ffn-atomic packed-2048-large-triton-flat-ffn packed-2048-large-triton-flat-ffn-atomic"
+    "triton packed-2048-triton-flat-micro32-ffn packed-2048-triton-flat-micro32-ffn-head packed-2048-large-triton-flat-ffn-micro16 packed-2048-large-triton-flat-ffn-micro16-atomic"
+    "triton packed-2048-large-triton-flat-ffn-micro32 packed-2048-triton-flat-micro16-ffn-accum32"
     "triton packed-2048-triton-flat-micro16-ffn-cudagraphs packed-2048-triton-flat-micro16-ffn-head packed-2048-triton-flat-micro16-ffn-nodropout"
     "profile loader-handover"
     "head cross-entropy"

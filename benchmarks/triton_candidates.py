@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Every autotuner candidate of model.attention_backend=triton's three attention kernels
+"""Every autotuner candidate of model.attention_backend=triton's attention kernels
 (megamlm/model/triton_kernels.py), timed one by one at the loop's shape: what the autotuner chooses
 between, side by side in one run — e.g. dK/dV's two orientations (score tiles with keys or with queries
-along rows). The autotuner's log (TRITON_PRINT_AUTOTUNING=1) names only its pick.
+along rows) — and model.triton_dq=atomic's backward (the dK/dV kernel adding dQ, with the zeroing and
+scaling of its sum) beside the dK/dV and dQ kernels it replaces. The autotuner's log
+(TRITON_PRINT_AUTOTUNING=1) names only its pick.
 
     python benchmarks/triton_candidates.py      # GPU: bf16, base's 12 heads of 64, batch 16 x 2048, packed, dropout 0.1
 
@@ -101,6 +103,9 @@ def main() -> None:
     (keys, queries), (dqkv, *_) = backward_launches(do, qkv, None, None, delta, lse, query_bits, *pattern, *constants,
                                                      False)
     dq, dk, dv = split_qkv(dqkv)  # [b, np, s, 3 hn] -> 3 x [b, np, s, hn]
+    (atomic, scaling), (atomic_dqkv, *_) = backward_launches(do, qkv, None, None, delta, lse, query_bits, *pattern,
+                                                             *constants, False, atomic_dq=True)
+    dq_sum = dict(zip(atomic.kernel.fn.arg_names, atomic.args))["DQ_SUM"]
     seen = seen_scores(groups, b, s) * np_
     print(f"model.attention_backend=triton's candidates on {device}"
           f"{f' ({torch.cuda.get_device_name()})' if device.type == 'cuda' else ''}: batch {b} x {s}, {args.layout}, "
@@ -109,12 +114,17 @@ def main() -> None:
           "candidate's results from the first's, over their largest magnitude")
     print("| kernel | BLOCK_M × BLOCK_N, warps, stages | ms | TFLOP/s over the scores seen | results vs the first |")
     print("|---|---|---:|---:|---:|")
-    # matmuls per score seen: forward q·kᵀ, p·v; dK/dV q·kᵀ, dO·vᵀ, pᵀ·dO, dSᵀ·q; dQ q·kᵀ, dO·vᵀ, dS·k
+    # matmuls per score seen: forward q·kᵀ, p·v; dK/dV q·kᵀ, dO·vᵀ, pᵀ·dO, dSᵀ·q; dQ q·kᵀ, dO·vᵀ, dS·k; dK/dV+dQ
+    # (model.triton_dq=atomic) the dK/dV kernel's and dS·k, each call with the zeroing and the scaling of the sum
     for name, launch, matmuls, results in (("forward", forward, 2, [out]), ("dK/dV", keys, 4, [dk, dv]),
-                                           ("dQ", queries, 3, [dq])):
+                                           ("dQ", queries, 3, [dq]),
+                                           ("dK/dV+dQ", atomic, 5, list(split_qkv(atomic_dqkv)))):
         rows, first = [], None
         for config in launch.kernel.configs:
-            ms = milliseconds(candidate_call(launch, config), args.repeats, device)
+            call = candidate_call(launch, config)
+            if launch is atomic:
+                call = (lambda kernel: lambda: (dq_sum.zero_(), kernel(), scaling()))(call)
+            ms = milliseconds(call, args.repeats, device)
             got = torch.cat([t.float().flatten() for t in results])
             first = got if first is None else first
             rows.append((config, ms, ((got - first).abs().max() / first.abs().max()).item()))

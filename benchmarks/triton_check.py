@@ -5,6 +5,7 @@ yardstick of that dtype's rounding. The tests run the kernels in Triton's interp
 that the GPU's compiled kernels (integer hash lanes, exp2, block sizes the autotuner picks) agree.
 
     python benchmarks/triton_check.py                     # GPU: bf16, 2 x 12 heads x 64, lengths 1000, 2048
+    python benchmarks/triton_check.py --dq atomic         # the backward of model.triton_dq=atomic
 
 The kernels get q, k and v as a layer hands them over: one tensor laid out as the QKV projection's output,
 their gradients written into one tensor of that layout. Cases: whole rows; padded rows with two documents
@@ -85,12 +86,14 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dq", default="recompute", choices=("recompute", "atomic"),
+                        help="model.triton_dq: dQ from a kernel of its own, or added by the dK/dV kernel")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     slopes = torch.tensor(alibi_slopes(args.heads), device=device)
-    print(f"triton attention vs fp64 reference, {args.dtype}, batch {args.batch}, {args.heads} heads x "
-          f"{args.head_dim}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}")
+    print(f"triton attention (dQ: {args.dq}) vs fp64 reference, {args.dtype}, batch {args.batch}, {args.heads} heads "
+          f"x {args.head_dim}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}")
     print(f"{'length':>7}  {'case':<30}{'kernel':<8}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}")
     failed = []
     started = time.time()
@@ -111,8 +114,8 @@ def main() -> None:
                 out = materialized_attention(q, k, v, slopes.double(), 0.5, groups, p, seed, window=window)
                 reference = [out, *torch.autograd.grad(out, (q, k, v), grad)]
                 ours = _unsplit_errors(functools.partial(triton_attention, slopes=slopes, offset=0.5, groups=groups,
-                                                         dropout_p=p, seed=seed, window=window), inputs, grad,
-                                       reference)
+                                                         dropout_p=p, seed=seed, window=window,
+                                                         atomic_dq=args.dq == "atomic"), inputs, grad, reference)
                 if sdpa is None:
                     sdpa = _errors(functools.partial(_sdpa, slopes=slopes, groups=groups, window=window), inputs,
                                    grad, reference)

@@ -56,6 +56,7 @@ BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 # m, n, k of a tensor instruction: HGMMA (a warpgroup's: 4 warps) spells them, HMMA.16816 is m16 n8 k16 (a warp's)
 MMA_SHAPE = {"HGMMA": (re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)"), 4), "HMMA": (re.compile(r"HMMA\.(16)(8)(\d+)"), 1)}
 CLASSES = ("tensor", "MUFU", "FP32", "integer", "other")
+ATOMIC = "dK/dV+dQ"  # model.triton_dq=atomic's one backward kernel
 INTEGER = ("IMAD", "IADD", "VIADD", "LOP", "SHF", "SEL", "ISETP", "PRMT", "LEA", "IMNMX", "IABS", "SGXT", "PLOP",
            "P2R", "R2P", "BMSK", "FLO", "POPC")
 
@@ -167,7 +168,9 @@ def launches(batch: int, length: int, heads: int, head_dim: int, dtype: torch.dt
     delta = torch.empty_like(lse)
     (keys, queries), _ = backward_launches(torch.empty_like(out), qkv, None, None, delta, lse, query_bits, *pattern,
                                            *constants, False)
-    return {"forward": forward, "dK/dV": keys, "dQ": queries}
+    (keys_and_queries, _scaling), _ = backward_launches(torch.empty_like(out), qkv, None, None, delta, lse,
+                                                        query_bits, *pattern, *constants, False, atomic_dq=True)
+    return {"forward": forward, "dK/dV": keys, "dQ": queries, ATOMIC: keys_and_queries}
 
 
 def bias_activation_launches(rows: int, ffn: int, dtype: torch.dtype, activation: str,
@@ -222,9 +225,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--first-only", action="store_true", help="only each kernel's first candidate")
-    parser.add_argument("--kernels", nargs="+", default=["forward", "dK/dV", "dQ", "bias-activation"],
-                        choices=["forward", "dK/dV", "dQ", "bias-activation"],
-                        help="attention's three; bias-activation: model.bias_activation=triton's two")
+    parser.add_argument("--kernels", nargs="+", default=["forward", "dK/dV", "dQ", ATOMIC, "bias-activation"],
+                        choices=["forward", "dK/dV", "dQ", ATOMIC, "bias-activation"],
+                        help=f"attention's kernels ({ATOMIC!r}: the dK/dV kernel of model.triton_dq=atomic, "
+                             "which adds dQ too); bias-activation: model.bias_activation=triton's two")
     parser.add_argument("--ffn", type=int, default=3072, help="the FFN's width (bias-activation's columns)")
     args = parser.parse_args()
     if triton_kernels.INTERPRET:

@@ -19,16 +19,18 @@ def assert_model_gives_sdpas_loss_and_gradients(world, backend: str, variant: st
                                                          "model.attention_backend=sdpa", variant)
 
 
-def assert_model_gives_the_references_loss_and_gradients(world, ours: str, reference: str, variant: str = "zero-clap",
+def assert_model_gives_the_references_loss_and_gradients(world, ours: str | tuple[str, ...], reference: str,
+                                                         variant: str = "zero-clap",
                                                          of_scale: float | None = None) -> None:
-    """The model of `variant` with the override `ours` against the one with `reference` (same weights):
-    padded and packed batches. Each value within rtol 1e-4, atol 1e-6; or, with `of_scale`, each tensor
+    """The model of `variant` with the override `ours` (or several) against the one with `reference` (same
+    weights): padded and packed batches. Each value within rtol 1e-4, atol 1e-6; or, with `of_scale`, each tensor
     within of_scale times its largest |value| (where ours rounds differently in the forward too, so that
     every gradient differs by rounding at its own scale)."""
     samples = [(s, i) for i, s in enumerate(_samples(1100))]
     batches = [collate(samples, _no_corruption, 0, 16, pad_id=1),
                collate(samples, _no_corruption, 0, 56, pad_id=1, packed=True)]
-    models = {setting: MaskedLM(variant_config(variant, [setting]).model, world, seed=3)
+    models = {setting: MaskedLM(variant_config(variant, [setting] if isinstance(setting, str) else list(setting)).model,
+                                world, seed=3)
               for setting in (reference, ours)}
     for batch in batches:
         results = {}

@@ -3,6 +3,7 @@ eager attention's output and gradients — ALiBi (fixed and learned slopes), pad
 samples, sliding windows, and dropout with flex.py's mask — visiting only the blocks a query can see,
 and a model on them gives sdpa's loss and gradients, at TP=1 and TP=2."""
 
+import functools
 import math
 
 import pytest
@@ -16,7 +17,8 @@ from megamlm.model.patterns import group_sees
 from megamlm.model.triton_attention import (TritonAttention, group_runs, group_spans, materialized_attention,
                                             triton_attention)
 from megamlm.objectives import MaskedLM
-from tests.backend_parity import assert_loop_trains_sdpas_losses, assert_model_gives_sdpas_loss_and_gradients
+from tests.backend_parity import (assert_loop_trains_sdpas_losses, assert_model_gives_sdpas_loss_and_gradients,
+                                  assert_model_gives_the_references_loss_and_gradients)
 from tests.multiproc import run_on_ranks
 from tests.test_packing import _no_corruption, _samples
 from tests.test_train import _straight_then_resume, _train, config, tiny_shards
@@ -32,13 +34,13 @@ def _layer_inputs(b, np_, s, hn, seed=0):
     return [t.permute(1, 2, 0, 3).requires_grad_() for t in mixed.split(hn, dim=-1)]
 
 
-def _assert_kernels_give_the_reference(b, np_, s, alibi, groups, p, window=None):
+def _assert_kernels_give_the_reference(b, np_, s, alibi, groups, p, window=None, atomic_dq=False):
     """Output and dQ, dK, dV against `materialized_attention`; with dropout, another seed another mask."""
     q, k, v = (t.detach().clone().requires_grad_() for t in _layer_inputs(b, np_, s, 16))
     slopes = Alibi(np_, alibi, 0, 1).slopes if alibi else None
     offset = 0.5 if alibi == "offset" else 0.0
     seed = torch.tensor(987654321)
-    out = triton_attention(q, k, v, slopes, offset, groups, p, seed if p else None, window=window)
+    out = triton_attention(q, k, v, slopes, offset, groups, p, seed if p else None, window=window, atomic_dq=atomic_dq)
     want = materialized_attention(q, k, v, slopes, offset, groups, p, seed, window=window)
     torch.testing.assert_close(out, want, rtol=0, atol=2e-6)
     assert out.permute(2, 0, 1, 3).is_contiguous()  # laid out [s, b, np, hn]: the layer's permute is a view
@@ -151,6 +153,13 @@ def test_dk_dv_with_queries_along_rows_gives_the_reference(monkeypatch, alibi, l
     """dK/dV's other orientation (`_attention_backward_keys_kernel` TRANSPOSED=False, among the autotuner's
     candidates on a GPU; the interpreter runs the first, keys along rows): score tiles [BM, BN] as the
     forward's, Pᵀ and dSᵀ transposed for the products. The same cases against the reference."""
+    _with_dk_dv_orientation(monkeypatch, False)
+    s = 300 if layout == "packed" or window else 100
+    _assert_kernels_give_the_reference(2, 2 if s == 300 else 3, s, alibi, _layout_groups(layout, s), p, window)
+
+
+def _with_dk_dv_orientation(monkeypatch, transposed: bool) -> None:
+    """The interpreter's one dK/dV configuration with the score tiles' keys (True) or queries along rows."""
     import triton
 
     from megamlm.model import triton_kernels
@@ -158,24 +167,41 @@ def test_dk_dv_with_queries_along_rows_gives_the_reference(monkeypatch, alibi, l
     (config,) = triton_kernels._backward_keys.configs
     assert config.kwargs["TRANSPOSED"]  # what the other tests run
     monkeypatch.setattr(triton_kernels._backward_keys, "configs",
-                        [triton.Config({**config.kwargs, "TRANSPOSED": False}, num_warps=1, num_stages=1)])
+                        [triton.Config({**config.kwargs, "TRANSPOSED": transposed}, num_warps=1, num_stages=1)])
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["keys-along-rows", "queries-along-rows"])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize(("alibi", "layout", "window"), [
+    ("offset", "whole-rows", None), (None, "documents", None), ("offset", "packed", None),
+    ("offset", "whole-rows", 130)])
+def test_dq_by_atomic_adds_gives_the_reference(monkeypatch, alibi, layout, window, p, transposed):
+    """model.triton_dq=atomic: no dQ kernel; the dK/dV kernel adds each block pair's dS · k into an fp32 sum
+    (in both of its orientations). The same cases against the reference as the dQ kernel's."""
+    from megamlm.model import triton_kernels
+
+    _with_dk_dv_orientation(monkeypatch, transposed)
+    monkeypatch.setattr(triton_kernels, "_backward_queries", None)  # a launch of the dQ kernel would fail
     s = 300 if layout == "packed" or window else 100
-    _assert_kernels_give_the_reference(2, 2 if s == 300 else 3, s, alibi, _layout_groups(layout, s), p, window)
+    _assert_kernels_give_the_reference(2, 2 if s == 300 else 3, s, alibi, _layout_groups(layout, s), p, window,
+                                       atomic_dq=True)
 
 
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["recompute", "atomic"])
 @pytest.mark.parametrize("p", [0.0, 0.25])
 @pytest.mark.parametrize("layout", ["whole-rows", "packed"])
-def test_learned_slopes_before_and_after_the_query_get_the_reference_gradient(layout, p):
+def test_learned_slopes_before_and_after_the_query_get_the_reference_gradient(layout, p, atomic_dq):
     """Learned ALiBi (alibi_mode=learned): slopes [2, np] that differ before and after the query; their
     gradient, summed over every query of every row, against autograd through the materialized bias in
     float64: the slopes' gradient sums 22,500 terms, and an fp32 reference's own rounding (up to 5.5e-6
-    here) is as large as the kernels' (up to 7.9e-6)."""
+    here) is as large as the kernels' (up to 7.9e-6). atomic: the dK/dV kernel adds each query's shares."""
     q, k, v = (t.detach().clone().requires_grad_() for t in _layer_inputs(2, 3, 150, 16))
     log_slopes = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, -4.0]], requires_grad=True)
     groups = _packed_groups(150) if layout == "packed" else None
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     results = []
-    for attention, dtype in ((triton_attention, torch.float32), (materialized_attention, torch.float64)):
+    for attention, dtype in ((functools.partial(triton_attention, atomic_dq=atomic_dq), torch.float32),
+                             (materialized_attention, torch.float64)):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, log_slopes)]
         out = attention(*leaves[:3], leaves[3].exp(), 0.0, groups, p, torch.tensor(5))
         results.append([out, *torch.autograd.grad(out, leaves, grad.to(dtype))])
@@ -348,6 +374,40 @@ def test_dk_dv_with_queries_along_rows_issues_fewer_instructions_per_score():
     assert float(queries_rows) < 0.92 * float(keys_rows), run.stdout
 
 
+_ATOMIC_DQ = """
+import torch
+from benchmarks.triton_static import ATOMIC, compile_sass, launches, loop_costs, loops
+step = launches(8, 2048, 12, 64, torch.bfloat16, 0.1, True)
+for name in ("dK/dV", "dQ", ATOMIC):
+    config = step[name].kernel.configs[0]
+    registers, stack, sass = compile_sass(step[name], config, 90)
+    masked, *whole = loops(sass)
+    body = max(whole, key=len)
+    print(name, stack, sum(loop_costs(body, config)[0].values()), sum(op.startswith("RED") for op in body),
+          sum(op.startswith("ATOM") for op in body))
+"""
+
+
+def test_dq_by_atomic_adds_issues_a_quarter_fewer_instructions_per_score_than_the_two_kernels():
+    """Why model.triton_dq=atomic: compiled for sm_90 as a training step launches it (the recipe's variant:
+    ALiBi, dropout 0.1, packed rows), each kernel's first candidate, none spilling: the one backward kernel's
+    whole blocks' loop issues under 0.8x the instructions per score of the dK/dV and dQ kernels' together
+    (30.1 against 24.6 + 15.9 with Triton 3.9), its dQ share going out as vectorized reductions (RED, no
+    ATOM compare-and-swap loop)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _ATOMIC_DQ], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    (_, *keys), (_, *queries), (_, *atomic) = (line.split() for line in run.stdout.splitlines())
+    assert keys[0] == queries[0] == atomic[0] == "0", run.stdout  # no stack: nothing spilled
+    assert float(atomic[1]) < 0.8 * (float(keys[1]) + float(queries[1])), run.stdout
+    assert int(atomic[2]) > 0 and atomic[3] == "0" and keys[2] == queries[2] == "0", run.stdout
+
+
 _COMPILE_HOOK = """
 import warnings, torch
 from benchmarks.triton_static import launches
@@ -445,6 +505,28 @@ def test_a_model_on_triton_gives_sdpas_loss_and_gradients(world):
 def test_a_learned_alibi_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """alibi_mode=learned: the log-slopes' gradient (every layer's share) is a parameter's gradient."""
     assert_model_gives_sdpas_loss_and_gradients(world, "triton", "alibi-learned")
+
+
+def test_a_learned_alibi_model_with_dq_by_atomic_adds_gives_sdpas_loss_and_gradients(world):
+    """model.triton_dq=atomic, with learned slopes (their gradient's shares added in the dK/dV kernel too)."""
+    assert_model_gives_the_references_loss_and_gradients(
+        world, ("model.attention_backend=triton", "model.triton_dq=atomic"), "model.attention_backend=sdpa",
+        "alibi-learned")
+
+
+def test_triton_dq_on_another_backend_warns_that_it_is_ignored():
+    import warnings
+
+    from megamlm.model.backends import ATTENTION_BACKENDS
+
+    atomic = variant_config("zero-clap", ["model.triton_dq=atomic"]).model
+    with pytest.warns(UserWarning, match="^model.triton_dq='atomic' applies to model.attention_backend=triton only; "
+                                         "the sdpa backend ignores it$"):
+        ATTENTION_BACKENDS["sdpa"].from_config(atomic, Alibi(atomic.num_attention_heads, "offset", 0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend = ATTENTION_BACKENDS["triton"].from_config(atomic, Alibi(atomic.num_attention_heads, "offset", 0, 1))
+    assert backend.atomic_dq
 
 
 def test_a_local_global_model_on_triton_gives_sdpas_loss_and_gradients(world):

@@ -166,6 +166,13 @@ class ModelConfig:
     num_warps=8,num_stages=3"; fwd_/bwd_ prefixes apply to one pass); empty: torch's defaults.
     `benchmarks/attention.py --flex-sweep` measures candidates (model/flex.py). Other backends ignore it,
     with a warning."""
+    triton_dq: Literal["recompute", "atomic"] = "recompute"
+    """How model.attention_backend=triton's backward forms dQ. recompute: a kernel of its own over each block
+    of queries recomputes the scores, probabilities and dP that the dK/dV kernel had (7 matmuls per score in
+    the two; deterministic); atomic: the dK/dV kernel adds each block pair's share of dQ into an fp32 sum with
+    atomic adds (FlashAttention-2's way: 5 matmuls, one exponential, ~1/4 fewer instructions per score
+    (benchmarks/triton_static.py); on a GPU the sum's order, and so its last bits, vary from run to run).
+    Other backends ignore it, with a warning."""
     head_loss: Literal["unfused", "fused"] = "unfused"
     """How training computes the MLM loss. unfused: the head's logits [n, V_local] over the masked
     positions, then megatron's vocab-parallel cross-entropy (which copies them to fp32 and keeps the

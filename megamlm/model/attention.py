@@ -83,6 +83,10 @@ class LayerInputs:
     """RoPE's (cos, sin) [b|1, 1, s, hn] for those layers (local ones: rope_theta_local), or None."""
 
 
+BACKEND_SETTINGS = {"flex_kernel_options": "flex", "triton_dq": "triton"}
+"""The model.* keys that one attention backend reads -> its name (`AttentionBackend.from_config`)."""
+
+
 class AttentionBackend:
     """sdpa: see the module docstring. Subclasses override `prepare` and `attend`."""
 
@@ -97,10 +101,19 @@ class AttentionBackend:
 
     @classmethod
     def from_config(cls, model: ModelConfig, position: PositionEncoding) -> AttentionBackend:
-        """The backend of an encoder built from `model` (a backend with settings reads them here)."""
-        if model.flex_kernel_options:  # a warning, not an error: a folder trained on flex may run elsewhere
-            warnings.warn(f"model.flex_kernel_options={model.flex_kernel_options!r} applies to "
-                          f"model.attention_backend=flex only; the {cls.name} backend ignores it")
+        """The backend of an encoder built from `model`, with its settings (`with_settings`); another backend's
+        setting away from its default gets a warning, not an error: a folder trained on one backend may run
+        on another."""
+        for key, backend in BACKEND_SETTINGS.items():
+            value = getattr(model, key)
+            if backend != cls.name and value != ModelConfig.__dataclass_fields__[key].default:
+                warnings.warn(f"model.{key}={value!r} applies to model.attention_backend={backend} only; the "
+                              f"{cls.name} backend ignores it")
+        return cls.with_settings(model, position)
+
+    @classmethod
+    def with_settings(cls, model: ModelConfig, position: PositionEncoding) -> AttentionBackend:
+        """The backend reading its settings, the keys BACKEND_SETTINGS gives it (none here)."""
         return cls(position)
 
     def prepare_layers(self, patterns, padding: torch.Tensor, documents: torch.Tensor | None,
@@ -234,7 +247,7 @@ class FlexAttention(AttentionBackend):
         """FlexAttention's kernel_options (model.flex_kernel_options); None: torch's choice."""
 
     @classmethod
-    def from_config(cls, model: ModelConfig, position: PositionEncoding) -> FlexAttention:
+    def with_settings(cls, model: ModelConfig, position: PositionEncoding) -> FlexAttention:
         return cls(position, kernel_options(model.flex_kernel_options))
 
     @staticmethod

@@ -15,6 +15,8 @@ layer's layout: BidirectionalAttention's (layer.py) permute back to [s, b, np ·
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -111,7 +113,7 @@ def forward_launch(q, k, v, slopes, groups, spans, seed, scale: float, offset: f
         raise ValueError(f"model.attention_backend=triton's attention dropout takes sequences of at most "
                          f"{_DROPOUT_POSITIONS} positions, not {q.size(2)}; use flex or sdpa")
     q, k, v = (_rows(t) for t in _heads(q, k, v))
-    outputs = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window)
+    outputs = _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window, False)
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, seed, dropped, half_window)
     launch = kernel_forward(q, k, v, *outputs, *inputs, scale, offset, level_keep_scale(dropped), half_window, flags)
     return launch, outputs
@@ -128,13 +130,15 @@ def softmax_row_terms(do: torch.Tensor, out: torch.Tensor, dropped: int) -> torc
 
 
 def backward_launches(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale: float, offset: float,
-                      dropped: int, half_window: int,
-                      slope_grad: bool) -> tuple[tuple[Launch, Launch], tuple[torch.Tensor, ...]]:
-    """(the backward kernels' launches, (dq, dk, dv, shares)) for `_attention_backward_op`'s arguments;
-    delta: `softmax_row_terms`. For one q holding q, k and v (`_heads`), dq is their gradient in that layout,
-    whose thirds the kernels fill (nothing to concatenate after them), and dk, dv are empty."""
+                      dropped: int, half_window: int, slope_grad: bool,
+                      atomic_dq: bool = False) -> tuple[tuple[Callable[[], None], ...], tuple[torch.Tensor, ...]]:
+    """(the backward's calls in order, (dq, dk, dv, shares)) for `_attention_backward_op`'s arguments; delta:
+    `softmax_row_terms`. For one q holding q, k and v (`_heads`), dq is their gradient in that layout, whose
+    thirds the kernels fill (nothing to concatenate after them), and dk, dv are empty. The calls: the dK/dV
+    kernel, then the dQ kernel; with atomic_dq (model.triton_dq=atomic) the dK/dV kernel, which adds dQ into an
+    fp32 sum, then its scaling into dq."""
     grads = _attention_backward_fake(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale, offset,
-                                     dropped, half_window, slope_grad)[:3]
+                                     dropped, half_window, atomic_dq, slope_grad)[:3]
     # [b, np, s, hn] each, with the one set of strides the kernels write them in
     dq, dk, dv = _heads(grads[0], None, None) if k is None else grads
     do, q, k, v = (_rows(t) for t in (do, *_heads(q, k, v)))
@@ -142,19 +146,31 @@ def backward_launches(do, q, k, v, delta, lse, query_bits, slopes, groups, spans
     b, np_local, s, _ = q.shape
     # [b, np, s, 2]: each query's share (the kernel writes every query's, whatever its block size); without
     # slope_grad a placeholder, never written (as _kernel_inputs': no null pointer for the launcher)
-    shares = q.new_empty((b, np_local, s, 2) if slope_grad else (1,), dtype=torch.float32)
+    shares = (q.new_zeros if atomic_dq else q.new_empty)((b, np_local, s, 2) if slope_grad else (1,),
+                                                         dtype=torch.float32)
+    # dQ / (scale · keep_scale), summed over the blocks of keys by the dK/dV kernel's atomic adds
+    dq_sum = q.new_zeros(q.shape, dtype=torch.float32) if atomic_dq else None
     *inputs, flags = _kernel_inputs(q, slopes, groups, spans, query_bits, dropped, half_window)
-    launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset,
-                               level_keep_scale(dropped), half_window, flags, slope_grad)
+    keep = level_keep_scale(dropped)
+    launches = kernel_backward(do, q, k, v, lse, delta, dq, dk, dv, shares, *inputs, scale, offset, keep, half_window,
+                               flags, slope_grad, dq_sum)
+    if atomic_dq:
+        launches = (*launches, functools.partial(_scale_into, dq, dq_sum, scale * keep))
     return launches, (*grads, shares)
+
+
+def _scale_into(out: torch.Tensor, total: torch.Tensor, factor: float) -> None:
+    """out = total · factor, in out's dtype and layout (total is scratch)."""
+    out.copy_(total.mul_(factor))
 
 
 @torch.library.custom_op("megamlm::triton_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, slopes: torch.Tensor | None,
                   groups: torch.Tensor | None, spans: torch.Tensor | None, seed: torch.Tensor | None, scale: float,
-                  offset: float, dropped: int, half_window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  offset: float, dropped: int, half_window: int,
+                  atomic_dq: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out [b, np, s, hn], lse [b, np, s] fp32 in log2 units, query_bits); q, k, v: `_heads`. half_window
-    -1: no window.
+    -1: no window. atomic_dq: the backward's (`backward_launches`), kept for it.
     query_bits [b, np, s] int32: the dropout hash per query (triton_dropout's `query_bits_of`), for the
     backward (in the dK/dV kernel every thread would compute them for each of its queries, each block:
     half again the hash's work); without dropout a placeholder, never read."""
@@ -164,7 +180,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | Non
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window):
+def _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped, half_window, _atomic_dq):
     q = _heads(q, k, v)[0]
     b, np_local, s, hn = q.shape
     return (_like_sbh(q), q.new_empty(b, np_local, s, dtype=torch.float32),
@@ -175,12 +191,12 @@ def _attention_fake(q, k, v, slopes, groups, spans, seed, scale, offset, dropped
 def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                            delta: torch.Tensor, lse: torch.Tensor, query_bits: torch.Tensor,
                            slopes: torch.Tensor | None, groups: torch.Tensor | None, spans: torch.Tensor | None,
-                           scale: float, offset: float, dropped: int, half_window: int,
+                           scale: float, offset: float, dropped: int, half_window: int, atomic_dq: bool,
                            slope_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv (`backward_launches`: for one q holding all three, its gradient and two empty tensors) and,
     with slope_grad, the slopes' [2, np] (else an empty tensor)."""
     launches, (dq, dk, dv, shares) = backward_launches(do, q, k, v, delta, lse, query_bits, slopes, groups, spans,
-                                                       scale, offset, dropped, half_window, slope_grad)
+                                                       scale, offset, dropped, half_window, slope_grad, atomic_dq)
     for launch in launches:
         launch()
     # [b, np, s, 2] -> [2, np], in the slopes' dtype
@@ -190,26 +206,26 @@ def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor | 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(do, q, k, v, delta, lse, query_bits, slopes, groups, spans, scale, offset, dropped,
-                             half_window, slope_grad):
+                             half_window, atomic_dq, slope_grad):
     # one q holding q, k and v: its gradient in that layout, [s, b, np, 3 hn] in memory, and no dk, dv
     grads = (_like_sbh(q), q.new_empty(0), q.new_empty(0)) if k is None else (_like_sbh(q), _like_sbh(q), _like_sbh(q))
     return (*grads, slopes.new_empty(slopes.shape) if slope_grad else q.new_empty(0, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, slopes, groups, spans, _seed, scale, offset, dropped, half_window = inputs
+    q, k, v, slopes, groups, spans, _seed, scale, offset, dropped, half_window, atomic_dq = inputs
     ctx.save_for_backward(q, k, v, *output, slopes, groups, spans)  # out, lse, query_bits: the seed's work done
-    ctx.constants = scale, offset, dropped, half_window
+    ctx.constants = scale, offset, dropped, half_window, atomic_dq
 
 
 def _backward(ctx, do, _lse_grad, _bits_grad):
     q, k, v, out, lse, query_bits, slopes, groups, spans = ctx.saved_tensors
     slope_grad = ctx.needs_input_grad[3]  # learned ALiBi slopes
-    _scale, _offset, dropped, _half_window = ctx.constants
+    dropped = ctx.constants[2]
     dq, dk, dv, dslopes = _attention_backward_op(do, q, k, v, softmax_row_terms(do, out, dropped), lse, query_bits,
                                                  slopes, groups, spans, *ctx.constants, slope_grad)
     dk, dv = (None, None) if k is None else (dk, dv)  # one q holding q, k and v: dq is its gradient
-    return dq, dk, dv, dslopes if slope_grad else None, None, None, None, None, None, None, None
+    return dq, dk, dv, dslopes if slope_grad else None, None, None, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -217,21 +233,22 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, slopes: torch.Tensor | None,
                      offset: float, groups: torch.Tensor | None, dropout_p: float, seed: torch.Tensor | None,
-                     scale: float | None = None, window: int | None = None,
-                     spans: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float | None = None, window: int | None = None, spans: torch.Tensor | None = None,
+                     atomic_dq: bool = False) -> torch.Tensor:
     """q, k, v [b, np, s, hn] -> [b, np, s, hn] (memory laid out [s, b, np, hn]): softmax(q·kᵀ·scale +
     ALiBi(slopes [np], or [2, np] for keys before and after the query; offset)) over the keys each query
     sees (groups [b, s], `attention_groups`, None: all; a padding query sees none and gets zeros;
     `window`: within window // 2 positions), dropout p on the probabilities with flex.py's mask of `seed`
     (int64 on the device), @ v. spans: `kernel_spans(groups)` where the caller has them (one forward's
     layers share them). q may hold all three, k and v None (`_heads`, the QKV projection's layout): the
-    backward then writes q's gradient whole, where three of them would be concatenated after it."""
+    backward then writes q's gradient whole, where three of them would be concatenated after it. atomic_dq:
+    the backward's dQ by atomic adds in the dK/dV kernel (model.triton_dq, `backward_launches`)."""
     scale = _heads(q, k, v)[0].size(-1) ** -0.5 if scale is None else scale
     dropped = dropped_levels(dropout_p)
     spans = kernel_spans(groups) if groups is not None and spans is None else spans
     slopes = slopes if slopes is None or slopes.dim() == 2 else slopes.expand(2, -1)  # before, after
     out, _, _ = _attention_op(q, k, v, slopes, groups, spans, seed if dropped else None, scale, offset, dropped,
-                              -1 if window is None else window // 2)
+                              -1 if window is None else window // 2, atomic_dq)
     return out
 
 
@@ -291,6 +308,15 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     additive_bias = False
 
+    def __init__(self, position, atomic_dq: bool = False):
+        super().__init__(position)
+        self.atomic_dq = atomic_dq
+        """The backward's dQ by atomic adds in the dK/dV kernel (model.triton_dq=atomic)."""
+
+    @classmethod
+    def with_settings(cls, model: ModelConfig, position) -> TritonAttention:
+        return cls(position, model.triton_dq == "atomic")
+
     @staticmethod
     def unsupported_here(model: ModelConfig) -> str | None:
         if model.local_window is not None and model.local_attention != "window":
@@ -316,7 +342,7 @@ class TritonAttention(AttentionBackend):
         # heads are sharded: the seed comes from this TP rank's stream (flex.py)
         seed = draw_seed(q.device) if dropout_p > 0 else None
         return triton_attention(q, k, v, prepared.slopes, prepared.offset, prepared.groups, dropout_p, seed, scale,
-                                prepared.window, prepared.spans)
+                                prepared.window, prepared.spans, self.atomic_dq)
 
     def attend_unsplit(self, qkv, prepared: TritonInputs, dropout_p: float, scale: float | None) -> torch.Tensor:
         # the kernels read q, k and v as views and write their gradients into one tensor in qkv's layout

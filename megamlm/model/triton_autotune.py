@@ -42,7 +42,10 @@ def compile_at_once(kernel: triton.JITFunction) -> Callable[..., list[triton.Con
     return compile_all
 
 
-def autotuned(kernel: triton.JITFunction, configs: list[triton.Config], key: list[str]) -> triton.runtime.Autotuner:
+def autotuned(kernel: triton.JITFunction, configs: list[triton.Config], key: list[str],
+              reset_to_zero: list[str] | None = None) -> triton.runtime.Autotuner:
     """`kernel` under Triton's autotuner over `configs`, retuned per value of the `key` arguments, its
-    candidates compiled at once (`compile_at_once`)."""
-    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": compile_at_once(kernel)})(kernel)
+    candidates compiled at once (`compile_at_once`); reset_to_zero: the arguments it adds into, zeroed before
+    each timed run and after the timing."""
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": compile_at_once(kernel)},
+                           reset_to_zero=reset_to_zero)(kernel)

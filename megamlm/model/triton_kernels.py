@@ -138,6 +138,16 @@ def _per_query(x, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _per_key(x, TRANSPOSED: tl.constexpr):
+    """A [BN] vector of the keys against a score tile: [1, BN], or [BN, 1] against the transpose."""
+    if TRANSPOSED:
+        row = x[:, None]
+    else:
+        row = x[None, :]
+    return row
+
+
+@triton.jit
 def _keys_first(tile, TRANSPOSED: tl.constexpr):
     """A score tile as the left operand of a product over queries, [BN, BM]: the transpose of a [BM, BN] tile
     (Triton passes it to the tensor cores through shared memory, transposed there)."""
@@ -147,17 +157,48 @@ def _keys_first(tile, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _attention_backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GROUPS, SPANS, QBITS,
+def _queries_first(tile, TRANSPOSED: tl.constexpr):
+    """A score tile as the left operand of a product over keys, [BM, BN] (`_keys_first`'s counterpart)."""
+    if TRANSPOSED:
+        tile = tl.trans(tile)
+    return tile
+
+
+@triton.jit
+def _add_query_shares(DQ_SUM, DSLOPES, ds, ds_operand, k, bh, offs_m, offs_n, S, offset, keep_scale,
+                      HEAD_DIM: tl.constexpr, SLOPE_GRAD: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """model.triton_dq=atomic: this block pair's share of dQ, dS · k [BM, hn], added into the fp32 DQ_SUM
+    [b, np, s, hn] (contiguous; the caller scales the sum by scale · keep_scale), and with SLOPE_GRAD the
+    queries' shares of the slopes' gradient into DSLOPES [b, np, s, 2] (both zeroed by the caller).
+    FlashAttention-2's way: no second kernel recomputes the scores, probabilities and dP for dQ, at the cost
+    of sums whose order varies from run to run on a GPU."""
+    rows = (bh * S + offs_m) * HEAD_DIM
+    dq = tl.dot(_queries_first(ds_operand, TRANSPOSED), k)  # [BM, BN] x [BN, hn] -> [BM, hn]
+    tl.atomic_add(DQ_SUM + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], dq, mask=offs_m[:, None] < S,
+                  sem="relaxed")
+    if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
+        distance = (_per_key(offs_n, TRANSPOSED) - _per_query(offs_m, TRANSPOSED)).to(tl.float32)
+        keys_axis: tl.constexpr = 0 if TRANSPOSED else 1
+        d_before = tl.sum(tl.where(distance > 0, 0.0, ds * distance), keys_axis)
+        d_after = tl.sum(tl.where(distance > 0, ds * (offset - distance), 0.0), keys_axis)
+        tl.atomic_add(DSLOPES + (bh * S + offs_m) * 2, d_before * keep_scale, mask=offs_m < S, sem="relaxed")
+        tl.atomic_add(DSLOPES + (bh * S + offs_m) * 2 + 1, d_after * keep_scale, mask=offs_m < S, sem="relaxed")
+
+
+@triton.jit
+def _attention_backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_SUM, DSLOPES, SLOPES, GROUPS, SPANS, QBITS,
                                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sgb, span_stride,
                                     sxb, sxh, sxs, H, S, qk_scale, sm_scale, offset, keep_scale, half_window,
                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     HAS_ALIBI: tl.constexpr, HAS_GROUPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                                    DROPPED: tl.constexpr, TRANSPOSED: tl.constexpr):
+                                    DROPPED: tl.constexpr, TRANSPOSED: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                                    SLOPE_GRAD: tl.constexpr):
     """dK, dV of one block of keys, over every block of queries. DK and DV have the strides sx*. TRANSPOSED
     (the autotuner's choice): the score tiles are [BN, BM], keys along rows, as dK and dV accumulate them; else
     [BM, BN], queries along rows as in the forward: each thread then holds 2 rows' per-query terms (lse, delta,
     ALiBi's query term, the dropout hash's query bits), not 16 columns' (the MMA tile's layout), and Pᵀ and
-    dSᵀ pass through shared memory."""
+    dSᵀ pass through shared memory. ATOMIC_DQ: also each block of queries' share of dQ (and with SLOPE_GRAD
+    of the slopes' gradient), `_add_query_shares`; else DQ_SUM and DSLOPES are placeholders, never touched."""
     start_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,6 +211,9 @@ def _attention_backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GRO
     # the queries that see these keys, and those that see all of them (the relation is symmetric)
     lo, hi, a1, a2, b1, z = partition(SPANS, span_stride, b, sgb, offs_n, start_n * BLOCK_N, S, half_window,
                                       BLOCK_M, HAS_ALIBI, HAS_GROUPS, HAS_WINDOW, True)
+    if ATOMIC_DQ and (start_n + 1) * BLOCK_N > S:  # keys past S (S not a multiple of BLOCK_N): whole blocks would
+        # leave them visible (their dK, dV are never stored; their dS would reach dQ): every block masked
+        a1, a2, b1, z = lo, lo, lo, lo
     for KIND in tl.static_range(3):  # the masked blocks' loop, then the whole blocks' two (`stretches`)
         s0, e0, s1, e1, s2, count = stretches(lo, hi, a1, a2, b1, z, KIND, BLOCK_M)
         for block in range(0, count):
@@ -197,7 +241,11 @@ def _attention_backward_keys_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, GRO
             else:
                 dv += tl.dot(_keys_first(operand(p, DO.dtype.element_ty), TRANSPOSED), do)
                 ds = p * (dp - _per_query(delta, TRANSPOSED))
-            dk += tl.dot(_keys_first(operand(ds, Q.dtype.element_ty), TRANSPOSED), q)
+            ds_operand = operand(ds, Q.dtype.element_ty)
+            dk += tl.dot(_keys_first(ds_operand, TRANSPOSED), q)
+            if ATOMIC_DQ:
+                _add_query_shares(DQ_SUM, DSLOPES, ds, ds_operand, k, bh, offs_m, offs_n, S, offset, keep_scale,
+                                  HEAD_DIM, SLOPE_GRAD, TRANSPOSED)
     dk *= sm_scale * keep_scale
     dv *= keep_scale
     _store_rows(DK, dk, b, h, offs_n, sxb, sxh, sxs, S, HEAD_DIM)
@@ -269,8 +317,9 @@ def _constants(candidate: tuple) -> dict:
     return candidate[4] if len(candidate) > 4 else {}
 
 
-def _autotuned(kernel: triton.JITFunction, candidates: list[tuple], key: list[str]) -> triton.runtime.Autotuner:
-    return autotuned(kernel, _configs(candidates), key)
+def _autotuned(kernel: triton.JITFunction, candidates: list[tuple], key: list[str],
+               reset_to_zero: list[str] | None = None) -> triton.runtime.Autotuner:
+    return autotuned(kernel, _configs(candidates), key, reset_to_zero)
 
 
 _TUNING_KEY = ["S", "HEAD_DIM", "HAS_ALIBI", "HAS_GROUPS", "HAS_WINDOW", "DROPPED"]
@@ -285,7 +334,7 @@ _forward = _autotuned(_attention_forward_kernel, [(128, 64, 8, 3), (128, 128, 8,
 _backward_keys = _autotuned(_attention_backward_keys_kernel, [
     (32, 128, 8, 3, _KEYS_ROWS), (64, 128, 8, 2, _KEYS_ROWS), (64, 128, 8, 3, _KEYS_ROWS), (16, 128, 8, 3, _KEYS_ROWS),
     (32, 64, 4, 4, _KEYS_ROWS), (64, 64, 4, 3, _QUERY_ROWS), (64, 64, 4, 2, _QUERY_ROWS), (128, 64, 8, 2, _QUERY_ROWS),
-    (128, 64, 8, 3, _QUERY_ROWS)], _TUNING_KEY)
+    (128, 64, 8, 3, _QUERY_ROWS)], [*_TUNING_KEY, "ATOMIC_DQ", "SLOPE_GRAD"], reset_to_zero=["DQ_SUM", "DSLOPES"])
 _backward_queries = _autotuned(_attention_backward_queries_kernel, [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
                                                           (64, 64, 4, 3), (64, 32, 4, 4)], [*_TUNING_KEY, "SLOPE_GRAD"])
 
@@ -322,18 +371,26 @@ def forward_launch(q, k, v, out, lse, query_bits, slopes, groups, spans, seed, s
 
 
 def backward_launches(do, q, k, v, lse, delta, dq, dk, dv, dslopes, slopes, groups, spans, query_bits, scale: float,
-                      offset: float, keep_scale: float, half_window: int, flags: dict,
-                      slope_grad: bool) -> tuple[Launch, Launch]:
-    """Filling dk, dv, then dq (one layout: the strides of dq) from dO, the forward's lse and query bits, and
-    delta = Σ dO·O / keep_scale; with slope_grad also dslopes [b, np, s, 2], each query's share of the slopes'
-    gradient. With dropout dS = P ∘ (keep_scale · kept(dP) - Σ dO·O) = keep_scale · P ∘ (kept(dP) - delta): the
-    kernels apply keep_scale once per program (to dK, dV, dQ and the shares), not once per score."""
+                      offset: float, keep_scale: float, half_window: int, flags: dict, slope_grad: bool,
+                      dq_sum: torch.Tensor | None = None) -> tuple[Launch, ...]:
+    """Filling dk, dv, then dq (one layout: the strides of dk, dv and dq) from dO, the forward's lse and query
+    bits, and delta = Σ dO·O / keep_scale; with slope_grad also dslopes [b, np, s, 2], each query's share of the
+    slopes' gradient. With dropout dS = P ∘ (keep_scale · kept(dP) - Σ dO·O) = keep_scale · P ∘ (kept(dP) - delta):
+    the kernels apply keep_scale once per program (to dK, dV, dQ and the shares), not once per score.
+    dq_sum (fp32 [b, np, s, hn], contiguous and zeroed; model.triton_dq=atomic): one launch, the dK/dV kernel,
+    adds dQ / (scale · keep_scale) there and the shares into dslopes (zeroed); dq is not written."""
     b, np_local, s, hn = q.shape
     common = (slopes, groups, spans, query_bits, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
               groups.stride(0), b * s, *_strides(dq), np_local, s, scale * LOG2E, scale, offset, keep_scale,
               half_window)
-    return (Launch(_backward_keys, lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local),
-                   (q, k, v, do, lse, delta, dk, dv, *common), {"HEAD_DIM": hn, **flags}),
-            Launch(_backward_queries, lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local),
-                   (q, k, v, do, lse, delta, dq, dslopes, *common),
-                   {"HEAD_DIM": hn, "SLOPE_GRAD": slope_grad, **flags}))
+    atomic = dq_sum is not None
+    keys = Launch(_backward_keys, lambda meta: (triton.cdiv(s, meta["BLOCK_N"]), b * np_local),
+                  # without dq_sum, dslopes stands in for it (no null pointer for the launcher): the kernel leaves
+                  # both alone, the autotuner's zeroing of them precedes the dQ kernel, which writes dslopes
+                  (q, k, v, do, lse, delta, dk, dv, dq_sum if atomic else dslopes, dslopes, *common),
+                  {"HEAD_DIM": hn, "ATOMIC_DQ": atomic, "SLOPE_GRAD": slope_grad and atomic, **flags})
+    if atomic:
+        return (keys,)
+    return keys, Launch(_backward_queries, lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * np_local),
+                        (q, k, v, do, lse, delta, dq, dslopes, *common),
+                        {"HEAD_DIM": hn, "SLOPE_GRAD": slope_grad, **flags})
