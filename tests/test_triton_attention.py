@@ -529,6 +529,21 @@ def test_triton_dq_on_another_backend_warns_that_it_is_ignored():
     assert backend.atomic_dq
 
 
+def test_dq_by_atomic_adds_is_refused_where_torch_is_asked_for_deterministic_algorithms():
+    atomic = variant_config("zero-clap", ["model.attention_backend=triton", "model.triton_dq=atomic"]).model
+    recompute = variant_config("zero-clap", ["model.attention_backend=triton"]).model
+    assert TritonAttention.unsupported_here(atomic) is None
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert TritonAttention.unsupported_here(atomic) == (
+            "model.triton_dq=atomic sums dQ in an order that varies from run to run, and "
+            "torch.use_deterministic_algorithms(True) is set; use model.triton_dq=recompute")
+        assert TritonAttention.unsupported_here(recompute) is None
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_a_local_global_model_on_triton_gives_sdpas_loss_and_gradients(world):
     """ModernBERT's recipe (RoPE, a global then a windowed layer): the window in the kernels."""
     assert_model_gives_sdpas_loss_and_gradients(world, "triton", "modernbert")

@@ -326,6 +326,9 @@ class TritonAttention(AttentionBackend):
             return f"model.attention_backend=triton needs a head dim that is a power of 2 >= 16, not {model.head_dim}"
         if kernel_forward is None or not (torch.cuda.is_available() or INTERPRET):
             return "model.attention_backend=triton needs a CUDA GPU and the triton package; use sdpa"
+        if model.triton_dq == "atomic" and torch.are_deterministic_algorithms_enabled():
+            return ("model.triton_dq=atomic sums dQ in an order that varies from run to run, and "
+                    "torch.use_deterministic_algorithms(True) is set; use model.triton_dq=recompute")
         return None
 
     def prepare(self, padding, documents, segments, dtype, pattern=GLOBAL_ATTENTION, reads=None):
