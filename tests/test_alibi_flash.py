@@ -201,3 +201,28 @@ def test_a_folder_trained_on_it_loads_on_sdpa_where_it_cannot_run(world, tmp_pat
     tokens = torch.randint(4, 1100, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(sdpa(tokens), ours(tokens), rtol=0, atol=1e-5)
+
+
+def test_a_folder_that_falls_back_to_sdpa_leaves_its_backends_settings_without_a_second_warning(world, tmp_path):
+    """A folder trained on flex with its kernel options (GPU only) on a CPU: one warning, the fallback's; the
+    options go back to their default with the backend (sdpa would warn that it ignores them)."""
+    import warnings
+    from pathlib import Path
+
+    import megamlm
+    from megamlm.model.folder import write_model_folder
+    from megamlm.model.reshard import full_state_dict
+    from megamlm.objectives import load_encoder
+
+    cfg = variant_config("zero-clap", ["model.attention_backend=flex", "model.flex_kernel_options=num_warps=4"])
+    weights = full_state_dict(MaskedLM(variant_config("zero-clap").model, world, seed=5))  # flex: not on a CPU
+    write_model_folder(tmp_path / "model", cfg, weights)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moved, _ = load_encoder(tmp_path / "model", world)
+    package = Path(megamlm.__file__).parent  # (megatron-core warns of its own deprecations)
+    assert [str(w.message) for w in caught if Path(w.filename).is_relative_to(package)] == [
+        f"{tmp_path / 'model'}: model.attention_backend=flex needs a CUDA GPU (torch 2.13 has no FlexAttention "
+        "backward on CPU); use model.attention_backend=sdpa. This run uses model.attention_backend=sdpa instead "
+        "(the same attention)"]
+    assert (moved.model.attention_backend, moved.model.flex_kernel_options) == ("sdpa", "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from megamlm.config import Config, ModelConfig, ParallelConfig, replace_config
+from megamlm.model.attention import BACKEND_SETTINGS
 from megamlm.model.encoder import Encoder
 from megamlm.model.folder import ModelFolder, read_model_folder
 from megamlm.model.reshard import load_full_state_dict
@@ -25,7 +27,11 @@ def _config(saved, folder, ctx: ParallelContext, overrides: list[str]) -> Config
     problem = Encoder.unsupported_here(cfg.model)
     if problem is not None and not any(o.startswith("model.attention_backend=") for o in overrides):
         warnings.warn(f"{folder}: {problem}. This run uses model.attention_backend=sdpa instead (the same attention)")
-        cfg = replace_config(cfg, ["model.attention_backend=sdpa"], origin=origin)
+        # and the settings of the backend it leaves at their defaults: sdpa reads none of them (no second warning
+        # that it ignores them); JSON is YAML, as overrides are read
+        fields = ModelConfig.__dataclass_fields__
+        defaults = [f"model.{key}={json.dumps(fields[key].default)}" for key in BACKEND_SETTINGS]
+        cfg = replace_config(cfg, ["model.attention_backend=sdpa", *defaults], origin=origin)
     return cfg
 
 
