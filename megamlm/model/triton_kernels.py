@@ -2,8 +2,9 @@
 the backend): bidirectional attention with ALiBi's score term (slopes for keys before and after the
 query, and their gradient where they are learned), key padding, documents, packed samples, sliding
 windows and attention dropout, forward and backward, FlashAttention's way (online softmax; the backward
-recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ). dK/dV's score
-tiles come in two orientations, keys or queries along rows; the autotuner times both.
+recomputes the probabilities from the saved log-sum-exp, one kernel for dK/dV, one for dQ; or with
+model.triton_dq=atomic the dK/dV kernel alone, adding dQ with atomics). dK/dV's score tiles come in two
+orientations, keys or queries along rows; the autotuner times both.
 
 The dropout mask (flex.py's), hashed per query and pair of keys: triton_dropout.py.
 
