@@ -141,11 +141,7 @@ def _per_query(x, TRANSPOSED: tl.constexpr):
 @triton.jit
 def _per_key(x, TRANSPOSED: tl.constexpr):
     """A [BN] vector of the keys against a score tile: [1, BN], or [BN, 1] against the transpose."""
-    if TRANSPOSED:
-        row = x[:, None]
-    else:
-        row = x[None, :]
-    return row
+    return _per_query(x, not TRANSPOSED)
 
 
 @triton.jit
@@ -166,22 +162,26 @@ def _queries_first(tile, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _slope_shares(ds, offs_m, offs_n, offset, TRANSPOSED: tl.constexpr):
+    """Each query's shares [BM] of the slopes' gradient (before, after) from a dS tile: d score / d slope is the
+    distance before the query, -(distance - offset) after it (natural units)."""
+    distance = (_per_key(offs_n, TRANSPOSED) - _per_query(offs_m, TRANSPOSED)).to(tl.float32)
+    keys_axis: tl.constexpr = 0 if TRANSPOSED else 1
+    return (tl.sum(tl.where(distance > 0, 0.0, ds * distance), keys_axis),
+            tl.sum(tl.where(distance > 0, ds * (offset - distance), 0.0), keys_axis))
+
+
+@triton.jit
 def _add_query_shares(DQ_SUM, DSLOPES, ds, ds_operand, k, bh, offs_m, offs_n, S, offset, keep_scale,
                       HEAD_DIM: tl.constexpr, SLOPE_GRAD: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """model.triton_dq=atomic: this block pair's share of dQ, dS · k [BM, hn], added into the fp32 DQ_SUM
-    [b, np, s, hn] (contiguous; the caller scales the sum by scale · keep_scale), and with SLOPE_GRAD the
-    queries' shares of the slopes' gradient into DSLOPES [b, np, s, 2] (both zeroed by the caller).
-    FlashAttention-2's way: no second kernel recomputes the scores, probabilities and dP for dQ, at the cost
-    of sums whose order varies from run to run on a GPU."""
+    """model.triton_dq=atomic (FlashAttention-2's way): this block pair's dS · k [BM, hn] added into the fp32
+    DQ_SUM [b, np, s, hn] (contiguous; the caller scales it), with SLOPE_GRAD the shares into DSLOPES [b, np, s, 2]."""
     rows = (bh * S + offs_m) * HEAD_DIM
     dq = tl.dot(_queries_first(ds_operand, TRANSPOSED), k)  # [BM, BN] x [BN, hn] -> [BM, hn]
     tl.atomic_add(DQ_SUM + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], dq, mask=offs_m[:, None] < S,
                   sem="relaxed")
-    if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
-        distance = (_per_key(offs_n, TRANSPOSED) - _per_query(offs_m, TRANSPOSED)).to(tl.float32)
-        keys_axis: tl.constexpr = 0 if TRANSPOSED else 1
-        d_before = tl.sum(tl.where(distance > 0, 0.0, ds * distance), keys_axis)
-        d_after = tl.sum(tl.where(distance > 0, ds * (offset - distance), 0.0), keys_axis)
+    if SLOPE_GRAD:
+        d_before, d_after = _slope_shares(ds, offs_m, offs_n, offset, TRANSPOSED)
         tl.atomic_add(DSLOPES + (bh * S + offs_m) * 2, d_before * keep_scale, mask=offs_m < S, sem="relaxed")
         tl.atomic_add(DSLOPES + (bh * S + offs_m) * 2 + 1, d_after * keep_scale, mask=offs_m < S, sem="relaxed")
 
@@ -294,10 +294,10 @@ def _attention_backward_queries_kernel(Q, K, V, DO, LSE, DELTA, DQ, DSLOPES, SLO
                 dp = tl.where(kept(key_levels(query_bits, start_n, BLOCK_N, False), DROPPED), dp, 0.0)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(operand(ds, K.dtype.element_ty), k)
-            if SLOPE_GRAD:  # d score / d slope: the distance before, -(distance - offset) after (natural units)
-                distance = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
-                d_before += tl.sum(tl.where(distance > 0, 0.0, ds * distance), 1)
-                d_after += tl.sum(tl.where(distance > 0, ds * (offset - distance), 0.0), 1)
+            if SLOPE_GRAD:
+                shares_before, shares_after = _slope_shares(ds, offs_m, offs_n, offset, False)
+                d_before += shares_before
+                d_after += shares_after
     dq *= sm_scale * keep_scale
     _store_rows(DQ, dq, b, h, offs_m, sxb, sxh, sxs, S, HEAD_DIM)
     if SLOPE_GRAD:
