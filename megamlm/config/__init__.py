@@ -11,7 +11,7 @@ where it was set and what is allowed.
         model.num_layers=6
 """
 
-from megamlm.config.checks import ARCHITECTURE, ConfigError, check_fields
+from megamlm.config.checks import ARCHITECTURE, ConfigError, check_fields, field_default
 from megamlm.config.loading import (build_config, config_from_dict, load_config, load_config_and_origins,
                                     parse_override, replace_config)
 from megamlm.config.model import GLOBAL_ATTENTION, LayerAttention
@@ -28,4 +28,5 @@ from megamlm.config.sections import (
 
 __all__ = ["ARCHITECTURE", "Config", "ConfigError", "DataConfig", "GLOBAL_ATTENTION", "LayerAttention", "ModelConfig",
            "ObjectiveConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "as_yaml", "build_config", "check_fields",
-           "config_from_dict", "load_config", "load_config_and_origins", "parse_override", "replace_config"]
+           "config_from_dict", "field_default", "load_config", "load_config_and_origins", "parse_override",
+           "replace_config"]

@@ -101,6 +101,12 @@ def unmet(requirements: tuple[tuple[str, Any, bool], ...]) -> str:
     return ", ".join(f"{key}={value}" for key, value, met in requirements if not met)
 
 
+def field_default(cls: type, key: str) -> Any:
+    """The value field `key` of config dataclass `cls` has when no file or override sets it."""
+    f = cls.__dataclass_fields__[key]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def check_fields(section_obj: Any, section: str) -> None:
     """Type-check (and normalize, e.g. int -> float) every field of a config dataclass."""
     hints = typing.get_type_hints(type(section_obj))

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import dataclasses
 import functools
 import inspect
 import textwrap
 import typing
 from pathlib import Path
 
-from megamlm.config.checks import ConfigError, describe_type
+from megamlm.config.checks import ConfigError, describe_type, field_default
 from megamlm.config.loading import where_set
 from megamlm.config.model import ModelConfig
 from megamlm.config.sections import SECTION_KEYS, SECTIONS, Config, as_yaml
@@ -38,10 +37,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return {field.target.id: inspect.cleandoc(doc.value.value) for field, doc in zip(body, body[1:])
             if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr)
             and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
-
-
-def _default(f: dataclasses.Field):
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def selected_keys(names: list[str]) -> list[tuple[str, str]]:
@@ -81,8 +76,7 @@ def explain(cfg: Config, names: list[str] = (), origins: dict[str, str] | None =
     paragraphs = []
     for section, key in selected_keys(list(names)):
         cls = SECTIONS[section]
-        f = next(f for f in dataclasses.fields(cls) if f.name == key)
-        value, default = getattr(getattr(cfg, section), key), _default(f)
+        value, default = getattr(getattr(cfg, section), key), field_default(cls, key)
         kind = describe_type(typing.get_type_hints(cls)[key])
         allowed = f"allowed: {kind}" if " | " in kind else kind
         if cls is ModelConfig and key in ModelConfig.architecture_fields():

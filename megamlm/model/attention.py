@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import AuxRequest
 
-from megamlm.config import GLOBAL_ATTENTION, ConfigError, LayerAttention, ModelConfig
+from megamlm.config import GLOBAL_ATTENTION, ConfigError, LayerAttention, ModelConfig, field_default
 from megamlm.model.alibi_flash import AlibiTerms, alibi_flash_attention, alibi_terms, flash_kernel
 from megamlm.model.dropout import dropout
 from megamlm.model.flex import attend_with_dropout, compiled_flex_attention, draw_seed, kernel_options
@@ -106,7 +106,7 @@ class AttentionBackend:
         on another."""
         for key, backend in BACKEND_SETTINGS.items():
             value = getattr(model, key)
-            if backend != cls.name and value != ModelConfig.__dataclass_fields__[key].default:
+            if backend != cls.name and value != field_default(ModelConfig, key):
                 warnings.warn(f"model.{key}={value!r} applies to model.attention_backend={backend} only; the "
                               f"{cls.name} backend ignores it")
         return cls.with_settings(model, position)

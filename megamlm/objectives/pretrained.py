@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megamlm.config import Config, ModelConfig, ParallelConfig, replace_config
+from megamlm.config import Config, ModelConfig, ParallelConfig, field_default, replace_config
 from megamlm.model.attention import BACKEND_SETTINGS
 from megamlm.model.encoder import Encoder
 from megamlm.model.folder import ModelFolder, read_model_folder
@@ -29,8 +29,7 @@ def _config(saved, folder, ctx: ParallelContext, overrides: list[str]) -> Config
         warnings.warn(f"{folder}: {problem}. This run uses model.attention_backend=sdpa instead (the same attention)")
         # and the settings of the backend it leaves at their defaults: sdpa reads none of them (no second warning
         # that it ignores them); JSON is YAML, as overrides are read
-        fields = ModelConfig.__dataclass_fields__
-        defaults = [f"model.{key}={json.dumps(fields[key].default)}" for key in BACKEND_SETTINGS]
+        defaults = [f"model.{key}={json.dumps(field_default(ModelConfig, key))}" for key in BACKEND_SETTINGS]
         cfg = replace_config(cfg, ["model.attention_backend=sdpa", *defaults], origin=origin)
     return cfg
 
