@@ -93,11 +93,11 @@ def _events(log: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == kind]
 
 
-def _wrapper(path: Path, condition: str, marker: Path, command: str) -> Path:
+def _wrapper(path: Path, condition: str, marker: Path, command: str, then: str = "") -> Path:
     """An executable at `path` that, where the bash `condition` holds, touches `marker` and sleeps 15 s
-    before it runs `command` with its arguments."""
+    before it runs `command` with `then` and its arguments; elsewhere `command` with its arguments."""
     path.write_text(f"""#!/usr/bin/env bash
-if {condition}; then touch {marker}; sleep 15; fi
+if {condition}; then touch {marker}; sleep 15; exec {command} {then} "$@"; fi
 exec {command} "$@"
 """)
     path.chmod(0o755)
@@ -217,14 +217,19 @@ def test_a_job_preempted_before_its_training_starts_is_requeued_and_trains_from_
 
 def test_a_job_preempted_as_its_training_step_starts_still_stops_the_training_and_is_requeued(cluster, tmp_path):
     """USR1 after `srun ... megamlm train &` but before slurmctld has created the step (here an srun on PATH
-    that waits 15 s first): a SIGTERM to the job's steps then reached no process, the first start trained
-    to its end and only then was requeued. The script now waits for the training step before it sends
-    SIGTERM: the first start stops early, the requeued one trains the rest."""
+    that waits 15 s first), and its SIGTERM due once the step exists but before its task has started (that
+    srun's --prolog, which runs between the two, takes 5 s): a SIGTERM to the job's steps then reached no
+    process, the first start trained to its end and only then was requeued (a suite saw the second window once,
+    without a prolog). The script now waits for the training step and its task before it sends SIGTERM: the
+    first start stops early, the requeued one trains the rest."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     starting = tmp_path / "starting"
+    prolog = tmp_path / "prolog"
+    prolog.write_text("#!/usr/bin/env bash\nsleep 5\n")
+    prolog.chmod(0o755)
     _wrapper(bin_dir / "srun", '[[ " $* " == *" megamlm train "* && "${SLURM_RESTART_COUNT:-0}" == 0 ]]', starting,
-             shutil.which("srun", path=cluster["PATH"]))
+             shutil.which("srun", path=cluster["PATH"]), then=f"--prolog={prolog}")
     env, job, out, log = _submit(cluster, tmp_path, "1", path=f"{bin_dir}:{cluster['PATH']}")
 
     _wait(starting.exists, 300, lambda: f"job {job} did not start its training step:\n{_job_output(out)}")
