@@ -157,6 +157,19 @@ def test_a_name_like_none_allowed_gets_no_guess(overrides):
     assert "did you mean" not in str(err.value)
 
 
+def test_a_whole_number_written_as_a_float_is_an_int_and_no_other_float_is(tmp_path):
+    """`steps: 1e5` is a string to YAML 1.1 and 1.0e5 a float: both say 100,000 to a user."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("train:\n  steps: 1e5\noptim:\n  warmup_steps: 1.0e3\n")
+    cfg = load_config([exp], ["model.num_layers=2.0"])
+    assert [(type(v), v) for v in (cfg.train.steps, cfg.optim.warmup_steps, cfg.model.num_layers)] == [
+        (int, 100_000), (int, 1_000), (int, 2)]
+    for text, shown in [("2.5", "2.5"), ("1e300", "'1e300'"), ("nan", "'nan'"), ("true", "true")]:
+        with pytest.raises(ConfigError) as err:
+            load_config([], [f"train.steps={text}"])
+        assert str(err.value) == f"command line: train.steps={shown} is invalid; allowed: int"
+
+
 def test_a_file_with_a_mistyped_section_names_the_file_and_the_likely_section(tmp_path):
     bad = tmp_path / "exp.yaml"
     bad.write_text("modle:\n  num_layers: 2\n")
@@ -212,6 +225,32 @@ def test_file_problems_are_reported_with_the_path(tmp_path):
     unknown.write_text("trainer:\n  steps: 3\n")
     with pytest.raises(ConfigError, match=rf"{unknown}: unknown section 'trainer'"):
         load_config([unknown])
+
+
+@pytest.mark.parametrize("include,shown", [("[1]", "[1]"), ("{base.yaml: 1}", "{base.yaml: 1}"), ("", "null")])
+def test_an_include_that_is_not_paths_is_one_line_naming_its_line(tmp_path, include, shown):
+    """A mapping would otherwise be read as its keys' paths, a number end in a traceback."""
+    (tmp_path / "base.yaml").write_text("model:\n  num_layers: 2\n")
+    bad = tmp_path / "exp.yaml"
+    bad.write_text(f"train:\n  steps: 3\ninclude: {include}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([bad])
+    assert str(err.value) == (f"{bad}:3: include must be a path or a list of paths (relative to the file), "
+                              f"not {shown}")
+
+
+def test_yaml_merge_keys_work_and_the_keys_beside_them_override_what_they_merge(tmp_path):
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("model:\n  <<: {num_layers: 2, hidden_size: 64}\n  num_layers: 3\n  num_attention_heads: 2\n")
+    cfg = load_config([exp])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (3, 64, 2)
+
+
+def test_a_key_yaml_cannot_hash_is_not_valid_yaml_at_its_line(tmp_path):
+    bad = tmp_path / "exp.yaml"
+    bad.write_text("train:\n  steps: 3\n? [model]\n: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:3: not valid YAML \(found unhashable key\)$"):
+        load_config([bad])
 
 
 def test_every_key_is_documented_under_its_field():

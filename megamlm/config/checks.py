@@ -50,8 +50,8 @@ def _choices(tp: Any) -> tuple:
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(ok, value converted to tp). Ints and numeric strings are accepted for floats; bools never
-    count as numbers."""
+    """(ok, value converted to tp). Ints and numeric strings are accepted for floats, whole numbers written as
+    floats (1e5, 2.0) for ints; bools never count as numbers."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in UNIONS:
         if value is None and type(None) in args:
@@ -84,6 +84,10 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
                 pass
         return False, value
     if tp is int:
+        if isinstance(value, (float, str)):  # `steps: 1e5` (a string to YAML 1.1) or 1.0e5 is an int to a user
+            ok, number = _coerce(value, float)
+            if ok and number.is_integer() and abs(number) <= 2 ** 53:  # beyond, a float misses integers
+                return True, int(number)
         return isinstance(value, int) and not isinstance(value, bool), value
     return isinstance(value, tp), value
 

@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from megamlm.config.checks import ConfigError
-from megamlm.config.sections import SECTION_KEYS, SECTIONS, Config
+from megamlm.config.sections import SECTION_KEYS, SECTIONS, Config, as_yaml
 from megamlm.errors import MegamlmError, did_you_mean
 from megamlm.files import read_text
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently). A merge key
+    (`<<: *defaults`) is not a key of the mapping: the keys written beside it override what it merges."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                break  # SafeLoader's construct_mapping refuses it: "found unhashable key"
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key '{key}' (first on line {seen[key] + 1})", key_node.start_mark)
@@ -42,10 +48,12 @@ class Origin(str):
 
 
 def _key_lines(text: str) -> dict[str, int]:
-    """"section.key" -> its line (1-based) in a YAML text that loaded as a mapping of sections."""
+    """"section.key", and "section" (or "include"), -> its line (1-based) in a YAML text that loaded as a
+    mapping of sections."""
     sections = yaml.compose(text, Loader=yaml.SafeLoader).value
-    return {f"{section.value}.{key.value}": key.start_mark.line + 1
-            for section, body in sections if isinstance(body, yaml.MappingNode) for key, _ in body.value}
+    return {**{section.value: section.start_mark.line + 1 for section, _ in sections},
+            **{f"{section.value}.{key.value}": key.start_mark.line + 1
+               for section, body in sections if isinstance(body, yaml.MappingNode) for key, _ in body.value}}
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]:
@@ -74,7 +82,11 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
     flat: dict[str, tuple[Any, str]] = {}
     lines = _key_lines(text) if doc else {}
     includes = doc.pop("include", [])
-    for inc in [includes] if isinstance(includes, str) else includes:
+    includes = [includes] if isinstance(includes, str) else includes
+    if not isinstance(includes, list) or not all(isinstance(inc, str) for inc in includes):
+        raise ConfigError(f"{path}:{lines['include']}: include must be a path or a list of paths "
+                          f"(relative to the file), not {as_yaml(includes)}")
+    for inc in includes:
         flat.update(_read_yaml(includes_base / inc, seen + (path,)))
     for section, body in doc.items():
         if section not in SECTIONS:
