@@ -36,6 +36,31 @@ def test_hostfile_lines_and_errors(tmp_path, capsys, monkeypatch):
         hostfile_text(["a"], 0)
 
 
+def test_a_bad_host_or_a_nodelist_scontrol_cannot_expand_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """scontrol's own last line says why it failed; without scontrol the line says what to do instead."""
+    for hosts, problem in [("a,,b", "'' is not a host name"), ("n1,n 2", "'n 2' is not a host name"),
+                           ("gpu1,gpu2:8", "'gpu2:8' is not a host name (--slots sets the processes per host)")]:
+        assert cli(["hostfile", "--hosts", hosts]) == 2
+        assert capsys.readouterr().err == f"megamlm: hostfile: invalid host list {hosts.split(',')!r}: {problem}\n"
+    assert cli(["hostfile", "--hosts", "10.0.0.1,fe80::1", "--slots", "2"]) == 0
+    assert capsys.readouterr().out == "10.0.0.1 slots=2\nfe80::1 slots=2\n"
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    assert cli(["hostfile"]) == 2
+    assert capsys.readouterr().err == ("megamlm: hostfile: SLURM_JOB_NODELIST=node[1-2] but scontrol, which expands "
+                                       "it, is not on PATH: run inside the allocation or pass --hosts\n")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/sh\necho "scontrol: error: no configuration" >&2\n'
+                        'echo "scontrol: fatal: Could not establish a configuration source" >&2\nexit 1\n')
+    scontrol.chmod(0o755)
+    assert cli(["hostfile"]) == 2
+    assert capsys.readouterr().err == ("megamlm: hostfile: `scontrol show hostnames node[1-2]` failed: scontrol: "
+                                       "fatal: Could not establish a configuration source\n")
+    scontrol.write_text('#!/bin/sh\nprintf "node1\\nnode2\\n"\n')
+    assert cli(["hostfile", "--slots", "4"]) == 0
+    assert capsys.readouterr().out == "node1 slots=4\nnode2 slots=4\n"
+
+
 def test_nccl_runs_no_more_processes_on_a_machine_than_it_has_gpus():
     from megamlm.config import ConfigError
     from megamlm.parallel import check_gpus

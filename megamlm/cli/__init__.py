@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 import traceback
 
@@ -197,11 +196,7 @@ def cmd_deepspeed_config(cfg: Config, args) -> int:
 def cmd_hostfile(args) -> int:
     from megamlm.launch import hostfile_text, slurm_hosts
 
-    try:
-        hosts = args.hosts.split(",") if args.hosts else slurm_hosts()
-        text = hostfile_text(hosts, args.slots)
-    except (ValueError, OSError, subprocess.CalledProcessError) as err:
-        raise MegamlmError(str(err)) from None
+    text = hostfile_text(args.hosts.split(",") if args.hosts else slurm_hosts(), args.slots)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
