@@ -183,6 +183,25 @@ def test_tensor_parallel_resharding_is_bit_exact(world, tmp_path):
         convert("megamlm", "megamlm", tmp_path / "tp1", tmp_path / "tp3", tp=3, **QUIET)
 
 
+def test_a_tp_the_output_cannot_take_is_one_line_naming_tp(world, tmp_path, capsys):
+    """--tp is checked before the probe's forwards (minutes for a large model) and said as the user typed it."""
+    from megamlm.cli import main as cli
+
+    src, _, dict_path = fixture_file(tmp_path, "zero-clap")
+    convert("fairseq", "megamlm", src, tmp_path / "tp1", dict_path=dict_path, **QUIET)
+    capsys.readouterr()
+    for target, tp, message in [
+            ("megamlm", 0, "convert: --tp 0 must be >= 1 (the tensor-parallel shards of the megamlm output)"),
+            ("hf", 2, "convert: --tp 2: only --to megamlm writes tensor-parallel shards; --to hf writes the whole model"),
+            ("megamlm", 3, f"config error: --tp 3: parallel.tensor_parallel=3 does not divide model.num_attention_heads=4;"
+                           f" allowed: 1, 2, 4 (model.num_attention_heads set in {tmp_path / 'tp1'})")]:
+        assert cli(["convert", "--from", "megamlm", "--to", target, str(tmp_path / "tp1"), str(tmp_path / "out"),
+                    "--tp", str(tp)]) == 2
+        out, err = capsys.readouterr()
+        assert err == f"megamlm: {message}\n" and "parity" not in out
+        assert not (tmp_path / "out").exists()
+
+
 def _train_run(cfg):
     from megamlm.train.loop import train
 

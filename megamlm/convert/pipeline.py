@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megamlm.config import Config, config_from_dict
+from megamlm.config import Config, ConfigError, config_from_dict, replace_config
 from megamlm.convert import SOURCES, TARGETS
 from megamlm.convert import fairseq as fs
 from megamlm.convert.fairseq_reference import fairseq_logits
@@ -146,6 +146,11 @@ def convert(source: str, target: str, src: str | Path, out: str | Path, dict_pat
                                  f"head); --to {target} keeps every classification head as it is")
     if not tolerance >= 0:
         raise fs.ConversionError(f"--tolerance {tolerance:g} must be >= 0 (the largest |Δ| allowed per unit of logit)")
+    if tp < 1:
+        raise fs.ConversionError(f"--tp {tp} must be >= 1 (the tensor-parallel shards of the megamlm output)")
+    if tp != 1 and target != "megamlm":
+        raise fs.ConversionError(f"--tp {tp}: only --to megamlm writes tensor-parallel shards; --to {target} "
+                                 f"writes the whole model")
     check_output(target, Path(out), overwrite)  # before reading anything: fail fast
     bars_off = _without_transformers_bars() if "hf" in (source, target) else contextlib.nullcontext()
     with bars_off, tempfile.TemporaryDirectory() as shipped:
@@ -197,6 +202,11 @@ def _convert(model: Model, source: str, target: str, src, out: Path, tp: int, to
         raise fs.ConversionError(f"{src} holds no masked-LM head (it was read from a *ForSequenceClassification or a "
                                  f"bare *Model): it converts to megamlm, and to hf with --classification-head NAME; "
                                  f"nothing was written")
+    if tp != 1:  # before the probe's forwards: a large model's take minutes
+        try:
+            replace_config(cfg, [f"parallel.tensor_parallel={tp}"], origin=str(src))
+        except ConfigError as err:
+            raise ConfigError(f"--tp {tp}: {str(err).removeprefix('command line: ')}") from None
     tokens = probe_tokens(cfg)
 
     def probe(cfg: Config, full: dict, heads: dict) -> torch.Tensor:
