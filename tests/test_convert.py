@@ -192,9 +192,11 @@ def test_a_tp_the_output_cannot_take_is_one_line_naming_tp(world, tmp_path, caps
     capsys.readouterr()
     for target, tp, message in [
             ("megamlm", 0, "convert: --tp 0 must be >= 1 (the tensor-parallel shards of the megamlm output)"),
-            ("hf", 2, "convert: --tp 2: only --to megamlm writes tensor-parallel shards; --to hf writes the whole model"),
-            ("megamlm", 3, f"config error: --tp 3: parallel.tensor_parallel=3 does not divide model.num_attention_heads=4;"
-                           f" allowed: 1, 2, 4 (model.num_attention_heads set in {tmp_path / 'tp1'})")]:
+            ("hf", 2, "convert: --tp 2: only --to megamlm writes tensor-parallel shards; --to hf writes the whole "
+                      "model"),
+            ("megamlm", 3, f"config error: --tp 3: parallel.tensor_parallel=3 does not divide "
+                           f"model.num_attention_heads=4; allowed: 1, 2, 4 (model.num_attention_heads set in "
+                           f"{tmp_path / 'tp1'})")]:
         assert cli(["convert", "--from", "megamlm", "--to", target, str(tmp_path / "tp1"), str(tmp_path / "out"),
                     "--tp", str(tp)]) == 2
         out, err = capsys.readouterr()
