@@ -239,6 +239,18 @@ def test_an_include_that_is_not_paths_is_one_line_naming_its_line(tmp_path, incl
                               f"not {shown}")
 
 
+def test_a_missing_include_is_named_at_the_line_of_the_file_that_includes_it(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/base.yaml").write_text("model:\n  num_layers: 2\n")
+    (tmp_path / "model/large.yaml").write_text("model:\n  num_layers: 4\n")
+    (tmp_path / "exp.yaml").write_text("train:\n  steps: 3\ninclude: [model/bsae.yaml]\n")
+    (tmp_path / "top.yaml").write_text("include: exp.yaml\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([tmp_path / "top.yaml"])
+    assert str(err.value) == (f"{tmp_path / 'exp.yaml'}:3: include model/bsae.yaml: config file not found: "
+                              f"{tmp_path / 'model/bsae.yaml'}; did you mean 'model/base.yaml'?")
+
+
 def test_yaml_merge_keys_work_and_the_keys_beside_them_override_what_they_merge(tmp_path):
     exp = tmp_path / "exp.yaml"
     exp.write_text("model:\n  <<: {num_layers: 2, hidden_size: 64}\n  num_layers: 3\n  num_attention_heads: 2\n")

@@ -87,7 +87,13 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, tuple[Any, str]]
         raise ConfigError(f"{path}:{lines['include']}: include must be a path or a list of paths "
                           f"(relative to the file), not {as_yaml(includes)}")
     for inc in includes:
-        flat.update(_read_yaml(includes_base / inc, seen + (path,)))
+        included = includes_base / inc
+        if not included.exists():  # named from the file that includes it, with the likely name beside it
+            nearby = [str(Path(inc).parent / p.name) for p in included.parent.glob("*.y*ml")] if \
+                included.parent.is_dir() else []
+            raise ConfigError(f"{path}:{lines['include']}: include {inc}: config file not found: {included}"
+                              f"{did_you_mean(inc, nearby)}")
+        flat.update(_read_yaml(included, seen + (path,)))
     for section, body in doc.items():
         if section not in SECTIONS:
             raise ConfigError(f"{path}: unknown section '{section}'; allowed: include, {', '.join(SECTIONS)}"
