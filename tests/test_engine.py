@@ -82,6 +82,19 @@ def test_one_rank_does_not_all_reduce_its_gradients_over_itself(shards, tmp_path
     assert run_on_ranks(_train_counting_flattened_gradients, 1, cfg) == [0]
 
 
+def _train_and_deepspeeds_shared_memory_op(cfg):
+    import deepspeed.comm.comm as deepspeed_comm
+
+    return _train(cfg)["steps"], deepspeed_comm.cdb.shm_comm_op is None
+
+
+def test_deepspeed_starts_without_compiling_its_inference_all_reduce(shards, tmp_path):
+    """DeepSpeed's CPU backend would compile (a minute on a machine's first run) and load a shared-memory
+    all-reduce that only DeepSpeed-Inference uses; two data-parallel ranks train through torch.distributed."""
+    cfg = config(shards, tmp_path / "run", "train.steps=2")
+    assert run_on_ranks(_train_and_deepspeeds_shared_memory_op, 2, cfg) == [(2, True), (2, True)]
+
+
 def test_without_clipping_only_updates_with_a_log_line_compute_the_norm(shards, tmp_path, monkeypatch):
     """optim.clip_grad=0 on the stage-0 fp32 path: the norm is only logged, so only the updates with a log line
     compute it (3, 6 and the last, 8), bit for bit what a run logging every update reads; also after a resume

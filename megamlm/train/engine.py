@@ -147,6 +147,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stag
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
     import deepspeed
 
+    without_the_inference_all_reduce_op()
     if cfg.train.precision == "fp16" and ctx.device.type == "cpu":
         raise ConfigError("train.precision=fp16 on DeepSpeed needs a CUDA GPU; on a CPU: fp32, bf16, or "
                           "train.engine=flat")
@@ -172,6 +173,17 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stag
     if cfg.train.precision == "fp16":
         engine.step = stopping_at_the_scale_floor(engine.step, engine)
     return engine, optimizer, schedule
+
+
+def without_the_inference_all_reduce_op() -> None:
+    """DeepSpeed's CPU communication backend compiles a shared-memory all-reduce (C++, OpenMP) as it starts:
+    ~1 minute on a machine's first run, a line in every run's output, a .so loaded and shared memory set up
+    in each process. Only its `inference_all_reduce` (DeepSpeed-Inference's tensor parallelism) uses it;
+    training reduces through torch.distributed. Marked not compatible, the backend skips it (a DeepSpeed
+    that no longer reads this mark only compiles it again)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 DEEPSPEED_SCALE_FLOOR = "Current loss scale already at minimum"
