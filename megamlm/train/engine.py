@@ -147,7 +147,8 @@ def build_engine(model: torch.nn.Module, cfg: Config, ctx: ParallelContext, stag
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
     import deepspeed
 
-    without_the_inference_all_reduce_op()
+    if ctx.device.type == "cpu":
+        without_the_inference_all_reduce_op()
     if cfg.train.precision == "fp16" and ctx.device.type == "cpu":
         raise ConfigError("train.precision=fp16 on DeepSpeed needs a CUDA GPU; on a CPU: fp32, bf16, or "
                           "train.engine=flat")
@@ -180,7 +181,8 @@ def without_the_inference_all_reduce_op() -> None:
     ~1 minute on a machine's first run, a line in every run's output, a .so loaded and shared memory set up
     in each process. Only its `inference_all_reduce` (DeepSpeed-Inference's tensor parallelism) uses it;
     training reduces through torch.distributed. Marked not compatible, the backend skips it (a DeepSpeed
-    that no longer reads this mark only compiles it again)."""
+    that no longer reads this mark only compiles it again). CPU only: reading the mark probes every op's
+    builder, which DeepSpeed's CPU backend does as it starts anyway, and its CUDA backend does not."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
