@@ -3,6 +3,7 @@ replaces (bit for bit without clipping), the same gradient norm logged and clipp
 resume on the engine that wrote them and convert, and bf16 on CPU."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -83,16 +84,26 @@ def test_one_rank_does_not_all_reduce_its_gradients_over_itself(shards, tmp_path
 
 
 def _train_and_deepspeeds_shared_memory_op(cfg):
+    import os
+
     import deepspeed.comm.comm as deepspeed_comm
 
+    os.environ["LOCAL_SIZE"] = "2"  # as the `deepspeed` launcher says it: all ranks on this machine
     return _train(cfg)["steps"], deepspeed_comm.cdb.shm_comm_op is None
 
 
 def test_deepspeed_starts_without_compiling_its_inference_all_reduce(shards, tmp_path):
     """DeepSpeed's CPU backend would compile (a minute on a machine's first run) and load a shared-memory
-    all-reduce that only DeepSpeed-Inference uses; two data-parallel ranks train through torch.distributed."""
+    all-reduce that only DeepSpeed-Inference uses, and under its launcher (all ranks on one machine) leave each
+    rank's 66 MiB buffer in /dev/shm (RAM) after the run (DeepSpeed 0.19.8 never unlinks it); two data-parallel
+    ranks train through torch.distributed."""
+    def buffers():
+        return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+    before = buffers()
     cfg = config(shards, tmp_path / "run", "train.steps=2")
     assert run_on_ranks(_train_and_deepspeeds_shared_memory_op, 2, cfg) == [(2, True), (2, True)]
+    assert buffers() - before == set()
 
 
 def test_without_clipping_only_updates_with_a_log_line_compute_the_norm(shards, tmp_path, monkeypatch):

@@ -138,9 +138,10 @@ def test_deepspeed_launcher_runs_the_tiny_job_from_a_generated_hostfile(tmp_path
                               valid_fraction=0.1), Tokenizer.gpt2(), progress=False)
     assert cli(["hostfile", "--hosts", "localhost", "--slots", "2", "--out", str(tmp_path / "hostfile")]) == 0
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    port = free_port()
     run = subprocess.run(
         [str(deepspeed), "--hostfile", str(tmp_path / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), "--no_local_rank", "--module", "megamlm", "train",
+         "--master_port", str(port), "--no_local_rank", "--module", "megamlm", "train",
          "--config", str(ROOT / "configs/demo.yaml"), "model.num_layers=2", "train.steps=6",
          "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=1", "train.micro_batch_size=8",
          "model.document_mask=true",  # the loop passes the document ids through
@@ -159,6 +160,9 @@ def test_deepspeed_launcher_runs_the_tiny_job_from_a_generated_hostfile(tmp_path
         f"data.shards={shards} holds a build of other choices than the config's: valid_fraction 0.1 (asked: 0.05), "
         f"inputs ['corpus.txt'] (asked: ['valid.txt', 'test.txt']); the run uses it as it is (to build anew, point "
         f"data.shards at a new folder)"]
+    # DeepSpeed's CPU shared-memory all-reduce (its launcher's LOCAL_SIZE turns it on) is not started, so its
+    # 66 MiB per rank, never unlinked, stays out of /dev/shm (megamlm.train.engine.without_the_inference_all_reduce_op)
+    assert list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*")) == []
 
 
 def _listening(port: int) -> bool:
