@@ -181,9 +181,10 @@ def without_the_inference_all_reduce_op() -> None:
     ~1 minute on a machine's first run, a line in every run's output, a .so loaded in each process, and under
     its launcher (LOCAL_SIZE: all ranks on one machine) a 66 MiB buffer per rank in /dev/shm that it never
     unlinks (RAM held until the machine restarts; DeepSpeed 0.19.8). Only its `inference_all_reduce`
-    (DeepSpeed-Inference's tensor parallelism) uses it; training reduces through torch.distributed. Marked not compatible, the backend skips it (a DeepSpeed
-    that no longer reads this mark only compiles it again). CPU only: reading the mark probes every op's
-    builder, which DeepSpeed's CPU backend does as it starts anyway, and its CUDA backend does not."""
+    (DeepSpeed-Inference's tensor parallelism) uses it; training reduces through torch.distributed. Marked
+    not compatible, the backend skips it (a DeepSpeed that no longer reads this mark only compiles it again).
+    CPU only: reading the mark probes every op's builder, which DeepSpeed's CPU backend does as it starts
+    anyway, and its CUDA backend does not."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
