@@ -191,6 +191,15 @@ def test_what_every_node_would_refuse_ends_the_job_in_one_line_before_any_node_s
     assert not (tmp_path / "run").exists()
 
 
+def test_a_hostfile_written_in_an_allocation_lists_its_nodes(cluster, tmp_path):
+    """`megamlm hostfile` (the DeepSpeed launcher's route, slurm/README.md) expands the allocation's
+    SLURM_JOB_NODELIST (`n[1-2]`) with the real scontrol."""
+    env = dict(cluster, PYTHONPATH=str(ROOT))
+    run = subprocess.run(["salloc", "-N2", "--quiet", sys.executable, "-m", "megamlm", "hostfile", "--slots", "2"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout) == (0, "n1 slots=2\nn2 slots=2\n"), run.stderr
+
+
 def test_a_job_preempted_before_its_training_starts_is_requeued_and_trains_from_the_start(cluster, tmp_path):
     """USR1 while the batch step's `megamlm train --check` runs (a slow start: here a PYTHON that sleeps
     before the first start's check): the handler runs when the check ends, nothing has been trained, so the
