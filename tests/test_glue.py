@@ -158,6 +158,10 @@ def test_glue_command_reports_a_missing_data_dir_without_traceback(capsys, tmp_p
     assert not (tmp_path / "out/results.json").exists()
     assert cli(["glue", "--checkpoint", str(tiny_folder), "--data-dir", str(GLUE), "--tasks", "WNLI"]) == 2
     assert "unknown GLUE task(s) ['WNLI']" in capsys.readouterr().err
+    for ppl in ("0.5", "nan"):  # the table's perplexity (megamlm eval ppl) is at least 1
+        assert cli(["glue", "--checkpoint", str(tiny_folder), "--data-dir", str(GLUE), "--tasks", "RTE", "--ppl",
+                    ppl, "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"megamlm: glue: --ppl {ppl} must be >= 1\n"
     # a wrong --checkpoint is said first, whatever the data dir holds
     assert cli(["glue", "--checkpoint", str(tmp_path / "typo"), "--data-dir", str(tmp_path / "none"), "--tasks",
                 "RTE", "--out", str(tmp_path / "out2")]) == 2

@@ -130,6 +130,7 @@ def run_glue(checkpoint: str, data_dir: str, tasks: list[str], seeds: list[int],
     tasks = task_names(tasks)
     check_ranges([(f"--max-train-samples {max_train}", max_train, ">= 1"),
                   (f"--max-eval-samples {max_eval}", max_eval, ">= 1"), (f"--parallel {parallel}", parallel, ">= 1"),
+                  (f"--ppl {ppl}", ppl, ">= 1"),  # the table's perplexity: exp of a cross-entropy, >= 1
                   *((f"seed {seed}", seed, ">= 0") for seed in seeds)], GlueDataError)
     check_model_folder(checkpoint)  # before the tasks' files: a wrong path is said first, not after them
     if not Path(data_dir).is_dir():
