@@ -39,10 +39,14 @@ def cmd_shards(args) -> int:
     return 0
 
 
+CORPUS_FILES = ("input files: jsonl (.jsonl, .json: each line's \"text\") or plain text, compressed with zstd, "
+                "gzip, bzip2, xz or not")
+
+
 def add_shards_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="shards_verb", required=True)
-    build = sub.add_parser("build", help="tokenize jsonl / jsonl.zst / text into webdataset shards")
-    build.add_argument("inputs", nargs="+", help="input files (.jsonl, .jsonl.zst, .txt)")
+    build = sub.add_parser("build", help="tokenize jsonl / text (.zst, .gz, .bz2, .xz or plain) into webdataset shards")
+    build.add_argument("inputs", nargs="+", help=CORPUS_FILES)
     build.add_argument("--out", required=True, help="output folder (must not hold shards yet)")
     # defaults: the data section's (BuildOptions takes them from DataConfig)
     build.add_argument("--seq-length", type=int, default=BuildOptions.seq_length,
@@ -68,12 +72,12 @@ def add_shards_args(parser: argparse.ArgumentParser) -> None:
     inspect.add_argument("--verify", action="store_true",
                          help="also read every document back as training does (index sha256, CRC-32, token ids); "
                               "exit 1 if any is damaged")
-    bpe = sub.add_parser("train-bpe", help="train a byte-level BPE + dict.txt on text files")
-    bpe.add_argument("inputs", nargs="+")
+    bpe = sub.add_parser("train-bpe", help="train a byte-level BPE + dict.txt on corpus files")
+    bpe.add_argument("inputs", nargs="+", help=CORPUS_FILES)
     bpe.add_argument("--out", required=True)
     bpe.add_argument("--vocab-size", type=int, default=32000)
-    wordpiece = sub.add_parser("train-wordpiece", help="train a BERT WordPiece vocabulary on text files")
-    wordpiece.add_argument("inputs", nargs="+")
+    wordpiece = sub.add_parser("train-wordpiece", help="train a BERT WordPiece vocabulary on corpus files")
+    wordpiece.add_argument("inputs", nargs="+", help=CORPUS_FILES)
     wordpiece.add_argument("--out", required=True)
     wordpiece.add_argument("--vocab-size", type=int, default=30522)
     wordpiece.add_argument("--cased", action="store_true", help="keep case (default: lowercase, as uncased BERT)")

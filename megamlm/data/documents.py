@@ -1,21 +1,24 @@
-"""Documents from the corpus files `megamlm shards build` reads: jsonl (the Pile's layout: "text"
-and "meta.pile_set_name"), jsonl.zst (any number of zstd frames) and plain text (one document per
-blank-line-separated paragraph, or per line). Problems in a line (malformed JSON, no "text", empty,
-invalid UTF-8) are counted in `BuildStats.skipped`, the first of each kind kept with its file, line and
-what is wrong (the build's summary and manifest show it), or fatal with `strict`; a damaged file (a
-truncated or corrupt zstd stream) is always an error naming it."""
+"""Documents from the corpus files `megamlm shards build` reads: jsonl (the Pile's layout: "text" and
+"meta.pile_set_name") and plain text (one document per blank-line-separated paragraph, or per line), either one
+compressed or not (data/compression.py: zstd with any number of frames, gzip, bzip2, xz). Problems in a line
+(malformed JSON, no "text", empty, invalid UTF-8) are counted in `BuildStats.skipped`, the first of each kind
+kept with its file, line and what is wrong (the build's summary and manifest show it), or fatal with
+`strict`; a damaged file (a truncated or corrupt compressed stream) is always an error naming it."""
 
 from __future__ import annotations
 
 import json
 import queue
 import threading
+import warnings
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from megamlm.data.compression import check_text_input, codec_of
+from megamlm.data.progress import progress_bar
 from megamlm.errors import MegamlmError
 
 
@@ -55,38 +58,15 @@ def skipped_summary(counts: dict, first: dict) -> str:
                      for kind, n in sorted(counts.items())) or "none"
 
 
-def _zstd_blocks(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """The decompressed bytes of a (multi-frame) zstd file, block by block; a file that ends inside a frame is
-    an error, never a silently shorter input."""
-    import zstandard
-
-    started = False
-    decompressor = zstandard.ZstdDecompressor().decompressobj()
-    with open(path, "rb") as raw:
-        while data := raw.read(chunk):
-            while data:
-                try:
-                    yield decompressor.decompress(data)
-                except zstandard.ZstdError as err:
-                    raise ShardError(f"{path}: corrupt zstd data ({err})") from None
-                started = True
-                data = b""
-                if decompressor.eof:  # next frame
-                    data = decompressor.unused_data
-                    decompressor, started = zstandard.ZstdDecompressor().decompressobj(), False
-    if started:
-        raise ShardError(f"{path}: truncated zstd file (it ends inside a compressed frame); "
-                         f"re-download or re-compress it")
-
-
 READ_AHEAD_BLOCKS = 4
 """Decompressed blocks (of ~1 MB of input each) a reader thread keeps ready."""
 
 
 def read_ahead(blocks: Iterator[bytes], depth: int = READ_AHEAD_BLOCKS) -> Iterator[bytes]:
-    """`blocks`, made on a thread of their own up to `depth` ahead: zstandard decompresses without the GIL, so
-    a build's process writes shards meanwhile (decompressing was ~25% of its time at the Pile's document
-    sizes). What the blocks raise is raised here, in order; a consumer that stops early stops the thread."""
+    """`blocks`, made on a thread of their own up to `depth` ahead: zstandard (and zlib, bz2, lzma) decompress
+    without the GIL, so a build's process writes shards meanwhile (decompressing zstd was ~25% of its time at
+    the Pile's document sizes). What the blocks raise is raised here, in order; a consumer that stops early
+    stops the thread."""
     ready: queue.Queue = queue.Queue(depth)
     stop = threading.Event()
 
@@ -136,8 +116,9 @@ def _lines(blocks: Iterator[bytes]) -> Iterator[bytes]:
 
 
 def _binary_lines(path: Path) -> Iterator[bytes]:
-    if path.name.endswith(".zst"):
-        yield from _lines(read_ahead(_zstd_blocks(path)))
+    """The lines of a file's content, decompressed (compression.CODECS) on a thread of their own."""
+    if codec := codec_of(path):
+        yield from _lines(read_ahead(codec.blocks(path)))
     else:
         with open(path, "rb") as f:
             yield from f
@@ -249,3 +230,54 @@ def read_documents(path: Path, text_mode: str, stats: BuildStats, strict: bool) 
     for doc in document_lines(path, text_mode, stats, strict):
         if (doc := parsed(doc, stats, strict)) is not None:
             yield doc
+
+
+def check_input(path: str | Path) -> None:
+    """Raise ShardError (or compression.InputError) naming `path` unless it is a readable corpus file: one that
+    exists, is no folder and holds text (compression.check_text_input)."""
+    if Path(path).is_dir():
+        raise ShardError(f"input {path} is a directory; pass the files in it")
+    if not Path(path).is_file():  # a relative path is read from where the command runs
+        where = "" if Path(path).is_absolute() else f" (relative to the working directory {Path.cwd()})"
+        raise ShardError(f"input not found: {path}{where}")
+    check_text_input(Path(path))
+
+
+def text_lines(paths: list[str | Path], stats: BuildStats) -> Iterator[str]:
+    """The text of corpus files as a tokenizer is trained on it: a plain file's lines, a jsonl file's documents'
+    lines (their "text", not the JSON around it), each with its newline, decompressed; the lines that are no
+    text (invalid UTF-8, malformed JSON...) are counted in `stats`, as a shard build counts them."""
+    for path in map(Path, paths):
+        if is_jsonl(path):
+            for doc in read_documents(path, "lines", stats, strict=False):
+                *lines, last = doc.text.split("\n")
+                yield from (line + "\n" for line in lines)
+                if last:
+                    yield last
+            continue
+        for number, raw in enumerate(_binary_lines(path), 1):
+            line = decoded(raw)
+            if isinstance(line, Problem):
+                skip(stats, path, number, line, strict=False)
+            else:
+                yield line
+
+
+def train_tokenizer_on(paths: list[str | Path], train: Callable[[Iterator[str]], None]) -> None:
+    """Run `train` (a `tokenizers` trainer's train_from_iterator) on the files' text_lines: every input checked
+    before any work (check_input), the skipped lines warned of, no text at all an error."""
+    for path in paths:
+        check_input(path)
+    stats, seen = BuildStats(), Counter()
+
+    def counted() -> Iterator[str]:
+        for line in progress_bar(text_lines(paths, stats), desc="training", unit=" lines"):
+            seen["lines"] += 1
+            yield line
+
+    train(counted())
+    skipped = skipped_summary(stats.skipped, stats.first_skipped)
+    if not seen:
+        raise ShardError(f"no text in {', '.join(map(str, paths))} (skipped lines: {skipped})")
+    if stats.skipped:
+        warnings.warn(f"trained on {seen['lines']:,} lines; skipped: {skipped}")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from megamlm.data.dictionary import EOS, MASK_SYMBOL, SPECIALS, Dictionary, TokenizerError
+from megamlm.data.documents import train_tokenizer_on
 from megamlm.files import check_writable, read_text
 
 
@@ -127,16 +128,16 @@ class WordPieceTokenizer(PieceTokenizer):
     @classmethod
     def train(cls, files: list[str | Path], out_dir: str | Path, vocab_size: int = 30522,
               min_frequency: int = 2, lowercase: bool = True) -> Path:
-        """Train a WordPiece vocabulary (BERT's specials first) on text files into out_dir."""
+        """Train a WordPiece vocabulary (BERT's specials first) on corpus files (text or jsonl, compressed or
+        not: documents.text_lines) into out_dir."""
         from tokenizers import BertWordPieceTokenizer
 
         out = Path(out_dir)
-        for f in files:
-            read_text(f, "input")  # every input readable before any work
         _refuse_existing(out, cls.FILES)
         trainer = BertWordPieceTokenizer(lowercase=lowercase)
-        trainer.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=min_frequency,
-                      special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK], show_progress=False)
+        train_tokenizer_on(files, lambda lines: trainer.train_from_iterator(
+            lines, vocab_size=vocab_size, min_frequency=min_frequency,
+            special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK], show_progress=False))
         vocab = trainer.get_vocab()
         return cls.write(out, sorted(vocab, key=vocab.get), lowercase)
 

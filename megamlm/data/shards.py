@@ -1,4 +1,4 @@
-"""Build webdataset shards of token ids from jsonl / jsonl.zst / plain text.
+"""Build webdataset shards of token ids from jsonl or plain text, compressed (zstd, gzip, bzip2, xz) or not.
 
 Output folder:
   train-000000.tar ...   webdataset tar: per document `<key>.ids.npy` (uint16 ids, or int32 for
@@ -35,7 +35,8 @@ import numpy as np
 from megamlm.config import DataConfig
 from megamlm.console import print_line
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
-from megamlm.data.documents import BuildStats, Problem, ShardError, document_lines, skip, skipped_summary
+from megamlm.data.documents import (BuildStats, Problem, ShardError, check_input, document_lines, skip,
+                                    skipped_summary)
 from megamlm.data.progress import progress_bar
 from megamlm.data.shard_writer import ShardWriter, StoredPieces, meta_json
 from megamlm.data.tokenizer import Tokenizer
@@ -79,11 +80,7 @@ class BuildOptions:
                       (f"--workers {self.workers}", self.workers, ">= 1")], ShardError)
         out = Path(self.out_dir).absolute()
         for path in self.inputs:
-            if Path(path).is_dir():
-                raise ShardError(f"input {path} is a directory; pass the files in it")
-            if not Path(path).is_file():  # a relative path is read from where the command runs
-                where = "" if Path(path).is_absolute() else f" (relative to the working directory {Path.cwd()})"
-                raise ShardError(f"input not found: {path}{where}")
+            check_input(path)
             if out in Path(path).absolute().parents:
                 raise ShardError(f"input {path} is inside the output folder {self.out_dir}: the shards "
                                  f"need a folder of their own (e.g. {self.out_dir}-shards)")

@@ -15,6 +15,7 @@ mask id = 50262 (the model embeds it as the zero vector).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import tempfile
@@ -25,8 +26,13 @@ import numpy as np
 
 from megamlm.data.dictionary import (BOS, EOS, MASK_SYMBOL, PAD, SPECIALS, UNK, Dictionary,  # noqa: F401
                                      TokenizerError)
+from megamlm.data.documents import BuildStats, text_lines, train_tokenizer_on
 from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
-from megamlm.files import check_writable, read_text
+from megamlm.data.progress import progress_bar
+from megamlm.files import check_writable
+
+COUNT_BATCH_LINES = 10_000
+"""Lines encoded at a time to count dict.txt's frequencies."""
 
 GPT2_SHA256 = {
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
@@ -125,29 +131,33 @@ class Tokenizer:
     @staticmethod
     def train(files: list[str | Path], out_dir: str | Path, vocab_size: int = 32000,
               min_frequency: int = 2) -> Path:
-        """Train a byte-level BPE on text files; write encoder.json, vocab.bpe and a dict.txt
-        (BPE ids ordered by corpus frequency, as fairseq-preprocess would) to out_dir."""
+        """Train a byte-level BPE on corpus files (text or jsonl, compressed or not: documents.text_lines); write
+        encoder.json, vocab.bpe and a dict.txt (BPE ids ordered by corpus frequency, as fairseq-preprocess
+        would) to out_dir."""
         from tokenizers import ByteLevelBPETokenizer
 
         out = Path(out_dir)
-        texts = [read_text(f, "input") for f in files]  # every input readable before any work
         existing = [name for name in ("encoder.json", "vocab.bpe", "dict.txt") if (out / name).exists()]
         if existing:
             raise TokenizerError(f"{out} already holds {', '.join(existing)}; choose another --out "
                                  f"(megamlm never overwrites files it did not write)")
         check_writable(out, "--out")
         trainer = ByteLevelBPETokenizer(add_prefix_space=False)
-        trainer.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=min_frequency,
-                      special_tokens=[], show_progress=False)
+        train_tokenizer_on(files, lambda lines: trainer.train_from_iterator(
+            lines, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[], show_progress=False))
+        counts = np.zeros(trainer.get_vocab_size(), dtype=np.int64)
+        # one iterator: each iter() of a tqdm bar is a generator of its own (islice'd, lines were lost)
+        lines = iter(progress_bar(text_lines(files, BuildStats()), desc="counting", unit=" lines"))
+        # a second pass (the corpus is never held in memory), encoded in batches: tokenizers' threads
+        while batch := [piece for line in itertools.islice(lines, COUNT_BATCH_LINES)
+                        for piece in line.splitlines(keepends=True)]:
+            ids = [np.asarray(e.ids, dtype=np.int64) for e in trainer.encode_batch(batch)]
+            counts += np.bincount(np.concatenate(ids), minlength=len(counts))
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out) as tmp:  # tokenizers' own names stay out of `out`
             vocab_path, merges_path = trainer.save_model(tmp)
             os.replace(vocab_path, out / "encoder.json")
             os.replace(merges_path, out / "vocab.bpe")
-        counts = np.zeros(trainer.get_vocab_size(), dtype=np.int64)
-        for text in texts:
-            for line in text.splitlines(keepends=True):
-                np.add.at(counts, trainer.encode(line).ids, 1)
         order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
         (out / "dict.txt").write_text("".join(f"{i} {counts[i]}\n" for i in order))
         return out

@@ -1,0 +1,184 @@
+"""Corpus files (data/compression.py, documents.text_lines): every compression `megamlm shards build` reads gives
+the plain file's shards; files that hold no text, and damaged compressed ones, are refused before any work with
+one line naming them; the tokenizer trainers read the same inputs and learn from a jsonl file's text, not its
+JSON."""
+
+import bz2
+import gzip
+import io
+import json
+import lzma
+import tarfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+from tests.faults_common import run_cli
+
+from megamlm.cli import main as cli
+from megamlm.data.shards import BuildOptions, build_shards
+from megamlm.data.tokenizer import Tokenizer
+from tests.test_shards import stored_documents
+
+ROOT = Path(__file__).resolve().parents[1]
+WIKITEXT = ROOT / "data/wikitext-103/valid.txt"
+
+COMPRESSORS = {
+    "zstd": lambda data: zstandard.ZstdCompressor().compress(data),
+    "gzip": gzip.compress,
+    "bzip2": bz2.compress,
+    "xz": lzma.compress,
+}
+
+
+def pile_lines(n=300) -> bytes:
+    """n jsonl documents in the Pile's layout, each a few lines of WikiText-103 ending in a newline."""
+    paragraphs = [p for p in WIKITEXT.read_text().split("\n \n") if p.strip()][:n]
+    return b"".join(json.dumps({"text": p.strip(" ") + "\n", "meta": {"pile_set_name": "Wikipedia (en)"}}).encode()
+                    + b"\n" for p in paragraphs)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return Tokenizer.gpt2()
+
+
+@pytest.fixture(scope="module")
+def plain_build(tmp_path_factory, gpt2):
+    """The shards of the uncompressed jsonl: what every compressed copy must give."""
+    folder = tmp_path_factory.mktemp("plain")
+    (folder / "corpus.jsonl").write_bytes(pile_lines())
+    build_shards(BuildOptions([str(folder / "corpus.jsonl")], str(folder / "shards"), valid_fraction=0.0,
+                              long_docs="truncate"), gpt2, progress=False)
+    return [d.tolist() for d in stored_documents(folder / "shards")]
+
+
+@pytest.mark.parametrize("codec", sorted(COMPRESSORS))
+def test_every_compression_gives_the_plain_files_shards(codec, tmp_path, gpt2, plain_build):
+    data = pile_lines()
+    half = len(data) // 2
+    # two streams one after the other (as `cat a.gz b.gz` or pzstd write), named by what it is not: the first
+    # bytes, not the name, say how a file is compressed
+    src = tmp_path / "corpus.jsonl.zst-or-not"
+    src.write_bytes(COMPRESSORS[codec](data[:half]) + COMPRESSORS[codec](data[half:]))
+    build_shards(BuildOptions([str(src)], str(tmp_path / "shards"), valid_fraction=0.0, long_docs="truncate"), gpt2,
+                 progress=False)
+    assert len(plain_build) == 300
+    assert [d.tolist() for d in stored_documents(tmp_path / "shards")] == plain_build
+
+
+def no_text_inputs(tmp_path) -> list[tuple[Path, str]]:
+    """(a file, what the build says of it): real archives and arrays, each made by its own library."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(pile_lines(20))
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as archive:
+        archive.add(corpus, arcname="corpus.jsonl")
+    (tmp_path / "corpus.tar").write_bytes(tar.getvalue())
+    (tmp_path / "corpus.tar.gz").write_bytes(gzip.compress(tar.getvalue()))
+    with zipfile.ZipFile(tmp_path / "corpus.zip", "w") as archive:
+        archive.write(corpus, "corpus.jsonl")
+    np.save(tmp_path / "ids.npy", np.arange(100, dtype=np.uint16))
+    (tmp_path / "part.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 4 + b"PAR1")
+    (tmp_path / "model.bin").write_bytes(b"some text first, then\x00\x01\x02")
+    extract = "extract it and pass the files in it (shards a build wrote are trained on with data.shards=<their " \
+              "folder>, not built again)"
+    return [
+        (tmp_path / "corpus.tar", f"is a tar archive, not text: {extract}"),
+        (tmp_path / "corpus.tar.gz", f"is a tar archive (gzip-compressed), not text: {extract}"),
+        (tmp_path / "corpus.zip", "is a zip archive, not text: unzip it and pass the files in it"),
+        (tmp_path / "ids.npy", "is a NumPy array, not text: megamlm tokenizes text itself: pass the corpus's text"),
+        (tmp_path / "part.parquet", "is a Parquet file, not text: write its text column as jsonl (pandas: "
+                                    "pd.read_parquet(f)[['text']].to_json(out, orient='records', lines=True))"),
+        (tmp_path / "model.bin", "is binary, not text (a NUL byte at offset 21); inputs are jsonl or plain text, "
+                                 "optionally compressed with zstd, gzip, bzip2, xz"),
+    ]
+
+
+def test_files_that_hold_no_text_are_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "out"
+    corpus_first = tmp_path / "corpus.jsonl"
+    for path, what in no_text_inputs(tmp_path):
+        # named before the text before it is read: no document of corpus.jsonl is tokenized for nothing
+        for verb in (["build", corpus_first, path], ["train-bpe", corpus_first, path], ["train-wordpiece", path]):
+            assert run_cli(capsys, "shards", *verb, "--out", out) == (2, f"megamlm: shards: input {path} {what}")
+            assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_damaged_compressed_files_are_named(tmp_path, capsys):
+    data = pile_lines(100)
+    gz = gzip.compress(data)
+    corrupt_gz = gz[:20] + bytes(40) + gz[60:]
+    xz = lzma.compress(data)
+    bz = bz2.compress(data)
+    cases = [
+        ("cut.jsonl.gz", gz[: len(gz) // 2], "truncated gzip file (it ends inside a compressed stream); "
+                                             "re-download or re-compress it"),
+        ("cut.jsonl.xz", xz[: len(xz) - 100], "truncated xz file (it ends inside a compressed stream); "
+                                              "re-download or re-compress it"),
+        ("bad.jsonl.gz", corrupt_gz, "corrupt gzip data (Error -3 while decompressing data: invalid "),
+        ("bad.jsonl.bz2", bz[:40] + bytes(40) + bz[80:], "corrupt bzip2 data (Invalid data stream)"),
+    ]
+    for name, content, what in cases:
+        (tmp_path / name).write_bytes(content)
+        for verb in ("build", "train-bpe"):
+            code, line = run_cli(capsys, "shards", verb, tmp_path / name, "--out", tmp_path / "out")
+            assert code == 2 and line.startswith(f"megamlm: shards: {tmp_path / name}: {what}"), line
+            assert not (tmp_path / "out").exists()
+
+
+def test_bpe_is_trained_on_a_jsonl_files_text_not_its_json(tmp_path, monkeypatch):
+    """The same text as plain lines, as jsonl and as zstd-compressed jsonl with a malformed line: the same
+    encoder.json, vocab.bpe and dict.txt (the JSON around the text used to be learned: "text", "meta", escapes);
+    dict.txt's counts are those of the corpus's lines encoded one by one."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    import megamlm.data.tokenizer
+
+    lines = pile_lines().splitlines(keepends=True)
+    text = "".join(json.loads(line)["text"] for line in lines)
+    (tmp_path / "corpus.txt").write_text(text)
+    jsonl = tmp_path / "corpus.jsonl.zst"
+    jsonl.write_bytes(COMPRESSORS["zstd"](b"".join(lines[:7]) + b"{not json\n" + b"".join(lines[7:])))
+    files = ("encoder.json", "vocab.bpe", "dict.txt")
+    monkeypatch.setattr(megamlm.data.tokenizer, "COUNT_BATCH_LINES", 7)  # many batches, the last one short
+    Tokenizer.train([tmp_path / "corpus.txt"], tmp_path / "from-text", vocab_size=600)
+    bpe = ByteLevelBPETokenizer(str(tmp_path / "from-text/encoder.json"), str(tmp_path / "from-text/vocab.bpe"))
+    expected = np.zeros(600, dtype=np.int64)
+    for line in text.splitlines(keepends=True):
+        np.add.at(expected, bpe.encode(line).ids, 1)
+    counted = dict(map(int, line.split()) for line in (tmp_path / "from-text/dict.txt").read_text().splitlines())
+    assert counted == dict(enumerate(expected.tolist())) and expected.sum() > 20_000
+    with pytest.warns(UserWarning) as warned:
+        assert cli(["shards", "train-bpe", str(jsonl), "--out", str(tmp_path / "from-jsonl"),
+                    "--vocab-size", "600"]) == 0
+    text_lines = sum(len(json.loads(line)["text"].splitlines()) for line in lines)
+    assert [str(w.message) for w in warned] == [
+        f"trained on {text_lines:,} lines; skipped: malformed_json 1 (first at {jsonl}:8: malformed JSON "
+        f"(Expecting property name enclosed in double quotes, column 2))"]
+    for name in files:
+        assert (tmp_path / "from-text" / name).read_bytes() == (tmp_path / "from-jsonl" / name).read_bytes(), name
+    vocab = json.loads((tmp_path / "from-jsonl/encoder.json").read_text())
+    assert "text" not in vocab and "meta" not in vocab and len(vocab) == 600
+    # the same plain text, gzip-compressed: the same files
+    (tmp_path / "corpus.txt.gz").write_bytes(gzip.compress((tmp_path / "corpus.txt").read_bytes()))
+    Tokenizer.train([tmp_path / "corpus.txt.gz"], tmp_path / "from-gzip", vocab_size=600)
+    for name in files:
+        assert (tmp_path / "from-text" / name).read_bytes() == (tmp_path / "from-gzip" / name).read_bytes(), name
+
+
+def test_wordpiece_is_trained_on_a_jsonl_files_text_and_no_text_is_an_error(tmp_path, capsys):
+    data = pile_lines()
+    (tmp_path / "corpus.jsonl.gz").write_bytes(gzip.compress(data))
+    assert cli(["shards", "train-wordpiece", str(tmp_path / "corpus.jsonl.gz"), "--out", str(tmp_path / "wp"),
+                "--vocab-size", "400"]) == 0
+    pieces = (tmp_path / "wp/vocab.txt").read_text().splitlines()
+    # "text" and "meta" head every jsonl line: learned from the JSON, they would be among the first merges
+    assert len(pieces) == 400 and "text" not in pieces and "meta" not in pieces and "the" in pieces
+    (tmp_path / "keys.jsonl").write_text('{"content": "a corpus under another key"}\n')
+    code, line = run_cli(capsys, "shards", "train-wordpiece", tmp_path / "keys.jsonl", "--out", tmp_path / "none")
+    assert (code, line) == (2, f"megamlm: shards: no text in {tmp_path / 'keys.jsonl'} (skipped lines: missing_text 1 "
+                               f"(first at {tmp_path / 'keys.jsonl'}:1: no string 'text' field (keys: content)))")
+    assert not (tmp_path / "none").exists()
