@@ -182,3 +182,23 @@ def test_wordpiece_is_trained_on_a_jsonl_files_text_and_no_text_is_an_error(tmp_
     assert (code, line) == (2, f"megamlm: shards: no text in {tmp_path / 'keys.jsonl'} (skipped lines: missing_text 1 "
                                f"(first at {tmp_path / 'keys.jsonl'}:1: no string 'text' field (keys: content)))")
     assert not (tmp_path / "none").exists()
+
+
+def test_json_that_is_not_json_lines_is_refused_naming_its_shape(tmp_path, capsys):
+    """A JSON array (one line or many) or a pretty-printed object: each line would be skipped as malformed,
+    and the build end with "no documents" after reading the whole file."""
+    docs = [{"text": f"document {i}"} for i in range(5)]
+    cases = [("one-line.json", json.dumps(docs), "a JSON array", "'.[]'"),
+             ("indented.json.gz", json.dumps(docs, indent=2), "a JSON array", "'.[]'"),
+             ("pretty.jsonl", "\n" + json.dumps(docs[0], indent=2), "pretty-printed JSON", ".")]
+    for name, content, shape, flatten in cases:
+        path = tmp_path / name
+        path.write_bytes(gzip.compress(content.encode()) if name.endswith(".gz") else content.encode())
+        for verb in ("build", "train-bpe"):
+            assert run_cli(capsys, "shards", verb, path, "--out", tmp_path / "out") == (
+                2, f"megamlm: shards: input {path} is {shape}, not JSON lines (one object per line, each with its "
+                   f"\"text\"); `jq -c {flatten}` writes them")
+            assert not (tmp_path / "out").exists()
+    # the same documents one per line: built
+    (tmp_path / "lines.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    assert cli(["shards", "build", str(tmp_path / "lines.jsonl"), "--out", str(tmp_path / "out")]) == 0

@@ -125,9 +125,9 @@ def _leading_bytes(path: Path, codec: Codec | None) -> bytes:
     return head[:SNIFF_BYTES]
 
 
-def check_text_input(path: Path) -> None:
-    """Raise InputError naming `path` when it is none of: text, or text in one of CODECS (a damaged
-    compressed file is named when its first block cannot be read)."""
+def text_head(path: Path) -> bytes:
+    """The first SNIFF_BYTES of the file's text (decompressed); InputError naming `path` when it is none of:
+    text, or text in one of CODECS (a damaged compressed file is named when its first block cannot be read)."""
     codec = codec_of(path)
     head = _leading_bytes(path, codec)
     packed = f" ({codec.name}-compressed)" if codec else ""
@@ -137,3 +137,4 @@ def check_text_input(path: Path) -> None:
     if (nul := head.find(b"\x00")) >= 0:
         raise InputError(f"input {path} is binary{packed}, not text (a NUL byte at offset {nul}); inputs are "
                          f"jsonl or plain text, optionally compressed with {', '.join(c.name for c in CODECS)}")
+    return head

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from megamlm.data.compression import check_text_input, codec_of
+from megamlm.data.compression import codec_of, text_head
 from megamlm.data.progress import progress_bar
 from megamlm.errors import MegamlmError
 
@@ -234,13 +234,19 @@ def read_documents(path: Path, text_mode: str, stats: BuildStats, strict: bool) 
 
 def check_input(path: str | Path) -> None:
     """Raise ShardError (or compression.InputError) naming `path` unless it is a readable corpus file: one that
-    exists, is no folder and holds text (compression.check_text_input)."""
+    exists, is no folder and holds text (compression.text_head); a jsonl file's must be JSON lines, one object
+    per line, not a JSON array or pretty-printed JSON (each of whose lines would be skipped as malformed)."""
     if Path(path).is_dir():
         raise ShardError(f"input {path} is a directory; pass the files in it")
     if not Path(path).is_file():  # a relative path is read from where the command runs
         where = "" if Path(path).is_absolute() else f" (relative to the working directory {Path.cwd()})"
         raise ShardError(f"input not found: {path}{where}")
-    check_text_input(Path(path))
+    head = text_head(Path(path))
+    first = next((line.strip() for line in head.split(b"\n") if line.strip()), b"")
+    if is_jsonl(Path(path)) and (first.startswith(b"[") or first == b"{"):
+        shape, flatten = ("a JSON array", "'.[]'") if first.startswith(b"[") else ("pretty-printed JSON", ".")
+        raise ShardError(f"input {path} is {shape}, not JSON lines (one object per line, each with its \"text\"); "
+                         f"`jq -c {flatten}` writes them")
 
 
 def text_lines(paths: list[str | Path], stats: BuildStats) -> Iterator[str]:
