@@ -1,6 +1,6 @@
 """MLM perplexity with a fixed masking seed, at the training length or beyond it.
 
-The evaluation text (a shard folder's valid split, or a text file) becomes one token stream that
+The evaluation text (a shard folder's valid split, or a corpus file: text or jsonl) becomes one token stream that
 is cut into samples of `<s>` + L-1 tokens; every sample is masked by the fairseq rule with a fixed
 seed, so every model and every variant is scored on exactly the same targets. Extrapolation cuts
 the same stream at several lengths (the same number of tokens per length) — the experiment the
@@ -10,6 +10,7 @@ reference left open: learned position tables end at max_positions, ALiBi and sin
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ import torch
 
 from megamlm.config import ParallelConfig
 from megamlm.data.batch import collate
+from megamlm.data.compression import codec_of
+from megamlm.data.documents import BuildStats, check_input, is_jsonl, read_documents
 from megamlm.data.masking import Masker
 from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import BOS, EOS, PAD, Tokenizer
@@ -27,8 +30,8 @@ from megamlm.parallel import init_distributed
 
 
 def token_stream(data: str | Path, tokenizer: Tokenizer, max_tokens: int) -> np.ndarray:
-    """Up to `max_tokens` ids: a shard folder's valid split (documents end with </s>) or a text file
-    (each non-empty line a document)."""
+    """Up to `max_tokens` ids: a shard folder's valid split (documents end with </s>) or a corpus file
+    (`evaluation_texts`, each document ending with </s>)."""
 
     data = Path(data)
     pieces, total = [], 0
@@ -41,17 +44,28 @@ def token_stream(data: str | Path, tokenizer: Tokenizer, max_tokens: int) -> np.
             if total >= max_tokens:
                 break
     elif data.is_file():
-        for line in read_text(data, "evaluation text").splitlines():
-            if line.strip():
-                pieces.append(np.append(tokenizer.encode(line.strip()), EOS))
-                total += len(pieces[-1])
-                if total >= max_tokens:
-                    break
+        for text in evaluation_texts(data):
+            pieces.append(np.append(tokenizer.encode(text), EOS))
+            total += len(pieces[-1])
+            if total >= max_tokens:
+                break
     else:
-        raise MegamlmError(f"--data {data}: neither a shard folder (manifest.json) nor a text file")
+        raise MegamlmError(f"--data {data}: neither a shard folder (manifest.json) nor a corpus file")
     if not pieces:
         raise MegamlmError(f"{data}: no evaluation text (a shard folder needs a valid split)")
     return np.concatenate(pieces)[:max_tokens]
+
+
+def evaluation_texts(path: Path) -> Iterator[str]:
+    """A corpus file's documents, stripped: a text file's non-empty lines, a jsonl file's "text" (data/documents.py:
+    compressed or not; its lines that are no document skipped). A jsonl file's lines read as text were scored as
+    the model's perplexity on JSON."""
+    if is_jsonl(path) or codec_of(path) is not None:
+        check_input(path)
+        lines = (doc.text for doc in read_documents(path, "lines", BuildStats(), strict=False))
+    else:
+        lines = read_text(path, "evaluation text").splitlines()
+    return (line.strip() for line in lines if line.strip())
 
 
 def samples(stream: np.ndarray, length: int) -> np.ndarray:

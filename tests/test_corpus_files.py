@@ -202,3 +202,21 @@ def test_json_that_is_not_json_lines_is_refused_naming_its_shape(tmp_path, capsy
     # the same documents one per line: built
     (tmp_path / "lines.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     assert cli(["shards", "build", str(tmp_path / "lines.jsonl"), "--out", str(tmp_path / "out")]) == 0
+
+
+def test_eval_reads_a_jsonl_files_text(tmp_path, gpt2):
+    """`megamlm eval --data` on jsonl (compressed or not) scores its documents' text, as on a text file holding
+    them one per line; read as text, each JSON line was scored, braces and "text" keys included."""
+    from megamlm.evaluate import token_stream
+
+    paragraphs = [json.loads(line)["text"].replace("\n", " ") for line in pile_lines(40).splitlines()]
+    (tmp_path / "corpus.txt").write_text("\n\n".join(paragraphs) + "\n")
+    jsonl = b"".join(json.dumps({"text": p}).encode() + b"\n" for p in paragraphs)
+    (tmp_path / "corpus.jsonl").write_bytes(jsonl)
+    (tmp_path / "corpus.jsonl.xz").write_bytes(lzma.compress(jsonl))
+    (tmp_path / "corpus.txt.bz2").write_bytes(bz2.compress((tmp_path / "corpus.txt").read_bytes()))
+    expected = token_stream(tmp_path / "corpus.txt", gpt2, max_tokens=100_000)
+    assert len(expected) == sum(len(gpt2.encode(p.strip())) + 1 for p in paragraphs)
+    for name in ("corpus.jsonl", "corpus.jsonl.xz", "corpus.txt.bz2"):
+        assert np.array_equal(token_stream(tmp_path / name, gpt2, max_tokens=100_000), expected), name
+    assert np.array_equal(token_stream(tmp_path / "corpus.jsonl.xz", gpt2, max_tokens=500), expected[:500])

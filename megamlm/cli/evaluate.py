@@ -34,7 +34,9 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=("ppl", "extrapolation"))
     parser.add_argument("--checkpoint", action="append", required=True,
                         help="model folder; extrapolation takes several (one curve each)")
-    parser.add_argument("--data", required=True, help="shard folder (its valid split) or a text file")
+    parser.add_argument("--data", required=True,
+                        help="shard folder (its valid split) or a corpus file: text (each non-empty line a document) "
+                             "or jsonl (each line's \"text\"), compressed or not")
     parser.add_argument("--seq-length", type=int, default=128, help="ppl: sample length")
     parser.add_argument("--lengths", type=integer_list, default=[128, 256, 512, 1024, 2048],
                         help="extrapolation: lengths (comma-separated)")
