@@ -9,6 +9,7 @@ import io
 import json
 import lzma
 import tarfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -220,3 +221,19 @@ def test_eval_reads_a_jsonl_files_text(tmp_path, gpt2):
     for name in ("corpus.jsonl", "corpus.jsonl.xz", "corpus.txt.bz2"):
         assert np.array_equal(token_stream(tmp_path / name, gpt2, max_tokens=100_000), expected), name
     assert np.array_equal(token_stream(tmp_path / "corpus.jsonl.xz", gpt2, max_tokens=500), expected[:500])
+
+
+def test_jsonl_in_a_file_named_as_text_is_warned_of(tmp_path, gpt2):
+    """A .txt (or unnamed) file of JSON lines is built as text, as asked, with a warning that says so: its
+    documents would be the JSON, keys and escapes included."""
+    (tmp_path / "corpus").write_bytes(pile_lines(5))
+    with pytest.warns(UserWarning) as warned:
+        build_shards(BuildOptions([str(tmp_path / "corpus")], str(tmp_path / "out"), long_docs="split"), gpt2,
+                     progress=False)
+    assert [str(w.message) for w in warned] == [
+        f"input {tmp_path / 'corpus'} is read as plain text (its name has no .jsonl or .json), but its first line is "
+        f"a JSON object with a \"text\": name it *.jsonl to read each line's text instead of its JSON"]
+    (tmp_path / "notes.txt").write_text('{"a": "JSON line without text"}\nplain text after it\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_shards(BuildOptions([str(tmp_path / "notes.txt")], str(tmp_path / "out2")), gpt2, progress=False)

@@ -95,6 +95,27 @@ def test_long_documents_at_the_reference_boundary(tmp_path, gpt2, policy, kept, 
         assert stored_documents(out)[1][-1] == EOS
 
 
+
+def test_a_build_that_drops_every_document_says_so_not_no_documents(tmp_path, gpt2):
+    """Every document too long for --long-docs drop: named as that, with the way to keep them (it said "no
+    documents ... skipped lines: none", as if the files were empty)."""
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"text": a_tokens(2047)}, {"text": a_tokens(3000)}])
+    text = tmp_path / "book.txt"
+    text.write_text("".join(f"line {i} of a book written without blank lines\n" for i in range(300)))
+    for path, hint in [(src, ""), (text, " (plain text is one document per blank-line-separated paragraph; "
+                                         "--text-mode lines makes each line one)")]:
+        with pytest.raises(ShardError) as err:
+            build_shards(BuildOptions([str(path)], str(tmp_path / "out"), seq_length=2048), gpt2, progress=False)
+        count = 2 if path == src else 1
+        assert str(err.value) == (f"no documents stored from {path}: all {count} are longer than a sample "
+                                  f"(--seq-length 2048: 2046 tokens, </s> and <s>) and --long-docs drop drops "
+                                  f"them; --long-docs split or truncate keeps them{hint}")
+        assert not (tmp_path / "out").exists()
+    build_shards(BuildOptions([str(text)], str(tmp_path / "out"), seq_length=2048, text_mode="lines"), gpt2,
+                 progress=False)
+    assert len(stored_documents(tmp_path / "out")) + len(stored_documents(tmp_path / "out", "valid")) == 300
+
+
 def test_output_is_deterministic_for_any_worker_count(tmp_path, gpt2):
     inputs = [str(ROOT / "data/wikitext-103/test.txt")]
     folders = []

@@ -247,6 +247,9 @@ def check_input(path: str | Path) -> None:
         shape, flatten = ("a JSON array", "'.[]'") if first.startswith(b"[") else ("pretty-printed JSON", ".")
         raise ShardError(f"input {path} is {shape}, not JSON lines (one object per line, each with its \"text\"); "
                          f"`jq -c {flatten}` writes them")
+    if not is_jsonl(Path(path)) and first.startswith(b"{") and not isinstance(json_document(first), Problem):
+        warnings.warn(f"input {path} is read as plain text (its name has no .jsonl or .json), but its first line is "
+                      f"a JSON object with a \"text\": name it *.jsonl to read each line's text instead of its JSON")
 
 
 def text_lines(paths: list[str | Path], stats: BuildStats) -> Iterator[str]:

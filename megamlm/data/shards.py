@@ -155,13 +155,27 @@ def _build(options: BuildOptions, tokenizer: Tokenizer, out: Path, progress: boo
     for writer in writers.values():
         writer.close()
     if not sum(stats.documents.values()):
-        skipped = skipped_summary(stats.skipped, stats.first_skipped)
-        raise ShardError(f"no documents in {', '.join(options.inputs)} (skipped lines: {skipped}); nothing to write")
+        raise ShardError(_nothing_stored(options, stats))
     manifest = _manifest(options, tokenizer, writers, stats, out)
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / "manifest.json")
     return manifest
+
+
+def _nothing_stored(options: BuildOptions, stats: BuildStats) -> str:
+    """Why a build stored no document: no line was one, or every document was too long to keep."""
+    inputs = ", ".join(options.inputs)
+    dropped = sum(subset["dropped"] for subset in stats.per_subset.values())
+    if not dropped:
+        return (f"no documents in {inputs} (skipped lines: {skipped_summary(stats.skipped, stats.first_skipped)}); "
+                f"nothing to write")
+    paragraphs = options.text_mode == "paragraphs" and "text" in stats.per_subset
+    return (f"no documents stored from {inputs}: all {dropped:,} are longer than a sample (--seq-length "
+            f"{options.seq_length}: {options.seq_length - 2} tokens, </s> and <s>) and --long-docs drop drops them; "
+            f"--long-docs split or truncate keeps them" + (
+                " (plain text is one document per blank-line-separated paragraph; --text-mode lines makes each "
+                "line one)" if paragraphs else ""))
 
 
 def _manifest(options: BuildOptions, tokenizer: Tokenizer, writers: dict, stats: BuildStats,
