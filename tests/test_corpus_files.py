@@ -237,3 +237,36 @@ def test_jsonl_in_a_file_named_as_text_is_warned_of(tmp_path, gpt2):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_shards(BuildOptions([str(tmp_path / "notes.txt")], str(tmp_path / "out2")), gpt2, progress=False)
+
+
+def test_wordpiece_training_is_reproducible(tmp_path):
+    """Two trainings on one corpus write the same vocab.txt: `tokenizers` (0.23) numbers the continuing (##)
+    pieces in its hash map's order and breaks ties between merges by those numbers (two trainings on this corpus
+    differed in ~1,000 ids and a few pieces; huggingface/tokenizers#1794)."""
+    from megamlm.data.pieces import WordPieceTokenizer
+
+    for out in ("a", "b"):
+        WordPieceTokenizer.train([WIKITEXT], tmp_path / out, vocab_size=8000)
+    pieces = (tmp_path / "a/vocab.txt").read_text().splitlines()
+    assert (tmp_path / "b/vocab.txt").read_text().splitlines() == pieces and len(pieces) == 8000
+    # the ## forms are those of characters met inside a word: "##e", never "##," (punctuation is a word of its own)
+    assert "##e" in pieces and "##," not in pieces and "," in pieces and pieces[:5] == [
+        "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def test_a_vocabulary_size_the_tokenizer_cannot_hold_is_refused_or_warned_of(tmp_path, capsys):
+    from megamlm.data.pieces import WordPieceTokenizer
+
+    for size in ("256", "-5"):
+        assert run_cli(capsys, "shards", "train-bpe", WIKITEXT, "--out", tmp_path / "bpe", "--vocab-size", size) == (
+            2, f"megamlm: shards: --vocab-size {size}: a byte-level BPE holds the 256 bytes first, then a piece per "
+               f"merge; at least 257")
+    assert run_cli(capsys, "shards", "train-wordpiece", WIKITEXT, "--out", tmp_path / "wp", "--vocab-size", "5") == (
+        2, "megamlm: shards: --vocab-size 5 must be >= 6")
+    assert not (tmp_path / "bpe").exists() and not (tmp_path / "wp").exists()
+    with pytest.warns(UserWarning) as warned:
+        WordPieceTokenizer.train([WIKITEXT], tmp_path / "wp", vocab_size=100)
+    held = len((tmp_path / "wp/vocab.txt").read_text().splitlines())
+    assert held > 100 and [str(w.message) for w in warned] == [
+        f"the vocabulary holds {held} pieces, more than --vocab-size 100: BERT's 5 specials, the corpus's characters "
+        f"and their continuing (##) forms come first"]

@@ -22,13 +22,14 @@ def cmd_shards(args) -> int:
         return 0 if intact else 1
     if args.shards_verb == "train-bpe":
         out = Tokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size)
-        print(f"wrote {out}/encoder.json, vocab.bpe, dict.txt; build shards with --tokenizer {out}")
+        print(f"wrote {out}/encoder.json, vocab.bpe, dict.txt; build shards with --tokenizer {out}, train with "
+              f"data.tokenizer={out} model.vocab_size={len(Tokenizer.load(str(out)).dictionary)}")
         return 0
     if args.shards_verb == "train-wordpiece":
         out = WordPieceTokenizer.train(args.inputs, args.out, vocab_size=args.vocab_size,
                                        lowercase=not args.cased)
-        print(f"wrote {out}/vocab.txt, wordpiece.json ({len(Tokenizer.load(str(out)).dictionary)} ids); build "
-              f"shards with --tokenizer {out}, train with data.tokenizer={out} model.vocab_size=<that many>")
+        print(f"wrote {out}/vocab.txt, wordpiece.json; build shards with --tokenizer {out}, train with "
+              f"data.tokenizer={out} model.vocab_size={len(Tokenizer.load(str(out)).dictionary)}")
         return 0
     tokenizer = Tokenizer.load(args.tokenizer)
     options = BuildOptions(inputs=args.inputs, out_dir=args.out, seq_length=args.seq_length,

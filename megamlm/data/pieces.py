@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from megamlm.data.dictionary import EOS, MASK_SYMBOL, SPECIALS, Dictionary, TokenizerError
-from megamlm.data.documents import train_tokenizer_on
+from megamlm.data.documents import BuildStats, text_lines, train_tokenizer_on
+from megamlm.data.progress import progress_bar
+from megamlm.errors import check_ranges
 from megamlm.files import check_writable, read_text
 
 
@@ -98,6 +103,26 @@ def _refuse_existing(out: Path, names: tuple[str, ...]) -> None:
     check_writable(out, "--out")
 
 
+WORDPIECE_ALPHABET = 1000
+"""Characters a trained WordPiece vocabulary holds at most (the most frequent; `tokenizers`' limit_alphabet
+default for BERT): the others become [UNK]."""
+
+
+def _wordpiece_alphabet(trainer, lines: Iterator[str]) -> tuple[list[str], list[str]]:
+    """(the WORDPIECE_ALPHABET most frequent characters of the words `trainer` makes of `lines`, ties by the
+    character; the "##c" pieces of those met inside a word), sorted: the pieces `tokenizers` would make, in an
+    order that does not depend on its hash maps."""
+    normalizer, pre_tokenizer = trainer.normalizer, trainer.pre_tokenizer
+    every, first = Counter(), Counter()
+    for line in progress_bar(lines, desc="alphabet", unit=" lines"):
+        words = [word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(line))]
+        every.update("".join(words))
+        first.update(word[0] for word in words)
+    alphabet = sorted(every, key=lambda c: (-every[c], c))[:WORDPIECE_ALPHABET]
+    inside = every - first  # met at least once after a word's first character
+    return sorted(alphabet), sorted(f"##{c}" for c in set(alphabet) & inside.keys())
+
+
 class WordPieceTokenizer(PieceTokenizer):
     """BERT's WordPiece: vocab.txt + wordpiece.json (the casing rule)."""
 
@@ -133,12 +158,26 @@ class WordPieceTokenizer(PieceTokenizer):
         from tokenizers import BertWordPieceTokenizer
 
         out = Path(out_dir)
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK]
+        check_ranges([(f"--vocab-size {vocab_size}", vocab_size, f">= {len(specials) + 1}")], TokenizerError)
         _refuse_existing(out, cls.FILES)
         trainer = BertWordPieceTokenizer(lowercase=lowercase)
-        train_tokenizer_on(files, lambda lines: trainer.train_from_iterator(
-            lines, vocab_size=vocab_size, min_frequency=min_frequency,
-            special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK], show_progress=False))
+
+        def train(lines: Iterator[str]) -> None:
+            alphabet, continuing = _wordpiece_alphabet(trainer, text_lines(files, BuildStats()))
+            # the continuing pieces registered up front, in a fixed order: `tokenizers` (0.23) numbers them as
+            # its hash map of words meets them, and breaks ties between merges by those numbers, so that two
+            # trainings on one corpus gave other ids and a few other pieces (huggingface/tokenizers#1794)
+            trainer.train_from_iterator(lines, vocab_size=vocab_size, min_frequency=min_frequency,
+                                        special_tokens=specials + continuing, initial_alphabet=alphabet,
+                                        limit_alphabet=len(alphabet), show_progress=False)
+
+        train_tokenizer_on(files, train)
         vocab = trainer.get_vocab()
+        if len(vocab) > vocab_size:
+            warnings.warn(f"the vocabulary holds {len(vocab)} pieces, more than --vocab-size {vocab_size}: BERT's "
+                          f"{len(specials)} specials, the corpus's characters and their "
+                          f"continuing (##) forms come first")
         return cls.write(out, sorted(vocab, key=vocab.get), lowercase)
 
     def _encode(self, texts: list[str]) -> list[list[int]]:

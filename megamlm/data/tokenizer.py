@@ -31,6 +31,9 @@ from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenize
 from megamlm.data.progress import progress_bar
 from megamlm.files import check_writable
 
+BYTES = 256
+"""The byte-level BPE's first pieces: one per byte value."""
+
 COUNT_BATCH_LINES = 10_000
 """Lines encoded at a time to count dict.txt's frequencies."""
 
@@ -137,6 +140,9 @@ class Tokenizer:
         from tokenizers import ByteLevelBPETokenizer
 
         out = Path(out_dir)
+        if vocab_size <= BYTES:
+            raise TokenizerError(f"--vocab-size {vocab_size}: a byte-level BPE holds the {BYTES} bytes first, then a "
+                                 f"piece per merge; at least {BYTES + 1}")
         existing = [name for name in ("encoder.json", "vocab.bpe", "dict.txt") if (out / name).exists()]
         if existing:
             raise TokenizerError(f"{out} already holds {', '.join(existing)}; choose another --out "
