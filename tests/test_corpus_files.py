@@ -270,3 +270,32 @@ def test_a_vocabulary_size_the_tokenizer_cannot_hold_is_refused_or_warned_of(tmp
     assert held > 100 and [str(w.message) for w in warned] == [
         f"the vocabulary holds {held} pieces, more than --vocab-size 100: BERT's 5 specials, the corpus's characters "
         f"and their continuing (##) forms come first"]
+
+
+def test_glob_patterns_expand_to_their_files_sorted(tmp_path, gpt2, capsys):
+    """data.build_from (no shell expands it) and quoted arguments: `*` in a folder, `**` below it, sorted; the
+    manifest names the files; a finished build of the same files is the same build; no match is an error."""
+    from megamlm.config import DataConfig
+    from megamlm.data.shards import other_build, planned_build
+
+    data = pile_lines(30).splitlines(keepends=True)
+    for i, name in enumerate(["b/2.jsonl.gz", "a.jsonl.gz", "b/c/1.jsonl.gz", "skip.txt"]):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(gzip.compress(b"".join(data[i * 10:(i + 1) * 10])))
+    expanded = [str(tmp_path / name) for name in ("a.jsonl.gz", "b/2.jsonl.gz", "b/c/1.jsonl.gz")]
+    config = DataConfig(shards=str(tmp_path / "shards"), build_from=[str(tmp_path / "**/*.jsonl.gz")],
+                        long_docs="truncate", valid_fraction=0.0)
+    options = planned_build(config)
+    assert options.inputs == expanded
+    manifest = build_shards(options, gpt2, progress=False)
+    assert manifest["options"]["inputs"] == expanded and other_build(config) is None
+    build_shards(BuildOptions(expanded, str(tmp_path / "listed"), long_docs="truncate", valid_fraction=0.0), gpt2,
+                 progress=False)
+    assert [d.tolist() for d in stored_documents(tmp_path / "shards")] == [
+        d.tolist() for d in stored_documents(tmp_path / "listed")]
+    Tokenizer.train([tmp_path / "b/*.jsonl.gz"], tmp_path / "bpe", vocab_size=300)
+    Tokenizer.train([tmp_path / "b/2.jsonl.gz"], tmp_path / "bpe-listed", vocab_size=300)
+    assert (tmp_path / "bpe/dict.txt").read_text() == (tmp_path / "bpe-listed/dict.txt").read_text()
+    pattern = tmp_path / "*.jsonl.zst"
+    assert run_cli(capsys, "shards", "build", pattern, "--out", tmp_path / "out") == (
+        2, f"megamlm: shards: input pattern {pattern} matches no file")

@@ -7,6 +7,7 @@ kept with its file, line and what is wrong (the build's summary and manifest sho
 
 from __future__ import annotations
 
+import glob
 import json
 import queue
 import threading
@@ -230,6 +231,23 @@ def read_documents(path: Path, text_mode: str, stats: BuildStats, strict: bool) 
     for doc in document_lines(path, text_mode, stats, strict):
         if (doc := parsed(doc, stats, strict)) is not None:
             yield doc
+
+
+def corpus_paths(entries: list[str | Path]) -> list[str]:
+    """The files `entries` name, in order: each a path, or a glob pattern (`pile/train/*.jsonl.zst`, `**` for any
+    depth of folders) expanded to its files in sorted order, as a shell would (a config's data.build_from, a quoted
+    argument, is no shell); a pattern that matches no file is an error. A file whose name holds `*?[` is itself."""
+    paths = []
+    for entry in map(str, entries):
+        if not any(c in entry for c in "*?[") or Path(entry).exists():
+            paths.append(entry)
+            continue
+        files = [match for match in sorted(glob.glob(entry, recursive=True)) if Path(match).is_file()]
+        if not files:
+            where = "" if Path(entry).is_absolute() else f" (relative to the working directory {Path.cwd()})"
+            raise ShardError(f"input pattern {entry} matches no file{where}")
+        paths += files
+    return paths
 
 
 def check_input(path: str | Path) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from megamlm.data.dictionary import EOS, MASK_SYMBOL, SPECIALS, Dictionary, TokenizerError
-from megamlm.data.documents import BuildStats, text_lines, train_tokenizer_on
+from megamlm.data.documents import BuildStats, corpus_paths, text_lines, train_tokenizer_on
 from megamlm.data.progress import progress_bar
 from megamlm.errors import check_ranges
 from megamlm.files import check_writable, read_text
@@ -157,7 +157,7 @@ class WordPieceTokenizer(PieceTokenizer):
         not: documents.text_lines) into out_dir."""
         from tokenizers import BertWordPieceTokenizer
 
-        out = Path(out_dir)
+        out, files = Path(out_dir), corpus_paths(files)
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK]
         check_ranges([(f"--vocab-size {vocab_size}", vocab_size, f">= {len(specials) + 1}")], TokenizerError)
         _refuse_existing(out, cls.FILES)

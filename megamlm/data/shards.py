@@ -35,8 +35,8 @@ import numpy as np
 from megamlm.config import DataConfig
 from megamlm.console import print_line
 from megamlm.data.blocks import BLOCK_MODES, plan_blocks
-from megamlm.data.documents import (BuildStats, Problem, ShardError, check_input, document_lines, skip,
-                                    skipped_summary)
+from megamlm.data.documents import (BuildStats, Problem, ShardError, check_input, corpus_paths, document_lines,
+                                    skip, skipped_summary)
 from megamlm.data.progress import progress_bar
 from megamlm.data.shard_writer import ShardWriter, StoredPieces, meta_json
 from megamlm.data.tokenizer import Tokenizer
@@ -79,6 +79,7 @@ class BuildOptions:
                       (f"--shard-tokens {self.shard_tokens}", self.shard_tokens, ">= 1"),
                       (f"--workers {self.workers}", self.workers, ">= 1")], ShardError)
         out = Path(self.out_dir).absolute()
+        self.inputs = corpus_paths(self.inputs)  # the manifest names the files a pattern matched
         for path in self.inputs:
             check_input(path)
             if out in Path(path).absolute().parents:
@@ -250,7 +251,11 @@ def other_build(data) -> str | None:
         built = json.loads((folder / "manifest.json").read_text())["options"]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # reading the shards names what is wrong with the manifest
-    asked = {**{key: getattr(data, key) for key in BUILD_CHOICES}, "inputs": [Path(i).name for i in data.build_from]}
+    try:
+        inputs = corpus_paths(data.build_from)
+    except ShardError:  # a pattern that matches nothing now: the build's own inputs are what counts
+        inputs = data.build_from
+    asked = {**{key: getattr(data, key) for key in BUILD_CHOICES}, "inputs": [Path(i).name for i in inputs]}
     built = {**built, "inputs": [Path(i).name for i in built.get("inputs", [])]}
     differ = [f"{key} {built.get(key)} (asked: {asked[key]})" for key in asked if built.get(key) != asked[key]]
     if not differ:

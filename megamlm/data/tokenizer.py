@@ -26,7 +26,7 @@ import numpy as np
 
 from megamlm.data.dictionary import (BOS, EOS, MASK_SYMBOL, PAD, SPECIALS, UNK, Dictionary,  # noqa: F401
                                      TokenizerError)
-from megamlm.data.documents import BuildStats, text_lines, train_tokenizer_on
+from megamlm.data.documents import BuildStats, corpus_paths, text_lines, train_tokenizer_on
 from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
 from megamlm.data.progress import progress_bar
 from megamlm.files import check_writable
@@ -139,7 +139,7 @@ class Tokenizer:
         would) to out_dir."""
         from tokenizers import ByteLevelBPETokenizer
 
-        out = Path(out_dir)
+        out, files = Path(out_dir), corpus_paths(files)
         if vocab_size <= BYTES:
             raise TokenizerError(f"--vocab-size {vocab_size}: a byte-level BPE holds the {BYTES} bytes first, then a "
                                  f"piece per merge; at least {BYTES + 1}")
