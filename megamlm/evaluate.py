@@ -19,7 +19,7 @@ import torch
 from megamlm.config import ParallelConfig
 from megamlm.data.batch import collate
 from megamlm.data.compression import codec_of
-from megamlm.data.documents import BuildStats, check_input, is_jsonl, read_documents
+from megamlm.data.documents import BuildStats, check_input, holds_documents, read_documents
 from megamlm.data.masking import Masker
 from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import BOS, EOS, PAD, Tokenizer
@@ -57,10 +57,10 @@ def token_stream(data: str | Path, tokenizer: Tokenizer, max_tokens: int) -> np.
 
 
 def evaluation_texts(path: Path) -> Iterator[str]:
-    """A corpus file's documents, stripped: a text file's non-empty lines, a jsonl file's "text" (data/documents.py:
-    compressed or not; its lines that are no document skipped). A jsonl file's lines read as text were scored as
-    the model's perplexity on JSON."""
-    if is_jsonl(path) or codec_of(path) is not None:
+    """A corpus file's documents, stripped: a text file's non-empty lines, a jsonl or Parquet file's "text"
+    (data/documents.py: compressed or not; its lines that are no document skipped). A jsonl file's lines read as
+    text were scored as the model's perplexity on JSON."""
+    if holds_documents(path) or codec_of(path) is not None:
         check_input(path)
         lines = (doc.text for doc in read_documents(path, "lines", BuildStats(), strict=False))
     else:

@@ -8,6 +8,7 @@ import gzip
 import io
 import json
 import lzma
+import sys
 import tarfile
 import warnings
 import zipfile
@@ -82,7 +83,7 @@ def no_text_inputs(tmp_path) -> list[tuple[Path, str]]:
     with zipfile.ZipFile(tmp_path / "corpus.zip", "w") as archive:
         archive.write(corpus, "corpus.jsonl")
     np.save(tmp_path / "ids.npy", np.arange(100, dtype=np.uint16))
-    (tmp_path / "part.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 4 + b"PAR1")
+    (tmp_path / "part.parquet.gz").write_bytes(gzip.compress(b"PAR1" + bytes(range(256)) * 4 + b"PAR1"))
     (tmp_path / "model.bin").write_bytes(b"some text first, then\x00\x01\x02")
     extract = "extract it and pass the files in it (shards a build wrote are trained on with data.shards=<their " \
               "folder>, not built again)"
@@ -91,8 +92,8 @@ def no_text_inputs(tmp_path) -> list[tuple[Path, str]]:
         (tmp_path / "corpus.tar.gz", f"is a tar archive (gzip-compressed), not text: {extract}"),
         (tmp_path / "corpus.zip", "is a zip archive, not text: unzip it and pass the files in it"),
         (tmp_path / "ids.npy", "is a NumPy array, not text: megamlm tokenizes text itself: pass the corpus's text"),
-        (tmp_path / "part.parquet", "is a Parquet file, not text: write its text column as jsonl (pandas: "
-                                    "pd.read_parquet(f)[['text']].to_json(out, orient='records', lines=True))"),
+        (tmp_path / "part.parquet.gz", "is a Parquet file (gzip-compressed), not text: decompress it (megamlm reads "
+                                       "Parquet files as they are)"),
         (tmp_path / "model.bin", "is binary, not text (a NUL byte at offset 21); inputs are jsonl or plain text, "
                                  "optionally compressed with zstd, gzip, bzip2, xz"),
     ]
@@ -299,3 +300,55 @@ def test_glob_patterns_expand_to_their_files_sorted(tmp_path, gpt2, capsys):
     pattern = tmp_path / "*.jsonl.zst"
     assert run_cli(capsys, "shards", "build", pattern, "--out", tmp_path / "out") == (
         2, f"megamlm: shards: input pattern {pattern} matches no file")
+
+
+def test_parquet_files_give_the_shards_tokenizer_and_evaluation_of_the_same_jsonl(tmp_path, gpt2, capsys,
+                                                                                   monkeypatch):
+    """The Hub's layout (a "text" column, other columns ignored, several row groups): the same stored documents,
+    BPE files and evaluation tokens as jsonl of the same texts; null and blank rows counted as a jsonl file's
+    are; a file without the column, with another type, truncated, or without pyarrow installed: one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megamlm.evaluate import token_stream
+
+    texts = [json.loads(line)["text"] for line in pile_lines(60).splitlines()]
+    rows = texts[:7] + [None] + texts[7:20] + ["  "] + texts[20:]
+    pq.write_table(pa.table({"id": list(range(len(rows))), "text": rows}), tmp_path / "train-00000.parquet",
+                   row_group_size=16)
+    (tmp_path / "same.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    manifests = {}
+    for name in ("train-00000.parquet", "same.jsonl"):
+        manifests[name] = build_shards(BuildOptions([str(tmp_path / name)], str(tmp_path / f"{name}.shards"),
+                                                    long_docs="truncate", valid_fraction=0.0), gpt2, progress=False)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            Tokenizer.train([tmp_path / name], tmp_path / f"{name}.bpe", vocab_size=400)
+        assert [str(w.message).split("; ")[1] for w in warned] == (
+            ["skipped: empty 1 (first at {0}:22: blank 'text'), missing_text 1 (first at {0}:8: null 'text')".format(
+                tmp_path / name)] if name.endswith(".parquet") else [])
+    parquet, jsonl = (tmp_path / "train-00000.parquet", tmp_path / "same.jsonl")
+    assert [d.tolist() for d in stored_documents(f"{parquet}.shards")] == [
+        d.tolist() for d in stored_documents(f"{jsonl}.shards")] and len(texts) == 60
+    assert manifests[parquet.name]["first_skipped"] == {"missing_text": f"{parquet}:8: null 'text'",
+                                                       "empty": f"{parquet}:22: blank 'text'"}
+    for name in ("encoder.json", "vocab.bpe", "dict.txt"):
+        assert (tmp_path / f"{parquet.name}.bpe" / name).read_bytes() == (
+            tmp_path / f"{jsonl.name}.bpe" / name).read_bytes(), name
+    assert np.array_equal(token_stream(parquet, gpt2, 50_000), token_stream(jsonl, gpt2, 50_000))
+
+    pq.write_table(pa.table({"content": ["a"], "url": ["b"]}), tmp_path / "content.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    (tmp_path / "cut.parquet").write_bytes(parquet.read_bytes()[:2000])
+    cases = [(tmp_path / "content.parquet", " has no 'text' column (columns: content, url); megamlm reads a "
+                                            "document from each row's 'text'"),
+             (tmp_path / "ints.parquet", ": its 'text' column holds int64, not strings"),
+             (tmp_path / "cut.parquet", " is not a readable Parquet file (ArrowInvalid: Parquet magic bytes not found")]
+    for path, what in cases:
+        code, line = run_cli(capsys, "shards", "build", path, "--out", tmp_path / "out")
+        assert code == 2 and line.startswith(f"megamlm: shards: input {path}{what}"), line
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as where pyarrow is not installed
+    assert run_cli(capsys, "shards", "train-bpe", parquet, "--out", tmp_path / "out") == (
+        2, f"megamlm: shards: input {parquet} is a Parquet file, and reading it needs pyarrow: `pip install "
+           f"'megamlm[parquet]'` (or write its text column as jsonl elsewhere)")
+    assert not (tmp_path / "out").exists()

@@ -41,8 +41,8 @@ def cmd_shards(args) -> int:
 
 
 CORPUS_FILES = ("input files: jsonl (.jsonl, .json: each line's \"text\") or plain text, compressed with zstd, "
-                "gzip, bzip2, xz or not; a quoted glob pattern ('pile/*.jsonl.zst', ** for sub-folders) expands to "
-                "its files, sorted")
+                "gzip, bzip2, xz or not, or Parquet (a text column; needs pyarrow); a quoted glob pattern "
+                "('pile/*.jsonl.zst', ** for sub-folders) expands to its files, sorted")
 
 
 def add_shards_args(parser: argparse.ArgumentParser) -> None:

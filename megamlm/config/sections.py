@@ -38,7 +38,7 @@ class DataConfig:
     shards: str | None = None
     """Folder of shards built by `megamlm shards build` (train and valid splits)."""
     build_from: list[str] = field(default_factory=list)
-    """Input files (jsonl or text, compressed with zstd, gzip, bzip2, xz or not; glob patterns such as
+    """Input files (jsonl or text, compressed with zstd, gzip, bzip2, xz or not, or Parquet; glob patterns such as
     `pile/train/*.jsonl.zst` expand to their files, sorted) built into `shards` on first use when it holds none."""
     tokenizer: str = "gpt2"
     """gpt2, a folder with encoder.json, vocab.bpe, dict.txt (`megamlm shards train-bpe`), or a

@@ -1,9 +1,9 @@
 """What a corpus file is before it is text: its compression (zstd, gzip, bzip2, xz), recognised by its first
-bytes rather than its name, and the formats that hold no text to read (Parquet, zip, tar, Arrow, NumPy,
-Megatron's indexed datasets, anything with NUL bytes). `megamlm shards build`, data.build_from and the tokenizer
-trainers read any of the compressions and refuse the others before any work, naming the file and what it is:
-read as lines of text, a Parquet file was a handful of garbage "documents" and a .jsonl.gz one invalid-UTF-8
-line after another."""
+bytes rather than its name, and the formats that hold no text to read (zip, tar, Arrow, NumPy, Megatron's
+indexed datasets, anything with NUL bytes; a compressed Parquet file: Parquet is read as it is, by
+parquet_files.py). `megamlm shards build`, data.build_from and the tokenizer trainers read any of the
+compressions and refuse the others before any work, naming the file and what it is: read as lines of text, a
+Parquet file was a handful of garbage "documents" and a .jsonl.gz one invalid-UTF-8 line after another."""
 
 from __future__ import annotations
 
@@ -87,8 +87,7 @@ CODECS = (
 
 NOT_TEXT = (
     # (where, magic, what the file is, what to do instead)
-    (0, b"PAR1", "a Parquet file", "write its text column as jsonl (pandas: "
-                                   "pd.read_parquet(f)[['text']].to_json(out, orient='records', lines=True))"),
+    (0, b"PAR1", "a Parquet file", "decompress it (megamlm reads Parquet files as they are)"),
     (0, b"ARROW1", "an Arrow file", "write its text column as jsonl (datasets: Dataset.from_file(f).to_json(out))"),
     (0, b"PK\x03\x04", "a zip archive", "unzip it and pass the files in it"),
     (257, b"ustar", "a tar archive", "extract it and pass the files in it (shards a build wrote are trained "

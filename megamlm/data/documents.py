@@ -1,6 +1,7 @@
 """Documents from the corpus files `megamlm shards build` reads: jsonl (the Pile's layout: "text" and
 "meta.pile_set_name") and plain text (one document per blank-line-separated paragraph, or per line), either one
-compressed or not (data/compression.py: zstd with any number of frames, gzip, bzip2, xz). Problems in a line
+compressed or not (data/compression.py: zstd with any number of frames, gzip, bzip2, xz), and Parquet (a "text"
+column: data/parquet_files.py). Problems in a line
 (malformed JSON, no "text", empty, invalid UTF-8) are counted in `BuildStats.skipped`, the first of each kind
 kept with its file, line and what is wrong (the build's summary and manifest show it), or fatal with
 `strict`; a damaged file (a truncated or corrupt compressed stream) is always an error naming it."""
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megamlm.data.compression import codec_of, text_head
+from megamlm.data.parquet_files import check_parquet, is_parquet, parquet_rows
 from megamlm.data.progress import progress_bar
 from megamlm.errors import MegamlmError
 
@@ -176,11 +178,24 @@ def is_jsonl(path: Path) -> bool:
     return ".jsonl" in path.name or ".json" in path.suffixes
 
 
+def holds_documents(path: Path) -> bool:
+    """A jsonl or Parquet file: documents with a "text" each, not lines of plain text."""
+    return is_jsonl(path) or is_parquet(path)
+
+
 def document_lines(path: Path, text_mode: str, stats: BuildStats, strict: bool) -> Iterator[Document]:
     """The documents of one input file, those of a jsonl file unparsed: their `text` is the line's bytes and
     their subset None, for `json_document` to parse; a plain-text file's lines are read here (problems counted
     or, with strict, fatal: `skip`)."""
     source = str(path)
+    if is_parquet(path):
+        for row, text in parquet_rows(path):
+            if text is None or not text.strip():
+                skip(stats, path, row, Problem("missing_text", "null 'text'") if text is None
+                     else Problem("empty", "blank 'text'"), strict)
+            else:
+                yield Document(text, source, row, "unknown")
+        return
     if is_jsonl(path):
         for number, raw in enumerate(_binary_lines(path), 1):
             yield Document(raw, source, number, None)
@@ -259,6 +274,8 @@ def check_input(path: str | Path) -> None:
     if not Path(path).is_file():  # a relative path is read from where the command runs
         where = "" if Path(path).is_absolute() else f" (relative to the working directory {Path.cwd()})"
         raise ShardError(f"input not found: {path}{where}")
+    if is_parquet(Path(path)):
+        return check_parquet(Path(path))
     head = text_head(Path(path))
     first = next((line.strip() for line in head.split(b"\n") if line.strip()), b"")
     if is_jsonl(Path(path)) and (first.startswith(b"[") or first == b"{"):
@@ -275,7 +292,7 @@ def text_lines(paths: list[str | Path], stats: BuildStats) -> Iterator[str]:
     lines (their "text", not the JSON around it), each with its newline, decompressed; the lines that are no
     text (invalid UTF-8, malformed JSON...) are counted in `stats`, as a shard build counts them."""
     for path in map(Path, paths):
-        if is_jsonl(path):
+        if holds_documents(path):
             for doc in read_documents(path, "lines", stats, strict=False):
                 *lines, last = doc.text.split("\n")
                 yield from (line + "\n" for line in lines)
