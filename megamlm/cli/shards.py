@@ -47,7 +47,7 @@ CORPUS_FILES = ("input files: jsonl (.jsonl, .json: each line's \"text\") or pla
 
 def add_shards_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="shards_verb", required=True)
-    build = sub.add_parser("build", help="tokenize jsonl / text (.zst, .gz, .bz2, .xz or plain) into webdataset shards")
+    build = sub.add_parser("build", help="tokenize corpus files (jsonl, text, Parquet) into webdataset shards")
     build.add_argument("inputs", nargs="+", help=CORPUS_FILES)
     build.add_argument("--out", required=True, help="output folder (must not hold shards yet)")
     # defaults: the data section's (BuildOptions takes them from DataConfig)

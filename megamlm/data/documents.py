@@ -1,10 +1,10 @@
 """Documents from the corpus files `megamlm shards build` reads: jsonl (the Pile's layout: "text" and
 "meta.pile_set_name") and plain text (one document per blank-line-separated paragraph, or per line), either one
 compressed or not (data/compression.py: zstd with any number of frames, gzip, bzip2, xz), and Parquet (a "text"
-column: data/parquet_files.py). Problems in a line
-(malformed JSON, no "text", empty, invalid UTF-8) are counted in `BuildStats.skipped`, the first of each kind
-kept with its file, line and what is wrong (the build's summary and manifest show it), or fatal with
-`strict`; a damaged file (a truncated or corrupt compressed stream) is always an error naming it."""
+column: data/parquet_files.py). Problems in a line (malformed JSON, no "text", empty, invalid UTF-8) are counted
+in `BuildStats.skipped`, the first of each kind kept with its file, line and what is wrong (the build's summary
+and manifest show it), or fatal with `strict`; a damaged file (a truncated or corrupt compressed stream) is
+always an error naming it."""
 
 from __future__ import annotations
 
@@ -185,8 +185,8 @@ def holds_documents(path: Path) -> bool:
 
 def document_lines(path: Path, text_mode: str, stats: BuildStats, strict: bool) -> Iterator[Document]:
     """The documents of one input file, those of a jsonl file unparsed: their `text` is the line's bytes and
-    their subset None, for `json_document` to parse; a plain-text file's lines are read here (problems counted
-    or, with strict, fatal: `skip`)."""
+    their subset None, for `json_document` to parse; a plain-text file's lines and a Parquet file's rows are
+    read here (problems counted or, with strict, fatal: `skip`)."""
     source = str(path)
     if is_parquet(path):
         for row, text in parquet_rows(path):
@@ -259,30 +259,34 @@ def corpus_paths(entries: list[str | Path]) -> list[str]:
             continue
         files = [match for match in sorted(glob.glob(entry, recursive=True)) if Path(match).is_file()]
         if not files:
-            where = "" if Path(entry).is_absolute() else f" (relative to the working directory {Path.cwd()})"
-            raise ShardError(f"input pattern {entry} matches no file{where}")
+            raise ShardError(f"input pattern {entry} matches no file{_read_from(entry)}")
         paths += files
     return paths
+
+
+def _read_from(path: str | Path) -> str:
+    """Where a relative path is read from (the working directory of the command), for a message."""
+    return "" if Path(path).is_absolute() else f" (relative to the working directory {Path.cwd()})"
 
 
 def check_input(path: str | Path) -> None:
     """Raise ShardError (or compression.InputError) naming `path` unless it is a readable corpus file: one that
     exists, is no folder and holds text (compression.text_head); a jsonl file's must be JSON lines, one object
     per line, not a JSON array or pretty-printed JSON (each of whose lines would be skipped as malformed)."""
-    if Path(path).is_dir():
+    file = Path(path)  # the messages name `path` as it was given
+    if file.is_dir():
         raise ShardError(f"input {path} is a directory; pass the files in it")
-    if not Path(path).is_file():  # a relative path is read from where the command runs
-        where = "" if Path(path).is_absolute() else f" (relative to the working directory {Path.cwd()})"
-        raise ShardError(f"input not found: {path}{where}")
-    if is_parquet(Path(path)):
-        return check_parquet(Path(path))
-    head = text_head(Path(path))
+    if not file.is_file():
+        raise ShardError(f"input not found: {path}{_read_from(path)}")
+    if is_parquet(file):
+        return check_parquet(file)
+    head = text_head(file)
     first = next((line.strip() for line in head.split(b"\n") if line.strip()), b"")
-    if is_jsonl(Path(path)) and (first.startswith(b"[") or first == b"{"):
+    if is_jsonl(file) and (first.startswith(b"[") or first == b"{"):
         shape, flatten = ("a JSON array", "'.[]'") if first.startswith(b"[") else ("pretty-printed JSON", ".")
         raise ShardError(f"input {path} is {shape}, not JSON lines (one object per line, each with its \"text\"); "
                          f"`jq -c {flatten}` writes them")
-    if not is_jsonl(Path(path)) and first.startswith(b"{") and not isinstance(json_document(first), Problem):
+    if not is_jsonl(file) and first.startswith(b"{") and not isinstance(json_document(first), Problem):
         warnings.warn(f"input {path} is read as plain text (its name has no .jsonl or .json), but its first line is "
                       f"a JSON object with a \"text\": name it *.jsonl to read each line's text instead of its JSON")
 
