@@ -111,15 +111,23 @@ class OptimConfig:
     lr: float = 6e-4
     """Peak learning rate."""
     min_lr: float = 6e-5
-    """Cosine floor; warm-up starts here (fairseq warmup_init_lr = min_lr)."""
-    schedule: Literal["cosine", "polynomial", "warmup_times_polynomial", "constant"] = "cosine"
+    """Cosine and wsd floor; warm-up starts here (fairseq warmup_init_lr = min_lr)."""
+    schedule: Literal["cosine", "polynomial", "warmup_times_polynomial", "constant", "wsd"] = "cosine"
     """cosine (pretraining, fairseq cosine), polynomial (fine-tuning, fairseq polynomial_decay),
     warmup_times_polynomial (TF BERT/ELECTRA: the decay from update 0 times the warm-up ramp),
-    constant (after warm-up); formulas in train/schedule.py."""
+    constant (after warm-up), wsd (warm-up, stable at optim.lr, then optim.decay_steps of decay to
+    optim.min_lr: ModernBERT's trapezoid; a run continued with more train.steps stays at the peak
+    until its new decay); formulas in train/schedule.py."""
     warmup_steps: int = 10000
     """Linear warm-up updates."""
     period_steps: int | None = None
     """Cosine period after warm-up; null = 1.1 × train.steps (the reference ran 133082 of 146390)."""
+    decay_steps: int | None = None
+    """wsd: the decay's updates, the run's last ones; null = a fifth of train.steps (Hägele et al. 2024:
+    a 20% decay matches cosine)."""
+    decay_shape: Literal["1-sqrt", "linear", "cosine"] = "1-sqrt"
+    """wsd: the decay's shape over its progress p in [0, 1]: 1 - sqrt(p) (ModernBERT's, the best in Hägele
+    et al. 2024), 1 - p, or ½(1 + cos πp) (transformers' get_wsd_schedule names them alike)."""
     end_lr: float = 0.0
     """Polynomial decay's final learning rate."""
     power: float = 1.0
@@ -143,8 +151,14 @@ class OptimConfig:
             raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         if self.period_steps is not None and self.period_steps < 1:
             raise ConfigError(f"optim.period_steps={self.period_steps} must be >= 1")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ConfigError(f"optim.decay_steps={self.decay_steps} must be >= 1")
         check_bounds(self, "optim", {"end_lr": ">= 0", "power": "> 0", "betas": "[0, 1)", "eps": "> 0",
                                      "weight_decay": ">= 0", "clip_grad": ">= 0"})
+
+    def wsd_decay_steps(self, total_steps: int) -> int:
+        """schedule=wsd: the updates of its decay in a run of `total_steps` (optim.decay_steps, or its default)."""
+        return self.decay_steps or max(1, round(total_steps / 5))
 
     def adamw(self) -> dict:
         """AdamW's settings (keyword arguments and parameter-group keys) besides the learning rate, which the
@@ -216,6 +230,11 @@ class Config:
             if asks:
                 raise ConfigError(f"train.compile_head=true compiles MaskedLM's unfused head and loss at TP=1 "
                                   f"below ZeRO-3; {asks} needs train.compile_head=false")
+        optim, steps = self.optim, self.train.steps
+        if optim.schedule == "wsd" and optim.warmup_steps + optim.wsd_decay_steps(steps) > steps:
+            decay = optim.decay_steps or f"null ({optim.wsd_decay_steps(steps)}: a fifth of the run)"
+            raise ConfigError(f"optim.schedule=wsd: optim.warmup_steps={optim.warmup_steps} + optim.decay_steps="
+                              f"{decay} exceed train.steps={steps}; lower them or raise train.steps")
         if model.local_window is not None and model.local_window > self.data.seq_length:
             raise ConfigError(
                 f"model.local_window={model.local_window} is larger than data.seq_length={self.data.seq_length}: "

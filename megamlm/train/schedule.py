@@ -11,6 +11,10 @@ warmup_times_polynomial (TF BERT/ELECTRA's create_optimizer): the decay counted 
 the warm-up ramp:
     lr = (end + (max - end) · (1 - t / total)^power) · min(1, t / warmup)
 constant: warm-up from 0, then max.
+wsd (warmup-stable-decay; transformers' get_wsd_schedule with min_lr_ratio = min / max): warm-up from
+min_lr as cosine's, max until the last D = decay_steps updates of the run, then with p = (t - (total - D)) / D
+    lr = min + (max - min) · f(p),  f = 1 - sqrt(p) | 1 - p | ½(1 + cos(π p))   (decay_shape)
+  and min from update `total` on.
 """
 
 from __future__ import annotations
@@ -20,15 +24,26 @@ import math
 from megamlm.config import OptimConfig
 
 
+WSD_DECAY_SHAPES = {"1-sqrt": lambda p: 1 - math.sqrt(p), "linear": lambda p: 1 - p,
+                    "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p))}
+"""optim.decay_shape -> the fraction of (max - min) left at the decay's progress p in [0, 1]."""
+
+
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     """Learning rate of update number `step` (0-based: the first update uses lr_at(0))."""
     peak, warmup = optim.lr, optim.warmup_steps
+    if optim.schedule in ("cosine", "wsd") and step < warmup:
+        return optim.min_lr + (peak - optim.min_lr) * step / warmup
     if optim.schedule == "cosine":
-        if step < warmup:
-            return optim.min_lr + (peak - optim.min_lr) * step / warmup
         period = optim.period_steps or round(1.1 * total_steps)
         progress = ((step - warmup) % period) / period
         return optim.min_lr + 0.5 * (peak - optim.min_lr) * (1 + math.cos(math.pi * progress))
+    if optim.schedule == "wsd":
+        decay = optim.wsd_decay_steps(total_steps)
+        if step < total_steps - decay:
+            return peak  # stable: exactly the peak, as transformers' factor 1.0
+        progress = min(step - (total_steps - decay), decay) / decay
+        return optim.min_lr + (peak - optim.min_lr) * WSD_DECAY_SHAPES[optim.decay_shape](progress)
     if optim.schedule == "warmup_times_polynomial":
         fraction = min(step, total_steps) / max(total_steps, 1)
         ramp = min(1.0, step / warmup) if warmup else 1.0
