@@ -352,3 +352,29 @@ def test_parquet_files_give_the_shards_tokenizer_and_evaluation_of_the_same_json
         2, f"megamlm: shards: input {parquet} is a Parquet file, and reading it needs pyarrow: `pip install "
            f"'megamlm[parquet]'` (or write its text column as jsonl elsewhere)")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_parquet_files_pile_meta_gives_the_subsets_a_jsonl_files_does(tmp_path, gpt2):
+    """The Pile as Parquet (a "meta" column beside "text": a struct, or the JSON string some conversions
+    write): each document lands in its `pile_set_name` subset, as the same documents in jsonl do; a file
+    without the column, or a row without the name, in "unknown"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [json.loads(line)["text"] for line in pile_lines(40).splitlines()]
+    names = ["Pile-CC", "ArXiv", "Github", None] * 10
+    metas = [{"pile_set_name": name} if name else {"source": "elsewhere"} for name in names]
+    (tmp_path / "pile.jsonl").write_text("".join(json.dumps({"text": t, "meta": m}) + "\n"
+                                                 for t, m in zip(texts, metas)))
+    pq.write_table(pa.table({"text": texts, "meta": [{"pile_set_name": name} for name in names]}),
+                   tmp_path / "struct.parquet", row_group_size=16)
+    pq.write_table(pa.table({"text": texts, "meta": [json.dumps(m) for m in metas]}), tmp_path / "string.parquet")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "bare.parquet")
+    subsets = {}
+    for name in ("pile.jsonl", "struct.parquet", "string.parquet", "bare.parquet"):
+        manifest = build_shards(BuildOptions([str(tmp_path / name)], str(tmp_path / f"{name}.shards"),
+                                             long_docs="truncate", valid_fraction=0.0), gpt2, progress=False)
+        subsets[name] = {subset: counts["documents"] for subset, counts in manifest["per_subset"].items()}
+    assert subsets["pile.jsonl"] == {"ArXiv": 10, "Github": 10, "Pile-CC": 10, "unknown": 10}
+    assert subsets["struct.parquet"] == subsets["string.parquet"] == subsets["pile.jsonl"]
+    assert subsets["bare.parquet"] == {"unknown": 40}

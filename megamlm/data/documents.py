@@ -168,10 +168,23 @@ def json_document(raw: bytes) -> tuple[str, str] | Problem | None:
         return Problem("missing_text", f"no string 'text' field ({holds})")
     if not record["text"].strip():
         return Problem("empty", "blank 'text'")
-    meta = record.get("meta") or {}
-    subset = meta.get("pile_set_name", "unknown") if isinstance(meta, dict) else "unknown"
+    return record["text"], pile_subset(record.get("meta"))
+
+
+def pile_subset(meta) -> str:
+    """A document's Pile subset from its metadata (a jsonl line's "meta", a Parquet row's): its `pile_set_name`,
+    "unknown" where it has none (or null: a Parquet struct column has every field in every row). A Parquet
+    file may hold the metadata as a JSON string."""
+    if isinstance(meta, str):
+        try:
+            meta = json.loads(meta)
+        except json.JSONDecodeError:
+            return "unknown"
+    subset = meta.get("pile_set_name") if isinstance(meta, dict) else None
+    if subset is None:
+        return "unknown"
     # a subset that is not a string (a number, a list) is named by its JSON: a list was a traceback
-    return record["text"], subset if isinstance(subset, str) else json.dumps(subset)
+    return subset if isinstance(subset, str) else json.dumps(subset)
 
 
 def is_jsonl(path: Path) -> bool:
@@ -189,12 +202,12 @@ def document_lines(path: Path, text_mode: str, stats: BuildStats, strict: bool) 
     read here (problems counted or, with strict, fatal: `skip`)."""
     source = str(path)
     if is_parquet(path):
-        for row, text in parquet_rows(path):
+        for row, text, meta in parquet_rows(path):
             if text is None or not text.strip():
                 skip(stats, path, row, Problem("missing_text", "null 'text'") if text is None
                      else Problem("empty", "blank 'text'"), strict)
             else:
-                yield Document(text, source, row, "unknown")
+                yield Document(text, source, row, pile_subset(meta))
         return
     if is_jsonl(path):
         for number, raw in enumerate(_binary_lines(path), 1):

@@ -12,6 +12,9 @@ from megamlm.errors import MegamlmError
 MAGIC = b"PAR1"
 TEXT_COLUMN = "text"
 """The column a document's text is read from (the Hub's and the Pile's name)."""
+META_COLUMN = "meta"
+"""The Pile's column of each document's metadata (a struct, or a JSON string, with its `pile_set_name`), read
+where a file has it, as a jsonl line's "meta"."""
 
 BATCH_ROWS = 1024
 """Rows read at a time: a row group of FineWeb holds ~10^5 documents, so memory stays a batch's."""
@@ -57,14 +60,18 @@ def check_parquet(path: Path) -> None:
         raise ParquetError(f"input {path}: its {TEXT_COLUMN!r} column holds {kind}, not strings")
 
 
-def parquet_rows(path: Path) -> Iterator[tuple[int, str | None]]:
-    """(row number from 1, its text or None where null), in file order."""
+def parquet_rows(path: Path) -> Iterator[tuple[int, str | None, object]]:
+    """(row number from 1, its text or None where null, its meta as pyarrow gives it (a dict, a string, None;
+    None where the file has no meta column)), in file order."""
     row = 0
+    opened = _opened(path)
+    columns = [TEXT_COLUMN] + ([META_COLUMN] if META_COLUMN in opened.schema_arrow.names else [])
     try:
-        for batch in _opened(path).iter_batches(batch_size=BATCH_ROWS, columns=[TEXT_COLUMN]):
-            for text in batch.column(0).to_pylist():
+        for batch in opened.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+            metas = batch.column(1).to_pylist() if len(columns) > 1 else [None] * batch.num_rows
+            for text, meta in zip(batch.column(0).to_pylist(), metas):
                 row += 1
-                yield row, text
+                yield row, text, meta
     except ParquetError:
         raise
     except Exception as err:  # a damaged page past the footer: never a silently shorter corpus
