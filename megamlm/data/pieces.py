@@ -95,7 +95,8 @@ class PieceTokenizer:
         raise NotImplementedError
 
 
-def _refuse_existing(out: Path, names: tuple[str, ...]) -> None:
+def refuse_existing(out: Path, names: tuple[str, ...]) -> None:
+    """A trainer's check before any work: `out` holds none of the files it writes, and can be written."""
     existing = [name for name in names if (out / name).exists()]
     if existing:
         raise TokenizerError(f"{out} already holds {', '.join(existing)}; choose another --out "
@@ -160,7 +161,7 @@ class WordPieceTokenizer(PieceTokenizer):
         out, files = Path(out_dir), corpus_paths(files)
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", cls.MASK]
         check_ranges([(f"--vocab-size {vocab_size}", vocab_size, f">= {len(specials) + 1}")], TokenizerError)
-        _refuse_existing(out, cls.FILES)
+        refuse_existing(out, cls.FILES)
         trainer = BertWordPieceTokenizer(lowercase=lowercase)
 
         def train(lines: Iterator[str]) -> None:

@@ -27,9 +27,8 @@ import numpy as np
 from megamlm.data.dictionary import (BOS, EOS, MASK_SYMBOL, PAD, SPECIALS, UNK, Dictionary,  # noqa: F401
                                      TokenizerError)
 from megamlm.data.documents import BuildStats, corpus_paths, text_lines, train_tokenizer_on
-from megamlm.data.pieces import PieceTokenizer, JsonTokenizer, WordPieceTokenizer
+from megamlm.data.pieces import JsonTokenizer, PieceTokenizer, WordPieceTokenizer, refuse_existing
 from megamlm.data.progress import progress_bar
-from megamlm.files import check_writable
 
 BYTES = 256
 """The byte-level BPE's first pieces: one per byte value."""
@@ -143,11 +142,7 @@ class Tokenizer:
         if vocab_size <= BYTES:
             raise TokenizerError(f"--vocab-size {vocab_size}: a byte-level BPE holds the {BYTES} bytes first, then a "
                                  f"piece per merge; at least {BYTES + 1}")
-        existing = [name for name in ("encoder.json", "vocab.bpe", "dict.txt") if (out / name).exists()]
-        if existing:
-            raise TokenizerError(f"{out} already holds {', '.join(existing)}; choose another --out "
-                                 f"(megamlm never overwrites files it did not write)")
-        check_writable(out, "--out")
+        refuse_existing(out, ("encoder.json", "vocab.bpe", "dict.txt"))
         trainer = ByteLevelBPETokenizer(add_prefix_space=False)
         train_tokenizer_on(files, lambda lines: trainer.train_from_iterator(
             lines, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[], show_progress=False))
