@@ -11,8 +11,14 @@ as a terminal or a file opened for appending does.
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 from typing import TextIO
+
+READER_GONE_EXIT = 141
+"""Exit status where our output's reader has gone (`megamlm shards inspect DIR | head`): 128 + SIGPIPE, what a
+shell reports for a tool that SIGPIPE ends (Python ignores SIGPIPE and raises BrokenPipeError instead)."""
 
 
 def print_line(text: str, file: TextIO | None = None) -> None:
@@ -21,3 +27,21 @@ def print_line(text: str, file: TextIO | None = None) -> None:
     stream = sys.stdout if file is None else file
     stream.write(text + "\n")
     stream.flush()
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end has closed (`| head` after its lines): the writing end of such a
+    pipe polls as an error. A BrokenPipeError from elsewhere (a worker's pipe) leaves stdout as it was."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stdout), or no poll
+        return False
+
+
+def leave_quietly_for_a_gone_reader() -> int:
+    """READER_GONE_EXIT, with stdout pointed at /dev/null: what is left in its buffer would raise again as Python
+    flushes it at exit ("Exception ignored ... BrokenPipeError")."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return READER_GONE_EXIT

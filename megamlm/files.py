@@ -28,6 +28,9 @@ from megamlm.errors import CorruptFileError, MegamlmError
 RECORD = "megamlm-files.json"
 RUN_CHECKPOINTS, RUN_FINAL = "checkpoints", "final"
 """A training run's folders in train.run_dir: its checkpoints, and the model folder it exports at the end."""
+CHECKPOINT_META, CHECKPOINT_LATEST = "megamlm.json", "latest"
+"""A training checkpoint's record (its update, data position, config and files' hashes), and the file of a run's
+checkpoints folder that names its newest checkpoint."""
 # what a model folder held before folders carried a record (sessions 1-4): still ours to replace
 LEGACY_MODEL_FILES = ("config.yaml", "model.pt", "model-tp*-of-*.pt", "classification_heads.pt",
                       "fairseq_source.pt", "tokenizer", "tokenizer/dict.txt")

@@ -244,6 +244,8 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
     unfinished = tmp_path / "unfinished-run"  # a run dir before its end: config.yaml and checkpoints, no final
     (unfinished / "checkpoints").mkdir(parents=True)
     (unfinished / "config.yaml").write_bytes((run / "config.yaml").read_bytes())
+    checkpoints = run / "checkpoints"
+    step = checkpoints / (checkpoints / "latest").read_text()
     cases = [
         (["config", "--config", binary], f"config error: config file {binary} is not UTF-8 text (byte 0x80 at "
                                          f"offset 128): a binary file?"),
@@ -286,10 +288,19 @@ def test_bad_files_are_named_in_one_line(run, shards, tmp_path, capsys):
          f"fill-mask: {unfinished} is a training run's folder, not a model folder: the run has not finished (no "
          f"{unfinished}/final); `megamlm convert --from zero {unfinished} --to megamlm OUT` makes a model folder of "
          f"its latest checkpoint"),
+        *[(["fill-mask", folder, "Paris is the <mask> of France."],
+           f"fill-mask: {folder}/config.yaml not found: not a megamlm model folder (training writes one to "
+           f"<run_dir>/final; `megamlm convert` writes others); it is {what}: `megamlm convert --from zero {folder} "
+           f"--to megamlm OUT` makes a model folder of {of}")
+          for folder, what, of in [(step, "a training checkpoint", "it"),
+                                   (checkpoints, "a run's checkpoints folder", "its latest checkpoint")]],
         (["train", "--check", *tiny(shards, out, f"train.init_from={transformers_folder}")],
          f"config error: train.init_from={transformers_folder}: not a model folder (no config.yaml); it holds a "
          f"config.json: a transformers folder? `megamlm convert --from hf {transformers_folder} --to megamlm OUT` "
          f"reads it"),
+        (["train", "--check", *tiny(shards, out, f"train.init_from={step}")],
+         f"config error: train.init_from={step}: not a model folder (no config.yaml); it is a training checkpoint: "
+         f"`megamlm convert --from zero {step} --to megamlm OUT` makes a model folder of it"),
         (["train", "--check", *tiny(shards, out, f"train.init_from={run}")],
          f"config error: train.init_from={run}: {run} is a training run's folder, not a model folder: its model "
          f"folder is {final}"),

@@ -137,6 +137,26 @@ def test_megamlms_warnings_are_one_line_and_other_packages_keep_pythons_format()
     assert warnings.formatwarning("m", UserWarning, str(cli), 1, "") == f"{cli}:1: UserWarning: m\n"  # restored
 
 
+def test_output_whose_reader_has_gone_ends_quietly_as_a_unix_tool_does(monkeypatch):
+    """`megamlm config | head -1`: once the reader closes the pipe, the command ends with 128 + SIGPIPE and no
+    "[Errno 32] Broken pipe" line (the read end is closed before the command has written anything)."""
+    from megamlm.console import READER_GONE_EXIT, stdout_reader_gone
+
+    run = subprocess.Popen([sys.executable, "-m", "megamlm", "config", "--config", "configs/demo.yaml", "--explain"],
+                           cwd=ROOT, env=shell_environment(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    run.stdout.close()
+    assert (run.wait(timeout=120), run.stderr.read()) == (READER_GONE_EXIT, "")
+    # a broken pipe of another kind (a worker's) is an error as before: only stdout's own reader counts
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert not stdout_reader_gone()
+        os.close(read)
+        assert stdout_reader_gone()
+        monkeypatch.undo()
+
+
 def test_config_prints_the_resolved_yaml():
     run = megamlm("config", "--config", "configs/model/base.yaml", "--config",
                   "configs/variants/zero-clap.yaml")

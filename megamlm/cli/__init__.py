@@ -18,7 +18,7 @@ from megamlm.cli.shards import add_shards_args, cmd_shards
 from megamlm.cli.torchrun import (INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, launch_problem, launches_ranks,
                                   relaunch_with_torchrun)
 from megamlm.config import Config, ConfigError, load_config, load_config_and_origins
-from megamlm.console import print_line
+from megamlm.console import leave_quietly_for_a_gone_reader, print_line, stdout_reader_gone
 from megamlm.errors import MegamlmError, error_line, peer_gone, warnings_as_lines
 from megamlm.stop_signals import Stopped, raising_on_stop_signals
 
@@ -300,6 +300,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
         print_line(f"megamlm: {args.verb}: stopped: {err}{when}", sys.stderr)
         return 128 + err.signum
     except (MegamlmError, OSError) as err:
+        if isinstance(err, BrokenPipeError) and stdout_reader_gone():  # `| head` has its lines: no error of ours
+            return leave_quietly_for_a_gone_reader()
         if debug:
             traceback.print_exc()
         kind = "config error" if isinstance(err, ConfigError) else args.verb

@@ -18,7 +18,7 @@ import torch
 
 from megamlm.config import Config, config_from_dict
 from megamlm.model.tp import merge_shards
-from megamlm.files import RUN_CHECKPOINTS, verify_files
+from megamlm.files import CHECKPOINT_LATEST, CHECKPOINT_META, RUN_CHECKPOINTS, verify_files
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -29,10 +29,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
                                 f"<run_dir>/checkpoints/stepNNNNNNNN")
     if (path / RUN_CHECKPOINTS).is_dir():
         path = path / RUN_CHECKPOINTS
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    if not (path / "megamlm.json").is_file():
-        raise FileNotFoundError(f"{path}: not a megamlm training checkpoint (no megamlm.json); pass "
+    if (path / CHECKPOINT_LATEST).is_file():
+        path = path / (path / CHECKPOINT_LATEST).read_text().strip()
+    if not (path / CHECKPOINT_META).is_file():
+        raise FileNotFoundError(f"{path}: not a megamlm training checkpoint (no {CHECKPOINT_META}); pass "
                                 f"<run_dir>, <run_dir>/checkpoints or <run_dir>/checkpoints/stepNNNNNNNN")
     if not (path / "complete").exists():
         raise FileNotFoundError(f"{path}: checkpoint is incomplete (the save was interrupted)")
@@ -62,9 +62,9 @@ def _tp_rank_state(folder: Path, tp_rank: int) -> dict[str, torch.Tensor]:
 def consolidate(path: str | Path) -> tuple[Config, dict[str, torch.Tensor], Path]:
     """(the run's config, full fp32 tensors by parameter name, the step folder used)."""
     folder = resolve_checkpoint(path)
-    meta = json.loads((folder / "megamlm.json").read_text())
-    verify_files(folder, meta.get("files", {}), source=str(folder / "megamlm.json"))  # names a damaged file
-    cfg = config_from_dict(meta["config"], origin=str(folder / "megamlm.json"))
+    meta = json.loads((folder / CHECKPOINT_META).read_text())
+    verify_files(folder, meta.get("files", {}), source=str(folder / CHECKPOINT_META))  # names a damaged file
+    cfg = config_from_dict(meta["config"], origin=str(folder / CHECKPOINT_META))
     tp = cfg.parallel.tensor_parallel
     shards = [_tp_rank_state(folder, rank) for rank in range(tp)]
     full = merge_shards(shards, cfg.model)

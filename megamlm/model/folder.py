@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megamlm.config import Config, load_config, replace_config
 from megamlm.errors import CorruptFileError
-from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, staged_output, verify_record
+from megamlm.files import CHECKPOINT_LATEST, CHECKPOINT_META, RUN_CHECKPOINTS, RUN_FINAL, staged_output, verify_record
 from megamlm.model import names
 from megamlm.model.reshard import full_state_dict
 from megamlm.model.tp import merge_shards, split_full
@@ -84,18 +84,25 @@ def check_model_folder(folder: str | Path) -> Path:
     folder = Path(folder)
     if not (folder / "config.yaml").is_file():
         raise FileNotFoundError(f"{folder / 'config.yaml'} not found: not a megamlm model folder (training writes "
-                                f"one to <run_dir>/final; `megamlm convert` writes others){transformers_hint(folder)}")
+                                f"one to <run_dir>/final; `megamlm convert` writes others){what_it_holds(folder)}")
     if (problem := run_folder_problem(folder)) is not None:
         raise FileNotFoundError(problem)
     return folder
 
 
-def transformers_hint(folder: Path) -> str:
-    """What to add where a folder without a config.yaml holds a transformers config.json ("" where not)."""
-    if not (folder / "config.json").is_file():
+def what_it_holds(folder: Path) -> str:
+    """What to add where a folder without a config.yaml is something `megamlm convert` reads ("" where not): a
+    transformers folder (its config.json), a training checkpoint (its megamlm.json), a run's checkpoints folder."""
+    if (folder / "config.json").is_file():
+        return (f"; it holds a config.json: a transformers folder? `megamlm convert --from hf {folder} --to megamlm "
+                f"OUT` reads it")
+    if (folder / CHECKPOINT_META).is_file():
+        what, of = "a training checkpoint", "it"
+    elif (folder / CHECKPOINT_LATEST).is_file():
+        what, of = "a run's checkpoints folder", "its latest checkpoint"
+    else:
         return ""
-    return (f"; it holds a config.json: a transformers folder? `megamlm convert --from hf {folder} --to megamlm OUT` "
-            f"reads it")
+    return f"; it is {what}: `megamlm convert --from zero {folder} --to megamlm OUT` makes a model folder of {of}"
 
 
 def run_folder_problem(folder: Path) -> str | None:

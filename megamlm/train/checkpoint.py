@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megamlm.config import Config, ConfigError, as_yaml
 from megamlm.data.stream import StreamPosition
 from megamlm.errors import MegamlmError, error_line, peer_gone
-from megamlm.files import RUN_CHECKPOINTS, describe_files
+from megamlm.files import CHECKPOINT_LATEST, RUN_CHECKPOINTS, describe_files
 from megamlm.parallel import ParallelContext, barrier, seed_everything, tensor_parallel_rng
 from megamlm.train.checkpoint_folders import (COMPLETE_FILE, META_FILE, RunDirError, checkpoint_problem,
                                               complete_tags, first_intact, newest_complete, read_meta,
@@ -154,7 +154,7 @@ class Checkpoints:
         if failure is not None:  # out of the except block: its traceback held the writer's open file
             raise self._failed_save(tag, failure)
         if self.rank == 0:
-            _atomic_write(self.root / "latest", tag)
+            _atomic_write(self.root / CHECKPOINT_LATEST, tag)
             self._prune()
         barrier()
         return folder
@@ -224,7 +224,7 @@ class Checkpoints:
         target.mkdir()
         for t in newer:
             os.replace(self.root / t, target / t)
-        _atomic_write(self.root / "latest", tag)
+        _atomic_write(self.root / CHECKPOINT_LATEST, tag)
         return target
 
     def _prune(self) -> None:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megamlm.errors import CorruptFileError, MegamlmError
-from megamlm.files import verify_files
+from megamlm.files import CHECKPOINT_LATEST, CHECKPOINT_META, verify_files
 
-META_FILE, COMPLETE_FILE = "megamlm.json", "complete"
+META_FILE, COMPLETE_FILE = CHECKPOINT_META, "complete"
 META_KEYS = ("step", "position", "config")
 """What every megamlm.json holds (also those written before files were hashed)."""
 
@@ -69,7 +69,7 @@ def first_intact(root: Path, problem_of: Callable[[str], str | None]) -> tuple[s
 
 def newest_complete(root: Path) -> str | None:
     """The `latest` checkpoint under `root` if complete, else the newest complete one, else None."""
-    pointer = root / "latest"
+    pointer = root / CHECKPOINT_LATEST
     if pointer.exists():
         tag = pointer.read_text().strip()
         if (root / tag / "complete").exists():

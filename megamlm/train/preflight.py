@@ -30,7 +30,7 @@ from megamlm.data.stream import ShardSet
 from megamlm.data.tokenizer import Tokenizer
 from megamlm.data.updates import UpdateShape
 from megamlm.files import RUN_CHECKPOINTS, RUN_FINAL, check_writable
-from megamlm.model.folder import run_folder_problem, saved_names, transformers_hint
+from megamlm.model.folder import run_folder_problem, saved_names, what_it_holds
 from megamlm.objectives import Objective, get_objective
 from megamlm.parallel import check_gpus, check_world_size, process_backend
 from megamlm.train.checkpoint import resume_stage
@@ -118,8 +118,7 @@ def check_before_work(cfg: Config, objective: Objective) -> None:
     if cfg.train.init_from:
         folder = Path(cfg.train.init_from)
         if not (folder / "config.yaml").is_file():
-            raise ConfigError(f"train.init_from={folder}: not a model folder (no config.yaml)"
-                              + transformers_hint(folder))
+            raise ConfigError(f"train.init_from={folder}: not a model folder (no config.yaml)" + what_it_holds(folder))
         if (problem := run_folder_problem(folder)) is not None:
             raise ConfigError(f"train.init_from={folder}: {problem}")
         check_same_architecture(cfg, objective, folder, load_config([folder / "config.yaml"]), saved_names(folder))
