@@ -14,9 +14,11 @@ file it did not write.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -214,9 +216,28 @@ def staging_sibling(folder: Path, check: Callable[[], None], name: str = "stagin
         os.replace(tmp, folder)
         if old is not None:
             shutil.rmtree(old)
-    except BaseException:
+    except BaseException as err:
+        number = room_errno(err)
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if number else 0
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if number is None:
+            raise
+        after = f" after {written / 2**20:,.1f} MiB" if written else ""
+        raise OutputError(f"writing {folder} stopped{after}: {os.strerror(number)}; "
+                          f"nothing of it is kept: make room (free space on its device, a quota, `ulimit -f`) or "
+                          f"write elsewhere, and run the command again") from None
+
+
+OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""A write that found no room: the device full, the user's quota spent, a file past a size limit (`ulimit -f`)."""
+
+
+def room_errno(err: BaseException) -> int | None:
+    """The errno of a write that found no room (OUT_OF_ROOM), or None: an OSError's, or one a library in Rust
+    (safetensors, which transformers' save_pretrained uses) gives only in its message, as "(os error 28)"."""
+    number = err.errno if isinstance(err, OSError) else \
+        int(found[1]) if (found := re.search(r"\(os error (\d+)\)", str(err))) else None
+    return number if number in OUT_OF_ROOM else None
 
 
 @contextlib.contextmanager

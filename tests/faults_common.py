@@ -3,6 +3,8 @@ tiny run and its shards, the CLI in this process and in a subprocess, and the ch
 one line and that a folder is unchanged."""
 
 import re
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +59,14 @@ def run_cli(capsys, *args) -> tuple[int, str]:
 def user_environment() -> dict[str, str]:
     """What `megamlm` started from a test sees: a user's shell (multiproc.shell_environment), one thread."""
     return shell_environment(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def file_size_limit(limit: int):
+    """For a subprocess: writes past `limit` bytes fail (EFBIG), as writes on a full disk or over a quota do."""
+    def limit_writes():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process at the limit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return limit_writes
 
 
 def megamlm(*args, timeout=300, **popen):

@@ -5,15 +5,13 @@ that lacks the space warns; a save that cannot write removes its unfinished fold
 import json
 import os
 import re
-import resource
 import shutil
-import signal
 
 import pytest
 
 from megamlm.plan import parameter_count
 from megamlm.train.checkpoint import SaveError, checkpoint_bytes
-from tests.faults_common import megamlm, one_line, snapshot, tiny
+from tests.faults_common import file_size_limit, megamlm, one_line, snapshot, tiny
 from tests.multiproc import run_on_ranks
 from tests.test_train import _train, config, tiny_shards
 
@@ -67,14 +65,6 @@ def test_a_run_whose_checkpoints_will_not_fit_says_so_in_its_log_and_trains(shar
     assert [e["step"] for e in events if e["event"] == "summary"] == [1]
 
 
-def _file_size_limit(limit: int):
-    """For a subprocess: writes past `limit` bytes fail (EFBIG), as writes on a full disk or over a quota do."""
-    def limit_writes():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process at the limit
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return limit_writes
-
-
 @pytest.mark.slow
 @pytest.mark.faults
 def test_a_save_that_cannot_write_removes_its_folder_keeps_the_complete_ones_and_says_how_to_go_on(shards, tmp_path):
@@ -84,7 +74,7 @@ def test_a_save_that_cannot_write_removes_its_folder_keeps_the_complete_ones_and
     before = snapshot(run_dir / "checkpoints")
     # resumed, the next checkpoint's model file (~40 MB) stops at 20 MB
     resumed = megamlm("train", "--resume", "auto", *tiny(shards, run_dir, "train.steps=4", "train.save_interval=2"),
-                      preexec_fn=_file_size_limit(20 * 2**20))
+                      preexec_fn=file_size_limit(20 * 2**20))
     assert resumed.returncode == 2
     line = one_line(resumed.stderr)
     assert re.fullmatch(rf"megamlm: train: saving checkpoint step00000004 failed \(RuntimeError: .+\); its "
@@ -97,7 +87,7 @@ def test_a_save_that_cannot_write_removes_its_folder_keeps_the_complete_ones_and
 def _train_with_one_rank_writing_at_most(cfg, limit: int, rank: int) -> str:
     """What a rank's run ends with when rank `rank` alone cannot write past `limit` bytes (its node's disk)."""
     if int(os.environ["RANK"]) == rank:
-        _file_size_limit(limit)()
+        file_size_limit(limit)()
     try:
         _train(cfg)
     except SaveError as err:

@@ -6,6 +6,7 @@ alone: `pytest -m faults` (or `make test-faults`)."""
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,8 +22,8 @@ from megamlm.data.shards import ensure_shards
 from megamlm.data.loader import make_loader
 from megamlm.data.stream import CorruptShardError, MaskedBatches, ShardSet
 from megamlm.data.tokenizer import Tokenizer
-from tests.faults_common import (ROOT, WIKITEXT, fault_shards, finished_run, flip_byte, megamlm, one_line,
-                                 run_cli, snapshot, tiny, user_environment, users_folder)
+from tests.faults_common import (ROOT, WIKITEXT, fault_shards, file_size_limit, finished_run, flip_byte, megamlm,
+                                 one_line, run_cli, snapshot, tiny, user_environment, users_folder)
 from tests.multiproc import run_on_ranks
 from tests.test_train import _train, config, logged
 
@@ -98,6 +99,21 @@ def test_a_shard_folder_another_job_finished_meanwhile_is_used_not_refused(shard
     assert other_job and json.loads((folder / "manifest.json").read_text()) == other_job[0]
     assert f"{folder}: built meanwhile by another process; using that build" in capsys.readouterr().out
     assert not list(tmp_path.glob(".shards.*"))  # both staging folders went away
+
+
+def test_an_output_that_finds_no_room_is_one_line_and_leaves_nothing(run, tmp_path):
+    """A shard build and a conversion whose files cannot grow past 1 MiB (EFBIG, as a full disk's ENOSPC or a
+    spent quota's EDQUOT): one line naming the folder, how far it got and what to do; no staging folder left
+    (the errno alone was the line: "[Errno 28] No space left on device")."""
+    shards_out, hf_out = tmp_path / "shards", tmp_path / "hf"
+    for args, out in [(["shards", "build", WIKITEXT / "valid.txt", "--out", shards_out], shards_out),
+                      (["convert", "--from", "megamlm", "--to", "hf", run / "final", hf_out], hf_out)]:
+        failed = megamlm(*args, preexec_fn=file_size_limit(2**20))
+        assert failed.returncode == 2
+        assert re.fullmatch(rf"megamlm: {args[0]}: writing {out} stopped after \d\.\d MiB: File too large; nothing "
+                            rf"of it is kept: make room \(free space on its device, a quota, `ulimit -f`\) or write "
+                            rf"elsewhere, and run the command again", one_line(failed.stderr)), failed.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_convert_never_replaces_a_users_folder_and_replaces_its_own_only_when_asked(run, tmp_path, capsys):
