@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
+import os
+import re
 import warnings
 from pathlib import Path
 
@@ -56,11 +59,28 @@ def did_you_mean(name, allowed) -> str:
 
 def error_line(err: BaseException) -> str:
     """One line for an error: OSErrors as "<file>: <reason>", others by their message, or by their
-    type where the message is empty (a bare StopIteration, an assert)."""
-    if isinstance(err, OSError) and err.filename is not None and err.strerror:
-        return f"{err.filename}: {err.strerror}"
+    type where the message is empty (a bare StopIteration, an assert); a write that found no room with
+    what to do."""
+    where = f"{err.filename}: " if isinstance(err, OSError) and err.filename is not None else ""
+    if not isinstance(err, MegamlmError) and (number := room_errno(err)) is not None:  # ours say where already
+        return f"{where}{os.strerror(number)}: {MAKE_ROOM}"
+    if where and err.strerror:
+        return f"{where}{err.strerror}"
     text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
     return " ".join(text.split()) or type(err).__name__
+
+
+OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""A write that found no room: the device full, the user's quota spent, a file past a size limit (`ulimit -f`)."""
+MAKE_ROOM = "make room (free space on its device, a quota, `ulimit -f`) or write elsewhere, and run the command again"
+
+
+def room_errno(err: BaseException) -> int | None:
+    """The errno of a write that found no room (OUT_OF_ROOM), or None: an OSError's, or one a library in Rust
+    (safetensors, tokenizers) gives only in its message, as "(os error 28)"."""
+    number = err.errno if isinstance(err, OSError) else \
+        int(found[1]) if (found := re.search(r"\(os error (\d+)\)", str(err))) else None
+    return number if number in OUT_OF_ROOM else None
 
 
 PEER_GONE_MARKS = ("Connection closed by peer", "Connection reset by peer")

@@ -14,18 +14,16 @@ file it did not write.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from megamlm.errors import CorruptFileError, MegamlmError
+from megamlm.errors import MAKE_ROOM, CorruptFileError, MegamlmError, room_errno
 
 RECORD = "megamlm-files.json"
 RUN_CHECKPOINTS, RUN_FINAL = "checkpoints", "final"
@@ -217,27 +215,43 @@ def staging_sibling(folder: Path, check: Callable[[], None], name: str = "stagin
         if old is not None:
             shutil.rmtree(old)
     except BaseException as err:
-        number = room_errno(err)
-        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if number else 0
-        shutil.rmtree(tmp, ignore_errors=True)
-        if number is None:
-            raise
+        _raise_without(tmp, err, folder)
+        raise
+
+
+@contextlib.contextmanager
+def staged_files(folder: Path) -> Iterator[Path]:
+    """Yield a hidden folder inside `folder` (made where missing) to write files into; when the block succeeds,
+    move each into `folder` (os.replace: a reader sees a file whole or not at all), else remove them all. A
+    tokenizer trainer that fails (a full disk) so leaves no half-written file, which would refuse the rerun."""
+    made = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=folder))
+    try:
+        yield tmp
+        for file in sorted(tmp.iterdir()):
+            os.replace(file, folder / file.name)
+        tmp.rmdir()
+    except BaseException as err:
+        try:
+            _raise_without(tmp, err, folder)
+        finally:
+            if made:
+                with contextlib.suppress(OSError):  # only where nothing else was put there meanwhile
+                    folder.rmdir()
+        raise
+
+
+def _raise_without(tmp: Path, err: BaseException, folder: Path) -> None:
+    """Remove the staging folder `tmp` of a write into `folder` that failed with `err`; where the write found no
+    room, raise the OutputError that says how far it got and what to do (else the caller re-raises `err`)."""
+    number = room_errno(err)
+    written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if number else 0
+    shutil.rmtree(tmp, ignore_errors=True)
+    if number is not None:
         after = f" after {written / 2**20:,.1f} MiB" if written else ""
-        raise OutputError(f"writing {folder} stopped{after}: {os.strerror(number)}; "
-                          f"nothing of it is kept: make room (free space on its device, a quota, `ulimit -f`) or "
-                          f"write elsewhere, and run the command again") from None
-
-
-OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-"""A write that found no room: the device full, the user's quota spent, a file past a size limit (`ulimit -f`)."""
-
-
-def room_errno(err: BaseException) -> int | None:
-    """The errno of a write that found no room (OUT_OF_ROOM), or None: an OSError's, or one a library in Rust
-    (safetensors, which transformers' save_pretrained uses) gives only in its message, as "(os error 28)"."""
-    number = err.errno if isinstance(err, OSError) else \
-        int(found[1]) if (found := re.search(r"\(os error (\d+)\)", str(err))) else None
-    return number if number in OUT_OF_ROOM else None
+        raise OutputError(f"writing {folder} stopped{after}: {os.strerror(number)}; nothing of it is kept: "
+                          f"{MAKE_ROOM}") from None
 
 
 @contextlib.contextmanager

@@ -102,15 +102,19 @@ def test_a_shard_folder_another_job_finished_meanwhile_is_used_not_refused(shard
 
 
 def test_an_output_that_finds_no_room_is_one_line_and_leaves_nothing(run, tmp_path):
-    """A shard build and a conversion whose files cannot grow past 1 MiB (EFBIG, as a full disk's ENOSPC or a
-    spent quota's EDQUOT): one line naming the folder, how far it got and what to do; no staging folder left
-    (the errno alone was the line: "[Errno 28] No space left on device")."""
-    shards_out, hf_out = tmp_path / "shards", tmp_path / "hf"
-    for args, out in [(["shards", "build", WIKITEXT / "valid.txt", "--out", shards_out], shards_out),
-                      (["convert", "--from", "megamlm", "--to", "hf", run / "final", hf_out], hf_out)]:
-        failed = megamlm(*args, preexec_fn=file_size_limit(2**20))
+    """A shard build, a conversion and the tokenizer trainers whose files cannot grow past a limit (EFBIG, as a
+    full disk's ENOSPC or a spent quota's EDQUOT): one line naming the folder, how far it got and what to do; no
+    staging folder and no half-written file left (a half vocab.txt refused the rerun). The lines were the errno
+    alone ("[Errno 28] No space left on device") or an internal error (tokenizers' "(os error 28)")."""
+    shards_out, hf_out, bpe, wordpiece = (tmp_path / name for name in ("shards", "hf", "bpe", "wordpiece"))
+    corpus = WIKITEXT / "valid.txt"
+    for args, out, limit in [(["shards", "build", corpus, "--out", shards_out], shards_out, 2**20),
+                             (["convert", "--from", "megamlm", "--to", "hf", run / "final", hf_out], hf_out, 2**20),
+                             (["shards", "train-bpe", corpus, "--out", bpe, "--vocab-size", 5000], bpe, 2**16),
+                             (["shards", "train-wordpiece", corpus, "--out", wordpiece], wordpiece, 2**16)]:
+        failed = megamlm(*args, preexec_fn=file_size_limit(limit))
         assert failed.returncode == 2
-        assert re.fullmatch(rf"megamlm: {args[0]}: writing {out} stopped after \d\.\d MiB: File too large; nothing "
+        assert re.fullmatch(rf"megamlm: {args[0]}: writing {out} stopped after \d+\.\d MiB: File too large; nothing "
                             rf"of it is kept: make room \(free space on its device, a quota, `ulimit -f`\) or write "
                             rf"elsewhere, and run the command again", one_line(failed.stderr)), failed.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -19,7 +19,7 @@ from megamlm.cli.torchrun import (INTERRUPTED_EXIT, PEER_GONE_EXIT, failed, laun
                                   relaunch_with_torchrun)
 from megamlm.config import Config, ConfigError, load_config, load_config_and_origins
 from megamlm.console import leave_quietly_for_a_gone_reader, print_line, stdout_reader_gone
-from megamlm.errors import MegamlmError, error_line, peer_gone, warnings_as_lines
+from megamlm.errors import MegamlmError, error_line, peer_gone, room_errno, warnings_as_lines
 from megamlm.stop_signals import Stopped, raising_on_stop_signals
 
 
@@ -309,6 +309,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
     except Exception as err:
         if debug:
             raise
+        if room_errno(err) is not None:  # a library's own error for a full disk (tokenizers': "os error 28")
+            return failed(f"megamlm: {args.verb}: {error_line(err)}", 2)
         if (mark := peer_gone(err)) is not None:  # the rank that ended first has said why
             return failed(f"megamlm: {args.verb}: stopped: another rank's process ended ({mark})", PEER_GONE_EXIT)
         return failed(f"megamlm: {args.verb}: internal error: {type(err).__name__}: {error_line(err)} "

@@ -35,7 +35,7 @@ from megamlm.data.dictionary import EOS, MASK_SYMBOL, SPECIALS, Dictionary, Toke
 from megamlm.data.documents import BuildStats, corpus_paths, text_lines, train_tokenizer_on
 from megamlm.data.progress import progress_bar
 from megamlm.errors import check_ranges
-from megamlm.files import check_writable, read_text
+from megamlm.files import check_writable, read_text, staged_files
 
 
 class PieceTokenizer:
@@ -146,9 +146,9 @@ class WordPieceTokenizer(PieceTokenizer):
     def write(cls, folder: str | Path, pieces: list[str], lowercase: bool) -> Path:
         """A WordPiece folder from vocab.txt's lines (WordPiece id order) and the casing rule."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / cls.VOCAB).write_text("".join(f"{p}\n" for p in pieces), encoding="utf-8")
-        (folder / cls.SETTINGS).write_text(json.dumps({"lowercase": lowercase}) + "\n")
+        with staged_files(folder) as tmp:  # both files or neither (a full disk)
+            (tmp / cls.VOCAB).write_text("".join(f"{p}\n" for p in pieces), encoding="utf-8")
+            (tmp / cls.SETTINGS).write_text(json.dumps({"lowercase": lowercase}) + "\n")
         return folder
 
     @classmethod
@@ -225,15 +225,15 @@ class JsonTokenizer(PieceTokenizer):
         transformers' class for it (written back on export) and the separators between a pair's texts
         (RoBERTa's 2: `</s></s>`)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / cls.TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
         pre = json.loads(tokenizer_json).get("pre_tokenizer") or {}  # one, or a Sequence of them
         kinds = [step.get("type") for step in [pre, *pre.get("pretokenizers", [])]]
         word_mark = next((cls.WORD_MARKS[k] for k in kinds if k in cls.WORD_MARKS), cls.WORD_MARKS["Metaspace"])
         names = {"specials": list(specials), "mask": mask, "word_mark": word_mark, "tokenizer_class": tokenizer_class}
         if pair_separators != 1:  # (the files of one-separator folders stay as they were)
             names["pair_separators"] = pair_separators
-        (folder / cls.SPECIAL_NAMES).write_text(json.dumps(names) + "\n")
+        with staged_files(folder) as tmp:  # both files or neither (a full disk)
+            (tmp / cls.TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
+            (tmp / cls.SPECIAL_NAMES).write_text(json.dumps(names) + "\n")
         return folder
 
     def _encode(self, texts: list[str]) -> list[list[int]]:

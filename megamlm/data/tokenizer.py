@@ -18,7 +18,6 @@ import hashlib
 import itertools
 import json
 import os
-import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from megamlm.data.dictionary import (BOS, EOS, MASK_SYMBOL, PAD, SPECIALS, UNK, 
 from megamlm.data.documents import BuildStats, corpus_paths, text_lines, train_tokenizer_on
 from megamlm.data.pieces import JsonTokenizer, PieceTokenizer, WordPieceTokenizer, refuse_existing
 from megamlm.data.progress import progress_bar
+from megamlm.files import staged_files
 
 BYTES = 256
 """The byte-level BPE's first pieces: one per byte value."""
@@ -154,13 +154,12 @@ class Tokenizer:
                         for piece in line.splitlines(keepends=True)]:
             ids = [np.asarray(e.ids, dtype=np.int64) for e in trainer.encode_batch(batch)]
             counts += np.bincount(np.concatenate(ids), minlength=len(counts))
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out) as tmp:  # tokenizers' own names stay out of `out`
-            vocab_path, merges_path = trainer.save_model(tmp)
-            os.replace(vocab_path, out / "encoder.json")
-            os.replace(merges_path, out / "vocab.bpe")
         order = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
-        (out / "dict.txt").write_text("".join(f"{i} {counts[i]}\n" for i in order))
+        with staged_files(out) as tmp:  # all three files or none (a full disk)
+            vocab_path, merges_path = trainer.save_model(str(tmp))  # tokenizers' own names, renamed
+            os.replace(vocab_path, tmp / "encoder.json")
+            os.replace(merges_path, tmp / "vocab.bpe")
+            (tmp / "dict.txt").write_text("".join(f"{i} {counts[i]}\n" for i in order))
         return out
 
     def encode(self, text: str) -> np.ndarray:
