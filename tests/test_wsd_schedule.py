@@ -92,3 +92,6 @@ def test_a_wsd_run_logs_its_schedule_and_continues_at_the_peak_with_more_updates
     peak, floor = longer.optim.lr, longer.optim.min_lr
     assert [lrs[s] for s in (6, 7, 8)] == [peak, pytest.approx(floor + (peak - floor) * (1 - 0.5 ** 0.5)), floor]
     assert [lrs[s] for s in (9, 10, 11, 12)] == [peak, peak, lrs[7], floor]
+    # the resume says so: the run ended at the floor, and its next update runs at the peak again
+    assert logged(tmp_path / "run", "resume", "message")[8].endswith(
+        "changed since the checkpoint: train.steps 8 -> 12; the next update's learning rate 0.0001 -> 0.002")

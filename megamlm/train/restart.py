@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from megamlm.config import Config, as_yaml
+import dataclasses
+import math
+
+from megamlm.config import Config, ConfigError, as_yaml
 from megamlm.errors import CorruptFileError
 from megamlm.parallel import ParallelContext
 from megamlm.train.checkpoint import Checkpoints, TrainState
 from megamlm.train.guard import TrainingDiverged
 from megamlm.train.log import Log
+from megamlm.train.schedule import lr_at
 
 
 def resume_tag(checkpoints: Checkpoints, resume: str, log: Log) -> str | None:
@@ -35,6 +39,20 @@ CHANGE_NOTES = {
 """What a config change on resume does that its new value alone does not say."""
 
 
+def _learning_rate_change(cfg: Config, before: dict, step: int) -> str:
+    """"; the next update's learning rate A -> B" where the changes move it (train.steps moves wsd's decay and
+    cosine's default period, an optim key the schedule itself); "" where it stays, or the checkpoint's optim
+    section is not one this version reads."""
+    keys = {field.name for field in dataclasses.fields(cfg.optim)}
+    try:
+        then_optim = dataclasses.replace(cfg.optim, **{key: value for key, value in before["optim"].items()
+                                                       if key in keys})
+    except (ConfigError, TypeError):
+        return ""
+    then, now = lr_at(step, then_optim, before["train"]["steps"]), lr_at(step, cfg.optim, cfg.train.steps)
+    return "" if math.isclose(then, now, rel_tol=1e-9) else f"; the next update's learning rate {then:.3g} -> {now:.3g}"
+
+
 def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, engine, schedule, tag: str,
                  log: Log) -> TrainState:
     """Load checkpoint `tag` (checked by `Checkpoints.resume_stage`); checkpoints newer than it are set aside,
@@ -48,11 +66,12 @@ def load_resumed(cfg: Config, ctx: ParallelContext, checkpoints: Checkpoints, en
     where = f"resumed update {state.step} written at {state.resharded}" if state.resharded else \
         f"resumed from {checkpoints.root / tag} at update {state.step}"
     where += f"; {state.note}" if state.note else ""
-    changed = cfg.changes_since(checkpoints.meta(tag)["config"])
+    before = checkpoints.meta(tag)["config"]
+    changed = cfg.changes_since(before)
     if changed:  # nothing changes silently: the run's config.yaml is rewritten with the new values
         where += "; changed since the checkpoint: " + ", ".join(
             f"{key} {as_yaml(then)} -> {as_yaml(now)}" + (f" ({CHANGE_NOTES[key]})" if key in CHANGE_NOTES else "")
-            for key, (then, now) in changed.items())
+            for key, (then, now) in changed.items()) + _learning_rate_change(cfg, before, state.step)
     log.event("resume", state.step, where, message=where, resharded=state.resharded,
               changed={key: list(values) for key, values in changed.items()})
     return state
