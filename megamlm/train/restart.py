@@ -45,11 +45,12 @@ def _learning_rate_change(cfg: Config, before: dict, step: int) -> str:
     section is not one this version reads."""
     keys = {field.name for field in dataclasses.fields(cfg.optim)}
     try:
-        then_optim = dataclasses.replace(cfg.optim, **{key: value for key, value in before["optim"].items()
+        then_optim = dataclasses.replace(cfg.optim, **{key: value for key, value in before.get("optim", {}).items()
                                                        if key in keys})
-    except (ConfigError, TypeError):
+        then = lr_at(step, then_optim, before["train"]["steps"])
+    except (ConfigError, TypeError, KeyError):
         return ""
-    then, now = lr_at(step, then_optim, before["train"]["steps"]), lr_at(step, cfg.optim, cfg.train.steps)
+    now = lr_at(step, cfg.optim, cfg.train.steps)
     return "" if math.isclose(then, now, rel_tol=1e-9) else f"; the next update's learning rate {then:.3g} -> {now:.3g}"
 
 
