@@ -37,9 +37,9 @@ import torch.distributed as dist
 from megamlm.config import Config, ConfigError, as_yaml
 from megamlm.data.stream import StreamPosition
 from megamlm.errors import MegamlmError, error_line, peer_gone
-from megamlm.files import CHECKPOINT_LATEST, RUN_CHECKPOINTS, describe_files
+from megamlm.files import CHECKPOINT_LATEST, CHECKPOINT_META, RUN_CHECKPOINTS, describe_files
 from megamlm.parallel import ParallelContext, barrier, seed_everything, tensor_parallel_rng
-from megamlm.train.checkpoint_folders import (COMPLETE_FILE, META_FILE, RunDirError, checkpoint_problem,
+from megamlm.train.checkpoint_folders import (COMPLETE_FILE, RunDirError, checkpoint_problem,
                                               complete_tags, first_intact, newest_complete, read_meta,
                                               require_complete, written_zero_stage)
 from megamlm.train.elastic import (Layout, base_optimizer, convert_position, load_full_state, read_full_state,
@@ -139,7 +139,7 @@ class Checkpoints:
                         "world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(),
                         "config": cfg.to_dict(), "files": files}
                 text = json.dumps(meta, indent=1, default=list)
-                _atomic_write(folder / META_FILE, text)
+                _atomic_write(folder / CHECKPOINT_META, text)
                 _atomic_write(folder / COMPLETE_FILE, hashlib.sha256(text.encode()).hexdigest())
         except (OSError, RuntimeError) as err:  # torch's zip writer reports a short write as a RuntimeError
             if (folder / COMPLETE_FILE).exists():

@@ -13,7 +13,7 @@ from pathlib import Path
 from megamlm.errors import CorruptFileError, MegamlmError
 from megamlm.files import CHECKPOINT_LATEST, CHECKPOINT_META, verify_files
 
-META_FILE, COMPLETE_FILE = CHECKPOINT_META, "complete"
+COMPLETE_FILE = "complete"
 META_KEYS = ("step", "position", "config")
 """What every megamlm.json holds (also those written before files were hashed)."""
 
@@ -32,18 +32,18 @@ def checkpoint_problem(folder: Path, mine: Callable[[list[str]], list[str]] = li
     hashes) and its files (those `mine` picks of the sorted names: a rank's share) are as written, in
     size and (with `hashes`) sha256; else one line naming the first damage."""
     try:
-        text = (folder / META_FILE).read_text()
+        text = (folder / CHECKPOINT_META).read_text()
         expected = (folder / COMPLETE_FILE).read_text().strip()
         if expected and hashlib.sha256(text.encode()).hexdigest() != expected:
-            raise CorruptFileError(f"{folder / META_FILE} differs from the hash in {COMPLETE_FILE}")
+            raise CorruptFileError(f"{folder / CHECKPOINT_META} differs from the hash in {COMPLETE_FILE}")
         meta = json.loads(text)
         if not isinstance(meta, dict) or (missing := [key for key in META_KEYS if key not in meta]):
             what = f"no {', '.join(missing)}" if isinstance(meta, dict) else "not a JSON object"
-            raise CorruptFileError(f"{folder / META_FILE} is not a checkpoint's record ({what})")
+            raise CorruptFileError(f"{folder / CHECKPOINT_META} is not a checkpoint's record ({what})")
         files = meta.get("files", {})
-        verify_files(folder, files, mine(sorted(files)), source=str(folder / META_FILE), hashes=hashes)
+        verify_files(folder, files, mine(sorted(files)), source=str(folder / CHECKPOINT_META), hashes=hashes)
     except (OSError, ValueError) as err:  # CorruptFileError, unreadable or invalid JSON
-        return str(err) if isinstance(err, CorruptFileError) else f"{folder / META_FILE}: {err}"
+        return str(err) if isinstance(err, CorruptFileError) else f"{folder / CHECKPOINT_META}: {err}"
     return None
 
 
@@ -79,7 +79,7 @@ def newest_complete(root: Path) -> str | None:
 
 
 def read_meta(root: Path, tag: str) -> dict:
-    return json.loads((require_complete(root, tag) / META_FILE).read_text())
+    return json.loads((require_complete(root, tag) / CHECKPOINT_META).read_text())
 
 
 def require_complete(root: Path, tag: str) -> Path:
